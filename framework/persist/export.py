@@ -18,8 +18,7 @@ from framework.core.utils import few
 from framework.persist import stepfolders
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import (Writer, create_files, finish_files, is_output, output_dir, plan_files,
-                                           remove_tmp, warn_written)
+from framework.persist.tensorfiles import is_output, output_dir, plan_files, save_files
 
 def resolve(checkpoint) -> Path:
     """The DCP step folder of ``checkpoint``: itself; in a folder of our committed step folders the newest, as
@@ -134,26 +133,19 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     while not os.path.lexists(made.parent) and made.parent != made:
         made = made.parent
     made = None if os.path.lexists(made) else made
-    try:
-        create_files(out_dir, plans, "export")
-    except BaseException:
-        _remove_made(target, made)
-        raise
+
+    def write(writer) -> None:
+        for e in (e for plan in plans for e in plan.entries):
+            value = ckpt.read([e.name])[e.name].reshape(-1)
+            writer.write(e, 0, value)
+            del value
+            _trim()   # (the tensor is freed once written)
+
     try:   # (an OSError the writes do not name as theirs is a checkpoint read)
-        with Writer(out_dir, plans, "export", check=False) as writer:
-            for e in (e for plan in plans for e in plan.entries):
-                value = ckpt.read([e.name])[e.name].reshape(-1)
-                writer.write(e, 0, value)
-                del value
-                _trim()   # (the tensor is freed once written)
-            counts = writer.finish()   # (finite values that became inf: fp32 to fp16)
-        paths = finish_files(out_dir, plans, "export")
+        return save_files(out_dir, plans, "export", write, dtype, check=False)
     except BaseException:   # an earlier export there stays whole (finish_files replaces it last)
-        remove_tmp(out_dir)
         _remove_made(target, made)
         raise
-    warn_written(*counts, dtype, "export")
-    return paths
 
 
 def _remove_made(out_dir: Path, made: Path | None) -> None:

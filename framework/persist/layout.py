@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -17,7 +17,7 @@ from framework.engine.state import FORMAT, TrainState, optimizer_leaves, with_sc
 from framework.precision import Policy, PrecisionState
 from framework.stages import PieceSpec, check_shape, cover
 from framework.core.utils import few
-from framework.persist.tensorfiles import nonfinite
+from framework.persist.tensorfiles import nonfinite, read_per_device
 from framework.persist.rng import derive
 
 
@@ -54,15 +54,17 @@ class StateLayout:
         self.rank, self.world = rank, world
 
     @classmethod
-    def of(cls, specs: Sequence[PieceSpec], *, rank: int = 0, world: int = 1,
-           gather: Callable[[Any], list] | None = None) -> "StateLayout":
-        """The layout of this rank's pieces; with ``gather`` (an all-gather of one object per rank)
+    def of(cls, specs: Sequence[PieceSpec], *, rank: int = 0, world: int = 1, dist: Any = None,
+           what: str = "layout gather") -> "StateLayout":
+        """The layout of this rank's pieces; with ``dist`` (its rank, world and ``all_gather_object(obj, what)``)
         every rank's: collective."""
         mine: dict[str, tuple[tuple[int, ...], list]] = {}
         for k, spec in enumerate(specs):
             for s in spec.spans:
                 mine.setdefault(s.name, (tuple(s.shape), []))[1].append((*s.param, k, s.piece[0]))
-        ranks = enumerate(gather(mine)) if gather is not None else [(rank, mine)]
+        if dist is not None:
+            rank, world = dist.rank, dist.world
+        ranks = enumerate(dist.all_gather_object(mine, what)) if dist is not None else [(rank, mine)]
         params: dict[str, tuple[tuple[int, ...], list[Holding]]] = {}
         for r, held in ranks:
             for name, (shape, hs) in held.items():
@@ -102,9 +104,16 @@ class StateLayout:
         return {"parameters": {n: list(p.shape) for n, p in self.params.items()}, "fragments": ranges}
 
 
-def flat_pieces(params: Sequence[torch.Tensor], per: dict[str, Sequence[torch.Tensor]]) -> list[dict]:
-    """Each master piece's flat tensors: {'master': its values, optimizer path (``per``'s): its state}."""
-    return [{k: t[i].reshape(-1) for k, t in [("master", params), *per.items()]} for i in range(len(params))]
+def pieces(state: TrainState, specs: Sequence[PieceSpec] | None = None) -> tuple[list[dict], dict, dict]:
+    """Each master piece's flat tensors ({'master': its values, optimizer path: its state}), and the optimizer's
+    per-element and scalar leaves by path (``optimizer_leaves``). ``specs``: the stage's, checked to describe the
+    pieces one for one (a stage bug otherwise)."""
+    if specs is not None and [s.numel for s in specs] != [p.numel() for p in state.params]:
+        raise ValueError(f"piece specs of {[s.numel for s in specs]} elements for master pieces of "
+                         f"{[p.numel() for p in state.params]}")
+    per, scalars = optimizer_leaves(state.opt_state, state.params)
+    return [{k: t[i].reshape(-1) for k, t in [("master", state.params), *per.items()]}
+            for i in range(len(state.params))], per, scalars
 
 
 # --- the name-keyed state dict -------------------------------------------------------------
@@ -112,13 +121,6 @@ def flat_pieces(params: Sequence[torch.Tensor], per: dict[str, Sequence[torch.Te
 def host_copy(value: Any) -> Any:
     """A host copy of a tensor (later in-place steps do not change it); other values as they are."""
     return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
-
-
-def check_aligned(specs: Sequence[PieceSpec], params: Sequence[torch.Tensor]) -> None:
-    """A stage's specs describe its master pieces one for one (a stage bug otherwise)."""
-    if [s.numel for s in specs] != [p.numel() for p in params]:
-        raise ValueError(f"piece specs of {[s.numel for s in specs]} elements for master pieces of "
-                         f"{[p.numel() for p in params]}")
 
 
 def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy, rank: int = 0,
@@ -134,10 +136,8 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
 
     ``range``: of the flattened parameter. Each piece is copied to the host once (one transfer,
     not one per parameter) and its fragments are views of that copy."""
-    check_aligned(specs, state.params)
-    per, scalars = optimizer_leaves(state.opt_state, state.params)
+    flats, per, scalars = pieces(state, specs)
     mine = StateLayout.of(specs, rank=rank, world=world).mine()
-    flats = flat_pieces(state.params, per)
     host = {k: {key: host_copy(t) for key, t in flats[k].items()} for k in {h.piece for _, h in mine}}
     params: dict[str, dict] = {}
     for p, h in mine:
@@ -164,7 +164,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     the saved scalars; all checked first (``FrameworkError``). ``names``: every trained parameter; ``whole``: the
     buffers and frozen parameters to fill. Saved by another number of ranks, each rank's generators are derived
     from (``seed``, step, rank) on ``device``, as a resume derives them."""
-    check_aligned(specs, state.params)
+    flats, per, scalars = pieces(state, specs)
     if isinstance(saved, Mapping):   # (one rank's state dict: its keys would be read as the ranks' dicts)
         raise FrameworkError("load_state_dict: pass every rank's state dicts as a list: [sd] for a run of one rank")
     if not saved:
@@ -175,7 +175,6 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
         if (sd["step"], sd["data"]) != (first["step"], first["data"]):
             raise FrameworkError(f"load_state_dict: the saved states are from different steps "
                                  f"({first['step']} on rank {first['rank']}, {sd['step']} on rank {sd['rank']})")
-    per, scalars = optimizer_leaves(state.opt_state, state.params)
     saved_opt = first["optimizer"]
     if set(saved_opt["per_element"]) != set(per) or set(saved_opt["scalars"]) != set(scalars):
         raise FrameworkError(f"load_state_dict: the saved optimizer state has "
@@ -225,10 +224,10 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
             raise FrameworkError(f"load_state_dict: parameter {p.name!r} {shape}: {e} of the "
                                  f"{len(saved)} saved rank(s)") from None
         plans[h.piece].append((h, frags, parts))
-    for plan, flats in zip(plans, flat_pieces(state.params, per)):
+    for plan, flat in zip(plans, flats):
         if not plan:
             continue
-        for key, target in flats.items():
+        for key, target in flat.items():
             # a device piece through one host copy of it: two transfers, however many fragments
             buf = target if target.device.type == "cpu" else target.to("cpu")
             for h, frags, parts in plan:
@@ -258,20 +257,13 @@ def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_onl
     """The names among ``items`` ((name, tensor)) whose tensor holds NaN or inf (one sync per device);
     ``release(t)`` after each. ``nan_only``: flagged for a NaN only, as the buffers and frozen parameters are
     (``nonfinite``)."""
-    by_device: dict[torch.device, list] = {}
+    flags = []
     for n, t in items:
-        if t.numel() > 0 and t.is_floating_point():
-            by_device.setdefault(t.device, []).append((n, t))
-    bad = set()
-    for pairs in by_device.values():
-        flags = []
-        for n, t in pairs:
-            flags.append(nonfinite(t, nan_only))
+        if (flag := nonfinite(t, nan_only)) is not None:
+            flags.append((n, flag))
             if release is not None:
                 release(t)
-        flagged = torch.stack(flags).cpu().tolist()   # sync point: once per device, per save or load
-        bad.update(n for (n, _), nonfinite_ in zip(pairs, flagged) if nonfinite_)
-    return sorted(bad)
+    return sorted({n for n, bad in read_per_device(flags) if bad})
 
 
 def with_saved_scalars(state: TrainState, saved: dict, rng: Sequence[torch.Tensor], scalars: dict,

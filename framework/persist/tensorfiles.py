@@ -13,10 +13,11 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
+from framework.comm.distributed import agree
 from framework.core import files, units
 from framework.core.errors import ConfigError, FrameworkError, first_line
 from framework.core.paths import WEIGHTS_INDEX as INDEX, WEIGHTS_READ, WEIGHTS_SINGLE as SINGLE, weights_file
@@ -306,6 +307,37 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
         return paths
 
 
+def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype: torch.dtype | None, *,
+               dist=None, **writer_options) -> list[Path]:
+    """The files ``plans`` lays out, filled by ``write(writer)`` (a ``Writer``): ``create_files``, the writes,
+    ``finish_files``, then the warnings on what was written; the paths. With ``dist`` every rank writes its share,
+    rank 0 creates and finishes the files, each phase agreed (every rank raises alike). On any failure the
+    ``.tmp`` files are removed: an earlier save there stays whole."""
+    main = dist is None or dist.is_main
+
+    def phase(fn, name: str):
+        return fn() if dist is None else agree(dist, fn, f"{what}: {name}")
+
+    def fill() -> tuple[int, list[str]]:
+        with Writer(out_dir, plans, what, **writer_options) as writer:
+            write(writer)
+            return writer.finish()
+
+    try:
+        phase(lambda: create_files(out_dir, plans, what) if main else None, "create files")
+        counts = phase(fill, "write")
+        phase(lambda: finish_files(out_dir, plans, what) if main else None, "finish files")
+    except BaseException:
+        if main:   # (every rank is past its writes: ``agree`` exchanged the outcomes)
+            remove_tmp(out_dir)
+        raise
+    everyone = [counts] if dist is None else dist.all_gather_object(
+        counts, what=f"{what}: overflow count, non-finite names")
+    if main:
+        warn_written(sum(n for n, _ in everyone), {n for _, names in everyone for n in names}, dtype, what)
+    return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
+
+
 class Writer(contextlib.AbstractContextManager):
     """Values into the ``.tmp`` files ``create_files`` made, at their entries' offsets, converted ``WRITE_CHUNK``
     elements at a time where they lie, one file open at a time; overflows counted and (``check``) NaN or inf flagged on their devices, read
@@ -314,8 +346,7 @@ class Writer(contextlib.AbstractContextManager):
     def __init__(self, out_dir: Path, plans: Sequence[FilePlan], what: str, check: bool = True, release=None):
         self.out_dir, self.plans, self.what, self.check, self.release = out_dir, plans, what, check, release
         self._open: tuple[str, int] | None = None   # (file, descriptor): one at a time, whatever the file count
-        self._over: dict[torch.device, torch.Tensor] = {}
-        self._bad: dict[torch.device, list] = {}   # (name, flag)
+        self._flags: list[tuple[str | None, torch.Tensor]] = []   # (None, overflow count) or (name, non-finite flag)
 
     def write(self, e: Entry, at: int, values: torch.Tensor, nan_only: bool = False) -> None:
         """Flat ``values`` as elements [at, at + len) of ``e``; ``nan_only``: flag a NaN only (``nonfinite``)."""
@@ -327,9 +358,9 @@ class Writer(contextlib.AbstractContextManager):
                 part = values[s:s + WRITE_CHUNK]
                 chunk = part.to(e.dtype)   # convert where the values are, then move
                 if (n := overflowed(part, chunk)) is not None:
-                    self._over[n.device] = self._over.get(n.device, 0) + n
+                    self._flags.append((None, n))
                 if self.check and (n := nonfinite(part, nan_only)) is not None:
-                    self._bad.setdefault(n.device, []).append((e.name, n))
+                    self._flags.append((e.name, n))
                 files.write_at(self._open[1], chunk.to("cpu").contiguous(), e.offset + (at + s) * e.dtype.itemsize)
                 if self.release is not None:
                     self.release(part)
@@ -338,14 +369,8 @@ class Writer(contextlib.AbstractContextManager):
         """Flush the files; the values that overflowed, and the names of the tensors written with NaN or inf."""
         with _writing(self.out_dir, self.plans, self.what):
             self._close()
-        overflow, names = 0, set()
-        for device in {*self._over, *self._bad}:
-            named = self._bad.get(device, [])
-            got = torch.stack([torch.as_tensor(self._over.get(device, 0), device=device),
-                               *(flag.long() for _, flag in named)]).tolist()
-            overflow += got[0]
-            names.update(name for (name, _), flagged in zip(named, got[1:]) if flagged)
-        return overflow, sorted(names)
+        got = read_per_device(self._flags)
+        return sum(n for name, n in got if name is None), sorted({name for name, n in got if name is not None and n})
 
     def _close(self) -> None:
         """fsync and close the open file (an error still closes it)."""
@@ -369,6 +394,15 @@ def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
     if a.is_floating_point and b.is_floating_point and torch.finfo(b).max < torch.finfo(a).max / 2:
         return (torch.isinf(out) & torch.isfinite(src)).sum()
     return None
+
+
+def read_per_device(items: Sequence[tuple[Any, torch.Tensor]]) -> list[tuple[Any, int]]:
+    """(key, value) of each one-element tensor of ``items`` (key, tensor), read with one host sync per device."""
+    by_device: dict[torch.device, list] = {}
+    for k, t in items:
+        by_device.setdefault(t.device, []).append((k, t))
+    return [(k, v) for pairs in by_device.values()
+            for (k, _), v in zip(pairs, torch.stack([t.long() for _, t in pairs]).tolist())]
 
 
 def nonfinite(src: torch.Tensor, nan_only: bool = False) -> torch.Tensor | None:

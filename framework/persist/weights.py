@@ -26,9 +26,8 @@ from framework.models.hf import checkpoint_names, is_hf_model
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
-from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, Writer, create_files, finish_files,
-                                           nonfinite, open_weights, output_dir, plan_files, remove_tmp,
-                                           warn_written)
+from framework.persist.tensorfiles import (WRITE_CHUNK, WeightsSource, Writer, nonfinite, open_weights, output_dir,
+                                           plan_files, save_files)
 from framework.core.utils import dtype_name, few
 
 
@@ -78,8 +77,7 @@ def _targets(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor]
     """Every rank's holdings of the ``mapped`` state's master pieces (collective), those pieces, and the model's
     tensors as the files name them, in module order: parameters, then persistent buffers."""
     c = engine.components
-    layout = StateLayout.of(c.stage.piece_specs(), rank=c.dist.rank, world=c.dist.world,
-                            gather=lambda mine: c.dist.all_gather_object(mine, what=f"{what}: layout gather"))
+    layout = StateLayout.of(c.stage.piece_specs(), dist=c.dist, what=f"{what}: layout gather")
     masters = list(mapped.params)
     trained = masters[0].dtype if masters else torch.float32   # no pieces on this rank: the default
     # a parameter outside the layout (a frozen one) is whole on every rank
@@ -203,11 +201,10 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     gives the working parameters bit for bit). Collective; returns the written paths."""
     dist = engine.components.dist
     out_dir = output_dir(out_dir, dtype, "save_weights")
-    with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
-        # (``_targets`` picks the tensors by the stage's layout, not by requires_grad: a module frozen after training,
-        # as before sampling, still saves the trained weights)
-        mapped, fmap = stack.enter_context(engine.mapped_state(engine.state, agreed="save_weights: swap file check",
-                                                               same_trainable=False))
+    # offload=nvme: read from the mapped swap file, checked. (``_targets`` picks the tensors by the stage's layout,
+    # not by requires_grad: a module frozen after training, as before sampling, still saves the trained weights)
+    with engine.mapped_state(engine.state, agreed="save_weights: swap file check", same_trainable=False) \
+            as (mapped, fmap):
         layout, masters, tgts = _targets(engine, mapped, "save_weights")
         plans = plan_files([(t.name, t.shape, t.dtype) for t in tgts], max_shard_size, dtype)
         entries = {e.name: e for plan in plans for e in plan.entries}
@@ -221,30 +218,14 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                  if t.name in whole and (0 if t.name in buffers else i % dist.world) == dist.rank]
         jobs.sort(key=lambda j: (j[0].file, j[0].offset, j[1]))   # each file front to back
 
-        writer = stack.enter_context(Writer(out_dir, plans, "save_weights",
-                                            release=fmap.release if fmap is not None else None))
-
-        def write() -> tuple[int, list[str]]:
+        def write(writer: Writer) -> None:
             for e, at, view in jobs:
                 writer.write(e, at, view, nan_only=e.name in whole)
-            result = writer.finish()
             # what was read from the mapped pages is what was checked: the extents again after the write
             verify_map(fmap, "checked again after the export read it")
-            return result
 
-        try:
-            agree(dist, lambda: create_files(out_dir, plans) if dist.is_main else None, "save_weights: create files")
-            mine = agree(dist, write, "save_weights: write")
-            agree(dist, lambda: finish_files(out_dir, plans) if dist.is_main else None, "save_weights: finish files")
-        except BaseException:
-            if dist.is_main:   # (every rank is past its writes: ``agree`` exchanged the outcomes)
-                remove_tmp(out_dir)
-            raise
-    everyone = dist.all_gather_object(mine, what="save_weights: overflow count, non-finite names")
-    if dist.is_main:
-        warn_written(sum(over for over, _ in everyone), {n for _, names in everyone for n in names}, dtype,
-                     "save_weights")
-    return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
+        return save_files(out_dir, plans, "save_weights", write, dtype, dist=dist,
+                          release=fmap.release if fmap is not None else None)
 
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,

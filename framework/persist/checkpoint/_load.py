@@ -11,13 +11,12 @@ import torch
 
 from framework.config.schema import get_key
 from framework.core.errors import CheckpointError, ConfigError, UnsafePathError, on_every_rank
-from framework.engine.state import optimizer_leaves
 from framework.models.hf import architecture, without_dtype
 from framework.persist import stepfolders
 from framework.persist import rng
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values
-from framework.persist.layout import (StateLayout, check_aligned, check_format, flat_pieces, nonfinite_items,
+from framework.persist.layout import (StateLayout, check_format, nonfinite_items, pieces,
                                       with_saved_scalars)
 from framework.persist.weights import whole_tensors
 from framework.core.utils import few
@@ -170,13 +169,12 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
     agree_load(group, "requires_grad check", lambda: engine.check_trainable("checkpoint resume"))
     manifest = verify(folder, group, resume=True)
     c = engine.components
-    per, scalars = optimizer_leaves(state.opt_state, state.params)
     specs = c.stage.piece_specs()
     layout = StateLayout.of(specs, rank=group.rank, world=group.world)
     whole = whole_tensors(c.module)   # buffers and frozen parameters
 
     def check():
-        check_aligned(specs, state.params)
+        _, per, scalars = pieces(state, specs)
         body = _train_state(folder, manifest)
         md = glue().read_metadata(folder / ".metadata")
         if same is not None and isinstance(body["config"], dict):   # (the state's keys only where no name says it)
@@ -195,11 +193,11 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
     c = engine.components
     with contextlib.ExitStack() as stack:   # offload=nvme: the new layout's swap files, mapped writable
         mapped, fmap = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
-        pieces = flat_pieces(mapped.params, optimizer_leaves(mapped.opt_state, mapped.params)[0])
         # DCP reads every holding straight into its piece (a swapped one into the mapped file): a read that fails
         # or is not finite raises on every rank, and resume stops or falls back to one that overwrites every holding.
         release = fmap.release if fmap is not None else None   # pages leave as they are filled
-        targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()], pieces, body["optimizer"]["keys"])
+        targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()], pieces(mapped)[0],
+                             body["optimizer"]["keys"])
         # read into host tensors, into the module once every rank read its share (a refused load leaves it)
         read_whole = {k: torch.empty(t.shape, dtype=t.dtype, device="cpu") for k, t in whole.items()
                       if k in md.state_dict_metadata}

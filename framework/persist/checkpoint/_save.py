@@ -20,14 +20,14 @@ from framework.core import files
 from framework.core.errors import CheckpointError, FrameworkError, TrainingError, on_every_rank
 from framework.core.room import Claim, shortfalls
 from framework.core.units import MiB
-from framework.engine.state import FORMAT as STATE_FORMAT, optimizer_leaves
+from framework.engine.state import FORMAT as STATE_FORMAT
 from framework.models.hf import architecture
 from framework.offload import verify_map
 from framework.persist import stepfolders
 from framework.persist import rng
 from framework.persist.checkpoint._group import Group, agree_save, glue
 from framework.core.utils import dtype_name, few, tensor_bytes
-from framework.persist.layout import StateLayout, flat_pieces, host_copy, nonfinite_items
+from framework.persist.layout import StateLayout, host_copy, nonfinite_items, pieces
 from framework.persist.weights import save_on_model_save, tied_names, whole_tensors
 
 # torch.optim's names for the per-element and scalar state of our transforms (the DCP keys).
@@ -63,10 +63,9 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     box is a host copy of exactly its bytes (DCP's writer clones views of larger storages: no second copy);
     ``zero_copy``: a mapped swap file's (``fmap``) boxes from its pages."""
     c = engine.components
-    per, scalars = optimizer_leaves(state.opt_state, state.params)
-    flats = flat_pieces(state.params, per)
-    layout = StateLayout.of(c.stage.piece_specs(), rank=group.rank, world=group.world,
-                            gather=lambda mine: group.all_gather(mine, "layout gather"))
+    specs = c.stage.piece_specs()
+    flats, per, scalars = pieces(state, specs)
+    layout = StateLayout.of(specs, dist=group, what="checkpoint layout gather")
     keys = optim_keys(sorted(per), sorted(scalars))
     release = fmap.release if fmap is not None else None
     nonfinite = nonfinite_items([(dcp_key(key, p.name, keys), h.of(t)) for p, h in layout.mine()
