@@ -114,8 +114,7 @@ def resolve_model(value: str, overrides: list[str]):
 
 
 def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
-    """The GPT config a YAML file states, typed by its schema as a preset is, with the ``model.*``
-    overrides applied over it (as over a preset's YAML)."""
+    """The GPT config a YAML file states, typed by its schema as a preset is, with the ``model.*`` overrides."""
     fields = [f.name for f in dataclasses.fields(GPTConfig)]
     try:
         node = OmegaConf.merge(OmegaConf.structured(GPTConfig), OmegaConf.load(path))
@@ -151,8 +150,7 @@ def _omega_error(e: OmegaConfBaseException) -> str:
 
 
 def _text_config(conf):
-    """A Hugging Face config's text part (a multimodal config such as CLIP's keeps its vocabulary and
-    sizes in ``text_config``), or the config itself."""
+    """A Hugging Face config's text part (a multimodal one keeps its sizes in ``text_config``), or the config."""
     return conf.get_text_config() if hasattr(conf, "get_text_config") else conf
 
 
@@ -220,8 +218,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         k = own_nvme[0]
         raise ConfigError(f"estimate: {k}={own[k]} with offload=nvme: the config's offload.{k} sizes both the "
                           f"tables and the per-rank prediction; give offload.{k}={own[k]} instead")
-    # Without offload=nvme in the config the tables assume our default sub_group_size (10^7, which
-    # bounds the host tiles), and show DeepSpeed's (10^9) beside it.
+    # Without offload=nvme the tables take our sub_group_size (10^7: it bounds the host tiles) and show DeepSpeed's.
     ours = {"sub_group_size": registry("offload").get("nvme").config.sub_group_size}
     keys = NVMeKeys(**{**ours, **given, **{k: _count(own, k) for k in NVME_KEYS if k in own}})
     out.update(params=params, largest_layer=largest, gpus_per_node=gpus, nodes=nodes)
@@ -242,8 +239,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     precision = f", precision={cfg.choices['precision']}" if cfg is not None else ""
 
     def nvme(keys: NVMeKeys) -> list:
-        """The NVMe rows; a model's with its host pools per rank (params on NVMe, CPU, GPU), as the engine
-        sizes them."""
+        """The NVMe rows; a model's with its host pools per rank (params on NVMe, CPU, GPU) as the engine sizes them."""
         pools = {} if module is None else {"pools": tuple(
             nvme_pools(cfg, module, gpus * nodes, par, **dataclasses.asdict(keys)).host_total()
             for par in ("nvme", "cpu", "none"))}

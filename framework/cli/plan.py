@@ -46,8 +46,7 @@ from framework.memory.tables import parse_count
 
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
             "checkpointing", "steps")
-# What each candidate sets itself (its ``+plan=cN`` file): the command line's values of these would win
-# over the file's in Hydra, so verify's jobs leave them out.
+# What each candidate's ``+plan=cN`` file sets: verify's jobs leave the command line's out (they would win).
 CANDIDATE_KEYS = ("train.micro_batch", "train.grad_accum", "model.activation_checkpointing")
 
 
@@ -64,8 +63,7 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
         for i, p in enumerate(top):
             group.joinpath(f"c{i}.yaml").write_text(_plan_yaml(p.cand, from_file))
         sweep = Path(d) / "runs"
-        # The plan group must be on the search path both of the up-front check of every job (an
-        # override) and of each job's composition inside the Hydra app (--config-dir).
+        # The plan group on the search path of the up-front check of every job and of each job's own composition.
         cmd = [sys.executable, "-m", "framework.train", "-m", "--config-dir", str(group.parent),
                f"hydra.searchpath=[file://{group.parent}]",
                "+plan=" + ",".join(f"c{i}" for i in range(len(top))), *base_overrides,
@@ -91,8 +89,7 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
 
 
 def _plan_yaml(c: Candidate, from_file: frozenset[str] = frozenset()) -> str:
-    # A group the DeepSpeed file chooses is chosen again by the file in each job: a second choice here
-    # would be a duplicate in Hydra's defaults list.
+    # A group the DeepSpeed file chooses, it chooses again in each job (a second choice: a duplicate default).
     defaults = [f"  - /stage: {c.stage}"] if "stage" not in from_file else []
     if c.offload != "none" and "offload" not in from_file:
         defaults.append(f"  - override /offload: {c.offload.split('+')[0]}")
@@ -125,8 +122,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             raise ConfigError(f"plan: dist.nproc={cfg.dist.nproc} and ranks={own['ranks']} differ; give one of them")
         own = {**own, "ranks": str(cfg.dist.nproc)}
     hw = detect(own, disk)
-    # composed for the planned ranks, as each verify job is: a DeepSpeed file's train_batch_size fixes the
-    # accumulation per rank count
+    # composed for the planned ranks, as each verify job is (a DeepSpeed file's train_batch_size fixes grad_accum)
     ranked = [f"model={own['model']}", *overrides, f"dist.nproc={hw.ranks}"]
     base = [*base, f"dist.nproc={hw.ranks}"]
     cfg = compose(ranked)
@@ -177,9 +173,8 @@ def _setup(batch: dict) -> str:
 
 def _restrict_batch(own: dict[str, str], overrides: list[str], cfg,
                     notes: list[str]) -> tuple[dict, list[str], frozenset[str]]:
-    """A DeepSpeed file fixing the micro batch or accumulation (not "auto") sets them under everything but the
-    command line, so the search keeps the composed micro batch, with a note; returns the keys fixed this way
-    (``verify``'s ``pinned``). ``overrides``: the composed config's."""
+    """A DeepSpeed file fixing the micro batch or accumulation (not "auto") restricts the search to the composed
+    micro batch, with a note; also returns the keys so fixed (``verify``'s ``pinned``)."""
     keys = ("train.micro_batch", "train.grad_accum")
     if cfg.ds_config is None:
         return own, notes, frozenset()

@@ -42,8 +42,7 @@ class Job:
     label: str = ""                          # the overrides that differ between the jobs
 
     def curve(self, key: str) -> tuple[list[int], list[float]]:
-        """(steps, values) of ``key`` over the logged records (e.g. ``loss`` or ``val_loss``); a null
-        (how metrics.jsonl writes a NaN or infinite value) is NaN."""
+        """(steps, values) of ``key`` (e.g. ``loss``) over the records; a null (metrics.jsonl's NaN or inf) is NaN."""
         return ([r["step"] for r in self.records if key in r],
                 [math.nan if r[key] is None else r[key] for r in self.records if key in r])
 
@@ -114,23 +113,24 @@ def _same(text: str, value) -> bool:
         return text == _spelled(value)
 
 
+def _config_value(cfg: dict, key: str):
+    """A group's registry name (``stage``: ``zero3``) or a dotted key's value in a summary's config."""
+    node = cfg.get(key)
+    return node["name"] if isinstance(node, dict) and "name" in node else get_key(cfg, key)
+
+
 def summary_overrides(summary: dict, hydra_overrides: list[str]) -> list[str]:
     """The overrides of the run that wrote ``summary`` (its command-line keys, with their values): Hydra rewrites
     .hydra/overrides.yaml when a later run starts in the folder, so those are used only where they agree."""
     cfg, sources = summary.get("config", {}), summary.get("config_sources", {})
-
-    def value(key):
-        node = cfg.get(key)
-        return (node.get("name") if isinstance(node, dict) else None) if key in GROUPS else get_key(cfg, key)
-
     own = [key[:-len(".name")] if key.endswith(".name") and key[:-len(".name")] in GROUPS else key
            for key, source in sources.items() if source == COMMAND_LINE]
     said = dict(o.lstrip("+").split("=", 1) for o in hydra_overrides if "=" in o and not o.startswith("hydra"))
     # (checkpoint.resume=latest or auto is recorded as what it resolved to: not a disagreement)
-    if set(own) <= said.keys() and all(_same(text, value(k)) for k, text in said.items()
+    if set(own) <= said.keys() and all(_same(text, _config_value(cfg, k)) for k, text in said.items()
                                        if not k.startswith("checkpoint.")):
         return hydra_overrides
-    return [f"{k}={_spelled(value(k))}" for k in own]
+    return [f"{k}={_spelled(_config_value(cfg, k))}" for k in own]
 
 
 def _parsed(path: Path, parse):
@@ -290,8 +290,7 @@ def zero_model_state_bytes(stage: str, params: int, world: int, precision: str =
 def matches(job, where: dict) -> bool:
     """``where``: {group: registry name} or {dotted config key: value} against the job's config."""
     cfg = (job.summary or {}).get("config", {})
-    return all((cfg[k]["name"] if isinstance(cfg.get(k), dict) and "name" in cfg[k] else get_key(cfg, k)) == v
-               for k, v in (where or {}).items())
+    return all(_config_value(cfg, k) == v for k, v in (where or {}).items())
 
 
 def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Path:
