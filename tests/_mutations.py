@@ -19,6 +19,7 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 | unbound-thread | a worker thread that never set its device | the host-step thread's bind_thread is a no-op | the worker's first device work |
 | pageable-async | a non_blocking copy from pageable host memory | host buffers are allocated unpinned | the copy |
 | collective-on-host | a collective on host memory (NCCL takes device memory only) | zero3 gathers through a pinned host staging buffer | the gather's collective |
+| state-in-device-compute | device compute on a host piece's optimizer state (made by ``zeros_like`` of a host master: host memory) | the host step declares its state as the compute stream's operands | the host step |
 | unwaited-d2h-source | a device buffer overwritten by compute while a device-to-host copy may still read it | speculated pieces' gradients copied a second time, waited for by nobody | the next backward's write of the gradient |
 """
 from __future__ import annotations
@@ -177,6 +178,23 @@ def _gather_through_host(setattr_: Callable) -> None:
     setattr_(Local, "all_gather_into", all_gather_via_host)
 
 
+def _state_in_device_compute(setattr_: Callable) -> None:
+    from framework.offload import PiecePipeline
+    from framework.optimizers import group_state
+
+    step = PiecePipeline._step
+
+    def step_on_device(self, k, grad, coef, opt_state, params, lr):
+        # the bug: the state that torch made beside a host master is taken for device memory (a device kernel)
+        self.acc.use(reads=group_state(opt_state, len(params), k))
+        return step(self, k, grad, coef, opt_state, params, lr)
+
+    # (in the host-step thread no framework frame calls it: it poses as one, as ``_sync_in_zero2_hook`` does)
+    posing = os.path.join(os.path.dirname(framework.__file__), "(mutation in tests/_mutations.py)")
+    step_on_device.__code__ = step_on_device.__code__.replace(co_filename=posing)
+    setattr_(PiecePipeline, "_step", step_on_device)
+
+
 @dataclass(frozen=True)
 class Mutation:
     name: str                         # a row of the table above (its GPU bug class)
@@ -225,6 +243,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("collective-on-host", ZERO3_HOST_SHARDS, DeviceMismatch,
              r"collective .zero3 gather of .* \(NCCL takes device memory only\): expected device memory, got a "
              r"host buffer .* in _start_gather", patch=_gather_through_host),
+    Mutation("state-in-device-compute", ZERO2_OFFLOAD, DeviceMismatch,
+             r"compute on the device: expected device memory, got a host buffer .* in step_on_device",
+             patch=_state_in_device_compute),
     Mutation("pageable-async", ZERO2_OFFLOAD, DeviceMismatch, r"needs a pinned host buffer .* in copy_grad",
              PageableHostBuffers),
 )

@@ -129,7 +129,10 @@ class PiecePipeline:
         pc = self.info[k]
         self._acquire(k)
         self.grad_copies[k].result().synchronize()   # sync point: this piece's gradient copy only
-        grad = grad.to(pc.master.dtype)   # (a swapped gradient in a 16-bit accumulation dtype, resident now)
+        if grad.dtype != pc.master.dtype:   # a swapped gradient in a 16-bit accumulation dtype, resident now
+            self.acc.on_host(grad, what="a swapped gradient")
+            grad = grad.to(pc.master.dtype)
+            self.acc.register_host(grad, what="a swapped gradient in the master dtype")   # (torch made it on the host)
         staging = [] if pc.staging is None else [pc.staging]
         self.acc.on_host(grad, pc.master, *staging, what="host step operands")
         self.acc.host_use(reads=[grad, pc.master], writes=[grad, pc.master, *staging])

@@ -191,7 +191,11 @@ class Placement:
         return {i.index for i in self.infos if i.tier is Tier.DISK}
 
     def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        return tx.init(list(params))
+        state = tx.init(list(params))
+        for i in self.infos:   # (torch makes a host master's state beside it: host memory, pageable)
+            if i.tier is Tier.HOST:
+                self.acc.register_host(*group_state(state, len(params), i.index), what="a host piece's optimizer state")
+        return state
 
     def memory(self, fp: Footprint, opt_state: Any) -> None:
         """The pieces' separate masters, host buffers and optimizer state, by where they live."""

@@ -647,6 +647,24 @@ def test_zero3_gradients_read_back_from_the_swap_file_reach_the_device_without_a
     assert {k for k, _ in used} == {0, 1} and not any(waits for _, waits in used), used
 
 
+def test_zero3_swapped_gradients_summed_in_bf16_step_under_the_check(tmp_path):
+    """A swapped gradient partition summed in bf16 reaches the host step as an fp32 copy that torch makes on
+    the host: host memory, as the pipeline tells the checking accelerator (which stopped the run before)."""
+    cfg = tiny_config(*BASE, "+stage=zero3", *NVME, f"offload.nvme_path={tmp_path}", "precision=bf16",
+                      "precision.grad_accum_dtype=bf16")
+    module, data = build_gpt(cfg)
+    acc = CheckingCpuAccelerator()
+    with framework.initialize(module, gpt_loss, cfg, Dist(0, 1, 0, torch.device("cpu"), None, 60.0,
+                                                          accelerator=acc)) as engine:
+        assert engine.components.stage.offload.grad_swap
+        state = engine.state
+        for _ in range(2):
+            state, metrics = engine.train_step(state, data.train_batch(state.data, micro_batch=2, grad_accum=2,
+                                                                       rank=0, world=1))
+    acc.verify()
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
 def test_zero3_read_back_buffers_exist_only_with_accumulation(tmp_path, monkeypatch):
     """With one micro batch a step each swapped gradient partition is written once, final, and never
     read back: no pinned read-back buffers (measured as the accelerator's pinned host bytes at setup),

@@ -291,3 +291,63 @@ def test_a_blocking_device_to_host_copy_in_a_hook_is_a_host_sync(acc):
         ns["queued"]()
         ns["to_device"]()
     ns["interface"]()   # outside a hook: fine
+
+
+def test_every_kind_of_host_sync_in_a_hook_is_caught(acc):
+    import os
+
+    import numpy as np
+
+    import framework
+    from framework.comm.accelerator import HostSync
+    host = acc.empty_host(4, torch.float32)
+    syncs = {"is_nonzero": "torch.is_nonzero(t.sum())", "unique_consecutive": "t.unique_consecutive()",
+             "__getitem__": "t[t > 0]", "where": "torch.where(t > 0)", "bincount": "t.long().bincount()",
+             "repeat_interleave": "t.repeat_interleave(t.long())", "to": "t.to(host)",
+             "__setitem__": "host.__setitem__(slice(None), t)", "cat": "torch.cat([t], out=host)",
+             "__array__": "np.asarray(t)", "__format__": "f'{t}'", "__repr__": "repr(t)",
+             "as_tensor": "torch.as_tensor(t, device='cpu')"}
+    # (no wait: sizes known, asynchronous copies, no host buffer written, host memory only, device to device)
+    fine = ["t[t.long() - 1]", "t.repeat_interleave(2)", "t.repeat_interleave(t.long(), output_size=10)",
+            "torch.where(t > 0, t, 0)", "host.copy_(t, non_blocking=True)", "t.__setitem__(slice(None), host)",
+            "host.__setitem__(slice(None), host * 2)", "torch.cat([t], out=torch.empty(4, device='cpu'))",
+            "f'{t.shape}'", "host.clone().sum().item()", "host[host > 0]", "t.to(t)", "np.asarray(host)"]
+    path = os.path.join(os.path.dirname(framework.__file__), "stages", "hook.py")
+    for name, expr in [*syncs.items(), *((None, e) for e in fine)]:
+        ns = {"torch": torch, "np": np}
+        exec(compile(f"def f(t, host):\n    return {expr}\n", path, "exec"), ns)
+        t = torch.arange(4.0) + 1
+        with acc.hot("a hook"):
+            if name is None:
+                ns["f"](t, host)
+            else:
+                with pytest.raises(HostSync, match=rf"host sync \({name} of a .* device tensor\) inside a hook"):
+                    ns["f"](t, host)
+        ns["f"](t, host)   # outside a hot region: not checked
+
+
+def test_what_torch_makes_of_host_buffers_in_a_hot_region_or_registered_is_host_memory(acc):
+    """On CUDA an op's output lands beside its operands: derivatives of host buffers are (pageable) host memory.
+    The checker sees torch's calls only in hot regions; elsewhere the code that makes them registers them."""
+    host, dev = acc.empty_host(8, torch.float32), torch.zeros(8)
+    with acc.hot("a hook"):
+        made = [host.clone(), host.to(torch.bfloat16), host * 2, torch.empty_like(host), torch.zeros_like(host),
+                host[2:] + 0, torch.cat([host, host]), *torch._foreach_mul([host], 2), host > 0]
+        device = [host + dev, torch.empty_like(host, device="cpu"), host.to("cpu", torch.float64),
+                  torch.ones(3, device="cpu")]
+    outside = torch.zeros_like(host)
+    acc.on_device(outside, what="x")           # (not seen: device memory to the checker, until registered)
+    acc.register_host(outside, what="x")
+    for t in [*made, outside]:
+        acc.on_host(t, what="x")
+        with pytest.raises(DeviceMismatch, match="expected device memory, got a host buffer"):
+            acc.collective([t], "x")
+    with pytest.raises(DeviceMismatch, match="expected device memory, got a host buffer"):
+        acc.use(reads=[made[2]], writes=[dev])
+    with pytest.raises(DeviceMismatch, match="needs a pinned host buffer"):
+        acc.copy(dev, made[0], non_blocking=True)
+    acc.on_device(*device, what="x")
+    with pytest.raises(DeviceMismatch, match=r"expected a host buffer, got device memory .* acc.register_host it"):
+        acc.on_host(torch.zeros_like(host), what="x")
+    with pytest.raises(DeviceMismatch, match="expected a CPU tensor, got one on meta"):
+        acc.register_host(torch.empty(2, device="meta"), what="x")

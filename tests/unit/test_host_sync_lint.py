@@ -4,8 +4,10 @@ On CUDA each of these makes the host wait for the device queue: ``.item()``, ``.
 ``.tolist()``, ``.numpy()``, ``bool/int/float(tensor)``, a tensor's truth tested (``if t.all():``,
 ``not torch.isfinite(t).any()``, in a condition, comprehension or ``and``/``or``), calls whose
 result size or value the host needs (``nonzero``, ``unique``, ``masked_select``, ``argwhere``,
-``torch.equal``, ``allclose``), ``synchronize()`` on torch, a device or a stream,
-``.to("cpu")`` in any spelling, a blocking ``copy_`` to or from host memory, and
+``torch.equal``, ``allclose``, ``bincount``, one-argument ``torch.where``, ``repeat_interleave`` by
+a tensor without ``output_size``, a boolean-mask index ``t[t > 0]``), ``synchronize()`` on torch, a
+device or a stream, ``.to("cpu")`` in any spelling, a blocking copy to or from host memory (``copy_``,
+``.to(host)``, ``host[...] = t``, ``out=host``), ``np.asarray(t)``, and
 ``torch.tensor(..., device=<not cpu>)`` (a copy from pageable memory that blocks the host). A
 deliberate one is marked with a ``# host sync: <why>`` comment on its line or the line above;
 event waits (``event.synchronize()``) are the sanctioned host waits and are not listed.
@@ -15,7 +17,8 @@ syncs whose tensor the names do not reveal (a copy into a host buffer not called
 
 Placement, over all of framework/: every torch factory call (``torch.empty``, ``zeros``, ``tensor``...)
 names its ``device=``: without it the tensor lands on the host, which the CPU suite cannot tell from
-device memory (the checking accelerator takes everything but ``empty_host`` buffers for device memory).
+device memory (the checking accelerator takes everything but ``empty_host`` buffers, those ``register_host``
+names and what torch makes of them in hot regions for device memory).
 A deliberate host tensor says so: ``device="cpu"``, a host device variable, or a ``# host: <why>``
 comment on its line. ``*_like`` and ``new_*`` calls inherit their source's device and are not read.
 """
@@ -32,7 +35,8 @@ HOT = ["framework/engine/step.py", "framework/engine/update.py", "framework/comm
 MARK = "host sync:"
 METHODS = {"item", "cpu", "tolist", "numpy", "nonzero"}
 # Calls whose result size or value the host must know: each waits for the device queue.
-SYNC_CALLS = {"equal", "allclose", "unique", "unique_consecutive", "masked_select", "argwhere", "is_nonzero"}
+SYNC_CALLS = {"equal", "allclose", "unique", "unique_consecutive", "masked_select", "argwhere", "is_nonzero",
+              "bincount"}
 # Tensor-valued calls whose truth is tested (``if t.all():``, ``not torch.isfinite(t).all()``): ``bool``
 # on a device tensor is a host sync just as ``bool(t)`` is. Python's own ``all(...)``/``any(...)`` are
 # plain names, not methods, and are not listed.
@@ -103,9 +107,35 @@ def _what(node: ast.Call) -> str | None:
     if isinstance(fn, ast.Attribute) and ast.unparse(fn) in ("torch.tensor", "torch.as_tensor") and \
             any(k.arg == "device" and not _is_cpu(k.value) for k in node.keywords):
         return "torch.tensor(..., device=...)"
-    if isinstance(fn, ast.Attribute) and fn.attr == "copy_" and node.args and \
-            not any(k.arg == "non_blocking" for k in node.keywords) and (_hostish(fn.value) or _hostish(node.args[0])):
+    blocking = not any(k.arg == "non_blocking" for k in node.keywords)
+    if isinstance(fn, ast.Attribute) and fn.attr == "copy_" and node.args and blocking \
+            and (_hostish(fn.value) or _hostish(node.args[0])):
         return "blocking .copy_() to or from host memory"
+    if isinstance(fn, ast.Attribute) and fn.attr == "to" and blocking and any(_hostish(a) for a in node.args):
+        return ".to(<host tensor>)"
+    if any(k.arg == "out" and _hostish(k.value) for k in node.keywords):
+        return "out=<host memory> (a blocking copy)"
+    if isinstance(fn, ast.Attribute) and fn.attr == "where" and len(node.args) == 1 and not node.keywords:
+        return "torch.where(condition)"
+    if isinstance(fn, ast.Attribute) and fn.attr == "repeat_interleave" \
+            and not any(k.arg == "output_size" for k in node.keywords):
+        repeats = node.args[ast.unparse(fn.value) == "torch":][:1]   # (torch.repeat_interleave(t, repeats))
+        if not (repeats and isinstance(repeats[0], ast.Constant)):
+            return "repeat_interleave without output_size"
+    if ast.unparse(fn) in ("np.asarray", "np.array", "numpy.asarray", "numpy.array"):
+        return f"{ast.unparse(fn)}(tensor)"
+    return None
+
+
+def _other(node) -> str | None:
+    """Host syncs that are not calls: a boolean-mask index (``t[t > 0]``), a store into host memory."""
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+            and any(isinstance(i, ast.Compare) for i in (node.slice.elts if isinstance(node.slice, ast.Tuple)
+                                                         else [node.slice])):
+        return "boolean-mask index"
+    if isinstance(node, ast.Assign) and not isinstance(node.value, ast.Constant) \
+            and any(isinstance(t, ast.Subscript) and _hostish(t.value) for t in node.targets):
+        return "host[...] = tensor (a blocking copy)"
     return None
 
 
@@ -122,6 +152,7 @@ def _unmarked(source: str, path: str = "") -> list[tuple[int, str]]:
             known |= set(range(node.lineno, (node.end_lineno or node.lineno) + 1))
     found = [(node, "truth test of a tensor") for node in _truth_tested(tree) if _tensor_valued(node)]
     found += [(node, what) for node in ast.walk(tree) if isinstance(node, ast.Call) and (what := _what(node))]
+    found += [(node, what) for node in ast.walk(tree) if (what := _other(node))]
     return sorted({(node.lineno, what) for node, what in found if node.lineno not in known
                    and not marked & set(range(node.lineno, (node.end_lineno or node.lineno) + 1))})
 
@@ -225,8 +256,27 @@ def test_the_lint_sees_each_kind_and_honours_the_mark():
         "    copy.result().synchronize()",
         "    ok = not (math.isfinite(x) and math.isfinite(y))",
         "    n = torch.tensor([1, 2], device='cpu')",
+        "    torch.is_nonzero(t)",                          # 39
+        "    t.unique_consecutive()",                       # 40
+        "    t.bincount()",                                 # 41
+        "    torch.where(t > 0)",                           # 42
+        "    t.repeat_interleave(u)",                       # 43
+        "    torch.repeat_interleave(t, u)",                # 44
+        "    t[t > 0]",                                     # 45
+        "    host[:] = t",                                  # 46
+        "    t.to(host)",                                   # 47
+        "    torch.cat([t], out=host)",                     # 48
+        "    np.asarray(t)",                                # 49
+        "    torch.where(t > 0, t, u)",
+        "    t.repeat_interleave(2)",
+        "    t.repeat_interleave(u, output_size=8)",
+        "    t[u]",
+        "    host[:] = 0",
+        "    t[:] = host",
+        "    t.to(host, non_blocking=True)",
+        "    torch.cat([t], out=u)",
     ])
-    assert [line for line, _ in _unmarked(source)] == [2, 3, 4, 6, 7, 8, 9, 10, 11, *range(17, 32)]
+    assert [line for line, _ in _unmarked(source)] == [2, 3, 4, 6, 7, 8, 9, 10, 11, *range(17, 32), *range(39, 50)]
     assert all(p.exists() for p in _files()) and len(_files()) > 10
 
 

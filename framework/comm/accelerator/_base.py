@@ -57,6 +57,10 @@ class Accelerator(Protocol):
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
         """A host buffer (pinned: page-locked, the only kind a ``non_blocking`` copy may use)."""
 
+    def register_host(self, *tensors: Tensor, what: str) -> None:
+        """Count ``tensors`` as (pageable) host buffers: what torch made of host buffers (``torch.zeros_like(host)``,
+        as an optimizer's state of host masters) is host memory on CUDA too; raise unless they are on the host."""
+
     def copy(self, dst: Tensor, src: Tensor, non_blocking: bool = False) -> None:
         """``dst.copy_(src)`` queued on the current stream (host to host copies run on the host)."""
 
@@ -147,6 +151,9 @@ class CudaAccelerator(Accelerator):
 
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
         return torch.empty(shape, dtype=dtype, device=self.host, pin_memory=pinned)
+
+    def register_host(self, *tensors: Tensor, what: str) -> None:
+        all_cpu(tensors, what)
 
     def copy(self, dst: Tensor, src: Tensor, non_blocking: bool = False) -> None:
         dst.copy_(src, non_blocking=non_blocking)

@@ -1,9 +1,11 @@
 """The checking CPU accelerator: the CPU as the plain one runs it, raising where CUDA would go wrong
 and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves each check):
 
-- placement: host buffers are those ``empty_host`` made, all else is device memory; one where the
-  other is expected (``on_device``/``on_host``, compute in ``use``, a collective), or a ``non_blocking``
-  copy with a pageable host side: ``DeviceMismatch``;
+- placement: host buffers are those ``empty_host`` made, those ``register_host`` names (what the caller made of
+  host buffers: pageable) and, in hot regions, what torch calls make of host buffers alone (``_hostsync``); all
+  else is device memory (torch's calls elsewhere are not watched: a mode costs every call). One where the other
+  is expected (``on_device``/``on_host``, compute in ``use``, a collective), or a ``non_blocking`` copy with a
+  pageable host side: ``DeviceMismatch``;
 - stream order (vector clocks, ``Clocked``): each access through the interface (``copy``, ``use``,
   ``host_use``, a collective) is logged per byte range of its storage; one conflicting with an
   earlier access by another stream (or the host: all its threads count as one, ordering between them
@@ -15,14 +17,14 @@ and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves eac
   (no event, no ``record_stream``) is reported at the next checked call;
 - per-thread devices: a thread other than the creator must ``bind_thread`` before device work;
 - host syncs: in ``hot(...)`` and hooks wrapped by ``hook(...)``, framework code (not model code)
-  reading device memory on the host, or copying it into a host buffer blocking, raises ``HostSync``;
+  reading device memory on the host (``item``, a boolean-mask index, ``bincount``, formatting it...), or
+  copying it into a host buffer blocking (``copy_``, ``host[...] = t``, ``out=host``, ``.to(host)``), raises
+  ``HostSync``;
 - pinned memory as CUDA's caching host allocator holds it (``pinned_stats``).
 """
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import threading
 import weakref
 from contextlib import contextmanager
@@ -30,9 +32,10 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
-from framework.comm.accelerator._base import CpuAccelerator, DeviceMismatch, Event, HostSync, OrderError, all_cpu
+from framework.comm.accelerator._base import CpuAccelerator, DeviceMismatch, Event, OrderError, all_cpu
+from framework.comm.accelerator._hostsync import NoHostSync, tensors_of
+from framework.comm.accelerator._hostsync import place as _place
 
 
 class Clocked:
@@ -84,68 +87,6 @@ class CheckingEvent:
     def query(self) -> bool:
         self.synchronize()   # on the CPU the work ran when it was queued: reached, and the host knows it
         return True
-
-
-# Tensor methods and torch functions that make the host wait for device memory.
-_SYNCS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
-                    "argwhere", "masked_select", "unique", "equal", "allclose"})
-_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep   # this package: framework/comm/accelerator/
-_PACKAGE = os.path.dirname(os.path.dirname(_HERE[:-1])) + os.sep   # framework/, above comm/
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-def _ours(filename: str) -> bool:
-    """Framework code other than this package, and not model code (that is the user's to judge)."""
-    return filename.startswith(_PACKAGE) and not filename.startswith((_HERE, os.path.join(_PACKAGE, "models", "")))
-
-
-def _place() -> str:
-    """The framework code calling the checker, up to 5 frames innermost first ("framework/x.py:5 in f <- ...")."""
-    f, out = sys._getframe(1), []
-    while f is not None and len(out) < 5:
-        name = f.f_code.co_filename
-        if name.startswith(_PACKAGE) and not name.startswith(_HERE):
-            out.append(f"{os.path.relpath(name, os.path.dirname(_PACKAGE[:-1]))}:{f.f_lineno} in {f.f_code.co_name}")
-        f = f.f_back
-    return " <- ".join(out) or "outside the framework"
-
-
-class _NoHostSync(TorchFunctionMode):
-    """Inside ``CheckingCpuAccelerator.hot``: a framework frame reading device memory on the host fails."""
-
-    def __init__(self, acc: "CheckingCpuAccelerator", where: str):
-        super().__init__()
-        self.acc, self.where = acc, where
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if (name in _SYNCS or (name == "to" and _to_host(args, kwargs))) and args \
-                and isinstance(args[0], Tensor) and not self.acc._is_host(args[0]) \
-                or name == "copy_" and self._blocking_d2h(args, kwargs):
-            caller = sys._getframe(1)
-            while caller is not None and caller.f_code.co_filename.startswith((_TORCH, _HERE)):
-                caller = caller.f_back
-            if caller is not None and _ours(caller.f_code.co_filename):
-                t = args[1] if name == "copy_" else args[0]
-                raise HostSync(f"host sync ({name} of a {tuple(t.shape)} {t.dtype} device tensor) inside "
-                               f"{self.where}, at {_place()}: on CUDA the host stalls until the device catches up; "
-                               f"move it out of the hook, or keep the value on the device")
-        return func(*args, **kwargs)
-
-    def _blocking_d2h(self, args, kwargs) -> bool:
-        """A blocking copy of device memory into a host buffer (``host.copy_(dev)``): it waits for the device."""
-        non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
-        return len(args) > 1 and not non_blocking and isinstance(args[1], Tensor) and args[1].numel() > 0 \
-            and self.acc._is_host(args[0]) and not self.acc._is_host(args[1])
-
-
-def _to_host(args, kwargs) -> bool:
-    target = kwargs.get("device", args[1] if len(args) > 1 else None)
-    try:
-        return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
-    except (RuntimeError, TypeError):
-        return False
 
 
 class CheckingCpuAccelerator(CpuAccelerator):
@@ -229,10 +170,30 @@ class CheckingCpuAccelerator(CpuAccelerator):
                 if pinned:
                     self._entry("pin host memory")
                     self._pin(t)
-                key = _storage(t)
-                self._host_buffers[key] = (self._keeper(t, self._host_buffers, key), pinned)
-                self._accesses.pop(key, None)   # a new buffer at a reused address
+                self._add_host(t, pinned)
         return t
+
+    def register_host(self, *tensors: Tensor, what: str) -> None:
+        with self._lock:
+            all_cpu(tensors, what)
+            for t in tensors:
+                if t.numel() and not self._is_host(t):
+                    self._add_host(t, pinned=False)
+
+    def _add_host(self, t: Tensor, pinned: bool) -> None:
+        key = _storage(t)
+        self._host_buffers[key] = (self._keeper(t, self._host_buffers, key), pinned)
+        self._accesses.pop(key, None)   # a new buffer at a reused address
+
+    def _derived(self, name: str, args, kwargs, out) -> None:
+        """In a hot region: ``out`` of a torch call whose first operand is a host buffer is host memory too (pageable,
+        as a CUDA op makes it beside its operands) where every tensor operand is and the call names no device."""
+        if kwargs.get("out") is not None or "device" in kwargs \
+                or name == "to" and any(isinstance(a, (str, torch.device)) for a in args[1:]):
+            return
+        if all(self._is_host(t) for t in tensors_of(args, kwargs)):
+            self.register_host(*(t for t in ((out,) if isinstance(out, Tensor) else out) if isinstance(t, Tensor)),
+                               what=name)
 
     def _pin(self, t: Tensor) -> None:
         """Account a pinned buffer as CUDA's caching host allocator does: a power-of-two block, reused when freed."""
@@ -254,7 +215,7 @@ class CheckingCpuAccelerator(CpuAccelerator):
             return dict(self._pinned)
 
     def _host_entry(self, t: Tensor) -> tuple[weakref.ref, bool] | None:
-        key = _storage(t) if t.numel() else None
+        key = _storage(t) if t.numel() and t.layout is torch.strided else None   # (a sparse one has none)
         entry = self._host_buffers.get(key)
         if entry is not None and not _owns(entry[0], key):   # freed; the address may be reused
             del self._host_buffers[key]
@@ -278,7 +239,10 @@ class CheckingCpuAccelerator(CpuAccelerator):
         for t in tensors:
             if t.numel() and self._is_host(t) != host:
                 want, got = ("a host buffer", "device memory") if host else ("device memory", "a host buffer")
-                raise DeviceMismatch(f"{what}: expected {want}, got {got} ({tuple(t.shape)}, {t.dtype}), at {_place()}")
+                hint = ("; if torch made it of host buffers alone (host.clone(), zeros_like(host)), it is host "
+                        "memory: acc.register_host it where it is made") if host else ""
+                raise DeviceMismatch(f"{what}: expected {want}, got {got} ({tuple(t.shape)}, {t.dtype}), at "
+                                     f"{_place()}{hint}")
 
     # accesses
 
@@ -331,7 +295,7 @@ class CheckingCpuAccelerator(CpuAccelerator):
             self._queue(None).merge(token)
 
     def hot(self, where: str) -> contextlib.AbstractContextManager:
-        return _NoHostSync(self, where)
+        return NoHostSync(self, where)
 
     def hook(self, fn: Callable, where: str) -> Callable:
         def checked(*args, **kwargs):

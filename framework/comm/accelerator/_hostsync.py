@@ -1,0 +1,136 @@
+"""The checking accelerator's watch inside ``hot(...)`` regions and ``hook(...)`` hooks (nowhere else: a torch
+function mode costs every call): framework code making the host wait for device memory raises ``HostSync``,
+and what torch makes there of host buffers alone is host memory (``host.clone()``, ``host > 0``)."""
+from __future__ import annotations
+
+import os
+import sys
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from framework.comm.accelerator._base import HostSync
+
+# Tensor methods and torch functions that make the host wait for their first operand (device memory).
+_SYNCS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
+                    "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose", "is_nonzero",
+                    "bincount", "__array__", "__format__", "__repr__"})
+# ... and the calls that may, depending on their operands (``_synced``)
+_MAYBE = frozenset({"to", "as_tensor", "where", "__getitem__", "repeat_interleave", "copy_", "__setitem__"})
+_PLAIN = (Tensor, torch.nn.Parameter)
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep   # this package: framework/comm/accelerator/
+_PACKAGE = os.path.dirname(os.path.dirname(_HERE[:-1])) + os.sep   # framework/, above comm/
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _ours(filename: str) -> bool:
+    """Framework code other than this package, and not model code (that is the user's to judge)."""
+    return filename.startswith(_PACKAGE) and not filename.startswith((_HERE, os.path.join(_PACKAGE, "models", "")))
+
+
+def place() -> str:
+    """The framework code calling the checker, up to 5 frames innermost first ("framework/x.py:5 in f <- ...")."""
+    f, out = sys._getframe(1), []
+    while f is not None and len(out) < 5:
+        name = f.f_code.co_filename
+        if name.startswith(_PACKAGE) and not name.startswith(_HERE):
+            out.append(f"{os.path.relpath(name, os.path.dirname(_PACKAGE[:-1]))}:{f.f_lineno} in {f.f_code.co_name}")
+        f = f.f_back
+    return " <- ".join(out) or "outside the framework"
+
+
+class NoHostSync(TorchFunctionMode):
+    """Inside ``CheckingCpuAccelerator.hot`` (``acc``): a framework frame reading device memory on the host fails;
+    a call whose tensor operands are all host buffers makes host memory (``acc._derived``)."""
+
+    def __init__(self, acc, where: str):
+        super().__init__()
+        self.acc, self.where = acc, where
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _SYNCS or name in _MAYBE or "out" in kwargs:   # (the common call: one set lookup or two)
+            t = _synced(self.acc, name, args, kwargs)
+            if t is not None:
+                caller = sys._getframe(1)
+                while caller is not None and caller.f_code.co_filename.startswith((_TORCH, _HERE)):
+                    caller = caller.f_back
+                if caller is not None and _ours(caller.f_code.co_filename):
+                    raise HostSync(f"host sync ({name} of a {tuple(t.shape)} {t.dtype} device tensor) inside "
+                                   f"{self.where}, at {place()}: on CUDA the host stalls until the device catches "
+                                   f"up; move it out of the hook, or keep the value on the device")
+        out = func(*args, **kwargs)
+        if self.acc._host_buffers and (isinstance(out, Tensor) or isinstance(out, (tuple, list)) and out
+                                       and isinstance(out[0], Tensor)):   # (cheap tests first)
+            key = _host_key(args[0] if args else None)
+            if key in self.acc._host_buffers and _host_key(out) != key:   # (not a view, nor in place)
+                self.acc._derived(name, args, kwargs, out)
+        return out
+
+
+def _host_key(t) -> int | None:
+    """The storage address of a tensor (the first of a list, as ``cat`` takes), if it is a plain one with a storage."""
+    if isinstance(t, (list, tuple)):
+        t = t[0] if t else None
+    if type(t) not in _PLAIN:   # (a tensor subclass, e.g. a DTensor: not the framework's buffers)
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):   # (a sparse tensor)
+        return None
+
+
+def _synced(acc, name: str, args, kwargs) -> Tensor | None:
+    """The device tensor that ``name(*args, **kwargs)`` makes the host wait for, if any."""
+    first = args[0] if args else None
+    if name in _SYNCS or name in ("to", "as_tensor") and _to_host(acc, args, kwargs) \
+            or name == "where" and len(args) == 1 and not kwargs:
+        t = first
+    elif name == "__getitem__" and len(args) > 1:   # a boolean mask: the result's size is its count of True
+        index = args[1]
+        t = (index,) if isinstance(index, Tensor) else index if isinstance(index, (tuple, list)) else ()
+        t = next((i for i in t if isinstance(i, Tensor) and i.dtype == torch.bool), None)
+    elif name == "repeat_interleave" and kwargs.get("output_size") is None:   # the size is the repeats' sum
+        t = kwargs.get("repeats", args[1] if len(args) > 1 else first)
+    elif name in ("copy_", "__setitem__") or kwargs.get("out") is not None:
+        return _copied_to_host(acc, name, args, kwargs)
+    else:
+        return None
+    return t if isinstance(t, Tensor) and not acc._is_host(t) else None
+
+
+def _copied_to_host(acc, name: str, args, kwargs) -> Tensor | None:
+    """The device tensor a blocking copy into a host buffer waits for (``host.copy_(dev)``, ``host[:] = dev``,
+    ``torch.cat([dev], out=host)``); an asynchronous one (``non_blocking``) is ordered by an event later."""
+    if name == "copy_":
+        blocking = not kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+        dst, srcs = args[0], args[1:2] if blocking else ()
+    elif name == "__setitem__":
+        dst, srcs = args[0], args[2:3]
+    else:
+        dst, srcs = kwargs["out"], tensors_of(args, kwargs)
+    if not all(isinstance(d, Tensor) and acc._is_host(d) for d in (dst if isinstance(dst, (tuple, list)) else (dst,))):
+        return None
+    return next((t for t in srcs if isinstance(t, Tensor) and t.numel() and not acc._is_host(t)), None)
+
+
+def _to_host(acc, args, kwargs) -> bool:
+    target = kwargs.get("device", kwargs.get("other", args[1] if len(args) > 1 else None))
+    if isinstance(target, Tensor):   # ``.to(host_buffer)``
+        return acc._is_host(target)
+    try:
+        return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+    except (RuntimeError, TypeError):
+        return False
+
+
+def tensors_of(args, kwargs) -> list[Tensor]:
+    """The tensor operands of a torch call (in lists too, as ``cat`` and the ``_foreach`` ops take them)."""
+    out = []
+    for a in (*args, *(v for k, v in kwargs.items() if k != "out")):
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += [x for x in a if isinstance(x, Tensor)]
+    return out
