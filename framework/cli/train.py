@@ -403,7 +403,8 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
         jobs, primary, folder, fixed = _jobs(sys.argv[1:])
         configs, subdir, base, composed, chosen, exclude = {}, None, None, [], None, []
         composer = functools.partial(standalone_composer, **primary)
-        world = _sweep_world(jobs[0], folder, composer) if jobs else None
+        # (read only by a job with a DeepSpeed file: a sweep without one composes no extra config for it)
+        world = functools.cache(lambda: _sweep_world(jobs[0], folder, composer))
         for overrides in jobs or []:   # fail fast, before any run directory or process exists
             cfg, config = compose_layers(overrides, world=world, composer=composer)
             configs[_key(overrides)] = config

@@ -110,15 +110,18 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, ds_config: str | Pat
                           hidden_from_model=hidden_from_model, composer=composer)[1]
 
 
-def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | None = None, world: int | None = None,
-                   hidden_size: int | None = None, hidden_from_model: bool = True,
+def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | None = None,
+                   world: int | Callable[[], int | None] | None = None, hidden_size: int | None = None,
+                   hidden_from_model: bool = True,
                    composer: Composer = standalone_composer) -> tuple[DictConfig, Config]:
-    """compose(), also returning the final composed DictConfig (``--cfg job`` prints it)."""
+    """compose(), also returning the final composed DictConfig (``--cfg job`` prints it). ``world`` may be a
+    function giving it (or None): called only for a DeepSpeed file, the one layer it sizes, so what it costs
+    (a launcher's config composed) is paid only then."""
     if isinstance(overrides, str):   # (a str would be taken for a list of one-character overrides)
         raise ConfigError(f"config: overrides must be a list of strings, not the string {overrides!r}; "
                           f"pass [{overrides!r}]")
     overrides = list(overrides)
-    if world is not None and world < 1:
+    if world is not None and not callable(world) and world < 1:
         raise ConfigError(f"config: world={world}: the number of ranks must be >= 1")
     cli = CommandLine.parse(overrides)
     for group in cli.named:   # an unknown name: one line naming the closest, before Hydra's search path
@@ -164,6 +167,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         raise ConfigError(f"ds_config: {len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors))
     base = validate(cfg, choices)
     values = flat(base.to_dict())
+    if callable(world):
+        world = world()
     if world is None:
         world = run_world(base.dist.nproc)
     if hidden_from_model and hidden_size is None:   # from the model's config (e.g. a HF config.json)

@@ -5,7 +5,9 @@ not the seconds of importing torch and Hydra again.
     python -m tests.cli._forkrun      # reads one JSON request per line on stdin, answers on stdout
 
 Request: {"module": "framework.train", "args": [...], "cwd": DIR, "env": {...}, "out": FILE, "err": FILE,
-"timeout": S}; answer: {"rc": N} (124 when the child ran past its timeout and was killed). Torch
+"timeout": S}; answer: {"rc": N} (124 when the child ran past its timeout and was killed). With "started":
+true the child's pid comes first, {"pid": N}, for a test that signals the command while it runs (the child
+leads its own process group, and takes SIGINT as Python started from a terminal does). Torch
 starts no threads at import, so the children start from a single-threaded parent; ranks a command
 spawns are fresh interpreters, as always.
 """
@@ -29,6 +31,8 @@ def _child(req: dict) -> None:
         os.close(f)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
+    if req.get("started"):   # (a server started in the background inherited SIGINT ignored)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [req["module"], *req["args"]]
     # The module was imported here already (that is the point); runpy runs it afresh as __main__.
     warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
@@ -74,6 +78,8 @@ def main() -> None:
         if pid == 0:
             os.setpgid(0, 0)   # its spawned ranks go with it on a timeout
             _child(req)
+        if req.get("started"):
+            print(json.dumps({"pid": pid}), flush=True)
         print(json.dumps({"rc": _wait(pid, req["timeout"])}), flush=True)
 
 
@@ -91,6 +97,7 @@ class ForkRunner:
 
         self._dir = tempfile.mkdtemp(prefix="framework-forkrun-")
         self._n = 0
+        self._started: Started | None = None
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self._p = subprocess.Popen([sys.executable, "-m", "tests.cli._forkrun"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, text=True, env=env, cwd=root)
@@ -100,15 +107,29 @@ class ForkRunner:
 
         self._n += 1
         out, err = os.path.join(self._dir, f"{self._n}.out"), os.path.join(self._dir, f"{self._n}.err")
+        rc = self._request(module, args, cwd, env, out, err, timeout, started=False)["rc"]
+        with open(out) as o, open(err) as e:
+            return subprocess.CompletedProcess([module, *args], rc, o.read(), e.read())
+
+    def start(self, module: str, args: list[str], *, cwd, out, err, env: dict | None = None,
+              timeout: float = 300) -> "Started":
+        """The command started, as ``subprocess.Popen`` with ``start_new_session`` (stdout, stderr into the
+        files ``out``, ``err``): its pid to signal; the next request first waits for it."""
+        return Started(self, self._request(module, args, cwd, env, str(out), str(err), timeout, started=True)["pid"])
+
+    def _request(self, module, args, cwd, env, out, err, timeout, started: bool) -> dict:
+        if self._started is not None:   # (its answer comes before the next one)
+            self._started.wait()
         self._p.stdin.write(json.dumps({"module": module, "args": list(args), "cwd": str(cwd), "env": env or {},
-                                        "out": out, "err": err, "timeout": timeout}) + "\n")
+                                        "out": out, "err": err, "timeout": timeout, "started": started}) + "\n")
         self._p.stdin.flush()
+        return self._answer()
+
+    def _answer(self) -> dict:
         answer = self._p.stdout.readline()
         if not answer:
             raise RuntimeError("the fork server died")
-        rc = json.loads(answer)["rc"]
-        with open(out) as o, open(err) as e:
-            return subprocess.CompletedProcess([module, *args], rc, o.read(), e.read())
+        return json.loads(answer)
 
     def close(self) -> None:
         import shutil
@@ -116,3 +137,26 @@ class ForkRunner:
         self._p.stdin.close()
         self._p.wait(timeout=60)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class Started:
+    """A command ``ForkRunner.start`` started: ``pid`` (its process group's too), ``poll`` and ``wait`` as Popen's."""
+
+    def __init__(self, runner: ForkRunner, pid: int):
+        self.runner, self.pid, self.returncode = runner, pid, None
+        runner._started = self
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 0)   # (the server reaps it as it ends)
+            except ProcessLookupError:
+                return self.wait()
+        return self.returncode
+
+    def wait(self) -> int:
+        """Its exit status (124: killed at the start's timeout)."""
+        if self.returncode is None:
+            self.runner._started = None
+            self.returncode = self.runner._answer()["rc"]
+        return self.returncode

@@ -676,33 +676,31 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_training(forkrun, tmp
 
 @pytest.mark.parametrize("sig,nproc,group", [("SIGTERM", 2, False), ("SIGTERM", 1, False), ("SIGINT", 1, True),
                                              ("SIGINT", 2, True), ("SIGINT", 2, False)])
-def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc, group):
+def test_a_signalled_run_removes_its_swap_files(forkrun, tmp_path, sig, nproc, group):
     """SIGTERM to the launcher alone (kill, a Slurm time limit), Ctrl-C (SIGINT to the terminal's
     process group) and SIGINT to the launcher alone once it stepped: every rank unwinds and removes its
-    swap files; each is one line per process (in train.log too) naming the signal sent, no traceback."""
+    swap files; each is one line per process (in train.log too) naming the signal sent, no traceback.
+    (The command forked from the suite's fork server, in its own process group, with SIGINT as a terminal's.)"""
     import re
     import signal
     import time
 
     run = tmp_path / "run"
-    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        p = subprocess.Popen([sys.executable, "-m", "framework.train", *SHORT[4:], "train.steps=100000",
-                              "train.log_every=1", "train.eval_every=0", "+stage=zero2", "offload=nvme",
-                              f"dist.nproc={nproc}", f"hydra.run.dir={run}"],
-                             cwd=tmp_path, env={**os.environ, **ENV}, stdout=out, stderr=err, start_new_session=True,
-                             # as a terminal's: a test run in the background inherits SIGINT ignored
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        try:
-            deadline = time.monotonic() + 180
-            while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):
-                assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
-                time.sleep(0.2)
-            assert list((run / "nvme").glob("rank*.swap"))
-            (os.killpg if group else os.kill)(p.pid, getattr(signal, sig))
-            rc = p.wait(timeout=120)
-        finally:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+    p = forkrun.start("framework.train", [*SHORT[4:], "train.steps=100000", "train.log_every=1", "train.eval_every=0",
+                                          "+stage=zero2", "offload=nvme", f"dist.nproc={nproc}", f"hydra.run.dir={run}"],
+                      cwd=tmp_path, env=ENV, out=tmp_path / "out", err=tmp_path / "err", timeout=300)
+    try:
+        deadline = time.monotonic() + 180
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):
+            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
+            time.sleep(0.2)
+        assert list((run / "nvme").glob("rank*.swap"))
+        (os.killpg if group else os.kill)(p.pid, getattr(signal, sig))
+        rc = p.wait()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     stderr = (tmp_path / "err").read_text()
     assert rc == (130 if sig == "SIGINT" else 143), stderr
     assert not (run / "nvme").exists() or list((run / "nvme").iterdir()) == []

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -81,22 +79,20 @@ def test_offload_and_ranks_cost_what_they_move():
     assert z3["comm"] > z2["comm"] > 0   # zero3 also gathers parameters for forward and backward
 
 
-def test_verify_top3_runs_each_and_reports_measured_times(tmp_path, monkeypatch):
+def test_verify_top3_runs_each_and_reports_measured_times(forkrun, tmp_path, monkeypatch):
     # --verify K trains the first K setups of the ranking for steps= steps each and reports their
     # measured time next to the predicted one. Whether the measured order agrees is a timing claim: on
     # a shared 2-core machine it is noise, so it is not asserted here (house rule: no timed unit tests).
     # A fresh cache folder for the probe; the C++ kernels stay where they were built (compiling them
     # again would take most of this test's time).
     from framework.ops._loader import cache_root
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"),
-           "FRAMEWORK_OPS_CACHE": str(cache_root()),
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # (The command forked from the suite's fork server, tests/cli/_forkrun.py.)
+    env = {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"), "FRAMEWORK_OPS_CACHE": str(cache_root())}
     # The command line's train.micro_batch (the global batch) and model.activation_checkpointing (which
     # restricts the search as checkpointing= would) do not replace the candidates' own values in the runs.
-    cmd = [sys.executable, "-m", "framework.plan", "model=gpt-nano", "model.context=16", "train.micro_batch=8",
-           "micro_batches=8,2,1", "stages=ddp", "model.activation_checkpointing=true", "steps=3", "--verify", "3",
-           "--json"]
-    run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    args = ["model=gpt-nano", "model.context=16", "train.micro_batch=8", "micro_batches=8,2,1", "stages=ddp",
+            "model.activation_checkpointing=true", "steps=3", "--verify", "3", "--json"]
+    run = forkrun.run("framework.plan", args, cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "probe (measured now" in run.stdout and (tmp_path / "cache" / "framework").is_dir()
     assert "note: planned only with model.activation_checkpointing=true (the command line)" in run.stdout
@@ -120,7 +116,7 @@ def test_verify_top3_runs_each_and_reports_measured_times(tmp_path, monkeypatch)
     assert "measured_now" not in cached and {k: cached[k] for k in written} == written
 
 
-def test_verify_runs_with_a_ds_config_files_stage_and_offload(tmp_path, monkeypatch):
+def test_verify_runs_with_a_ds_config_files_stage_and_offload(forkrun, tmp_path, monkeypatch):
     """The DeepSpeed file chooses the stage and offload in each verified job too (the plan is restricted to
     its choice): the candidates' plan files do not choose them a second time (a duplicate in Hydra's
     defaults list). The one end-to-end run of a multirun composed with a DeepSpeed file: 1 job, 2 steps;
@@ -137,17 +133,15 @@ def test_verify_runs_with_a_ds_config_files_stage_and_offload(tmp_path, monkeypa
         torch.set_num_threads(threads)
     cached.parent.mkdir(parents=True)
     cached.write_text(json.dumps({**PROBE, "version": probe.VERSION, "process_rss_bytes": 0}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"),
-           "FRAMEWORK_OPS_CACHE": ops,
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"), "FRAMEWORK_OPS_CACHE": ops}
     # The file also fixes the micro batch (2; the accumulation stays "auto"): every candidate has it, and
     # the job runs it (the file's value is set under the command line only, over the candidate's own).
     ds = json.loads((ROOT / "tests/config/ds/hf_zero2_cpu_offload.json").read_text())
     (tmp_path / "ds.json").write_text(json.dumps({**ds, "train_micro_batch_size_per_gpu": 2}))
-    cmd = [sys.executable, "-m", "framework.plan", "model=gpt-nano", "model.n_layer=2", "model.d_model=32",
-           "model.n_head=2", "model.context=16", "data.vocab_size=24", "train.grad_accum=2",
-           f"ds_config={tmp_path}/ds.json", "checkpointing=false", "steps=2", "--verify", "1", "--json"]
-    run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    args = ["model=gpt-nano", "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.context=16",
+            "data.vocab_size=24", "train.grad_accum=2", f"ds_config={tmp_path}/ds.json", "checkpointing=false",
+            "steps=2", "--verify", "1", "--json"]
+    run = forkrun.run("framework.plan", args, cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "probe (cached" in run.stdout, run.stdout
     assert "note: planned only with train.micro_batch=2 x train.grad_accum=2 (ds_config=" in run.stdout, run.stdout
@@ -490,7 +484,8 @@ def test_the_host_holds_every_ranks_process_and_the_launcher():
 def test_when_nothing_fits_the_closest_setup_is_one_line(capsys, monkeypatch):
     """Nothing fits: exit 2 with one line naming the setup closest to fitting and its needs in readable units."""
     cli = _quiet_probe(monkeypatch)
-    assert cli.main(["model=gpt-mini", "cpu_mem=10M", "nvme=1T", "ranks=1", "--json"]) == 2
+    # (two micro batch sizes of the five: every stage and offload still planned, with and without checkpointing)
+    assert cli.main(["model=gpt-mini", "cpu_mem=10M", "nvme=1T", "ranks=1", "micro_batches=1,2", "--json"]) == 2
     out, err = capsys.readouterr()
     rows = json.loads(out.strip().splitlines()[-1])
     best = min(rows, key=lambda r: r["host"])
@@ -499,5 +494,6 @@ def test_when_nothing_fits_the_closest_setup_is_one_line(capsys, monkeypatch):
     assert err.startswith(f"error: plan: no setup fits; the closest, {label}, needs host ") and \
         err.count("\n") == 1, (label, err)
     assert " MiB (10485760 bytes) (give more memory" in err and "setup" not in out.split("\n")[-2], err
-    assert cli.main(["model=gpt-nano", "gpu_mem=80G", "cpu_mem=2M", "ranks=1"]) == 2   # every rank's process
+    assert cli.main(["model=gpt-nano", "gpu_mem=80G", "cpu_mem=2M", "ranks=1", "stages=ddp,zero3",
+                     "micro_batches=1"]) == 2   # every rank's process
     assert "> 2.00 MiB (2097152 bytes)" in capsys.readouterr().err

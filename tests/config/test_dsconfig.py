@@ -399,6 +399,22 @@ def test_batch_triple_mismatch_names_all_numbers_and_world():
     assert "not divisible by train.micro_batch=5" in error_of({"train_batch_size": 16}, ["train.micro_batch=5"])
 
 
+def test_a_world_given_as_a_function_is_asked_only_for_a_deepspeed_file():
+    """The command line passes a sweep launcher's world as a function (composing its config costs a Hydra
+    composition): asked where a DeepSpeed file's batch is divided over it, never for a run without one."""
+    from framework.config import compose_layers
+
+    asked = []
+
+    def world():
+        asked.append(1)
+        return 4
+
+    assert compose_layers(["train.micro_batch=2"], world=world)[1].train.micro_batch == 2 and not asked
+    cfg = compose_layers([], ds_config={"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, world=world)[1]
+    assert (cfg.train.micro_batch, cfg.train.grad_accum, asked) == (4, 2, [1])   # 32 / (4 x 4 ranks)
+
+
 @pytest.mark.parametrize("ds,overrides,expect", [
     ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}, ["train.micro_batch=4"], (4, 8)),
     ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, ["train.grad_accum=8"], (4, 8)),
