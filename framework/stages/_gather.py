@@ -275,19 +275,22 @@ class Gatherer:
         """``in_place``: the hooks use an ``_in_place`` group's shard; ``gather_now`` a copy (edits discarded)."""
         unit.to(UnitState.GATHERING)   # (its works are empty: the last gather's finish cleared them)
         try:
-            for g in unit.groups:
-                if in_place and self._in_place(g):
-                    g.full = g.shard   # no copy, no collective (world size 1)
-                    continue
-                if g.full is None or g.full is g.shard:   # first gather, or the last one was in place
-                    g.full = torch.empty(g.layout.padded, dtype=self.param_dtype, device=self.dist.device)
-                else:   # its bytes again (released: zero bytes); the gather fills them
-                    g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
-                with self.offload.shards.loading() as waits:   # host shards: copy and gather off the compute stream
-                    self.offload.shards.load(g.full[slice(*g.layout.partition(self.dist.rank))], g.shard)
-                    unit.works.append(self.dist.comm.all_gather_into(g.full, g.layout.shard,
-                                                                     f"zero3 gather of {unit.name!r}"))
-                unit.works.append(Pending(after=waits))
+            # Normal tensors even in a forward under torch.inference_mode: the buffers outlive it, and later
+            # gathers fill them in place (an inference tensor refuses that outside inference mode).
+            with torch.inference_mode(False):
+                for g in unit.groups:
+                    if in_place and self._in_place(g):
+                        g.full = g.shard   # no copy, no collective (world size 1)
+                        continue
+                    if g.full is None or g.full is g.shard:   # first gather, or the last one was in place
+                        g.full = torch.empty(g.layout.padded, dtype=self.param_dtype, device=self.dist.device)
+                    else:   # its bytes again (released: zero bytes); the gather fills them
+                        g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
+                    with self.offload.shards.loading() as waits:   # host shards: copy and gather off the compute stream
+                        self.offload.shards.load(g.full[slice(*g.layout.partition(self.dist.rank))], g.shard)
+                        unit.works.append(self.dist.comm.all_gather_into(g.full, g.layout.shard,
+                                                                         f"zero3 gather of {unit.name!r}"))
+                    unit.works.append(Pending(after=waits))
         except BaseException as e:   # sharded again: a later gather starts over, never finishes into unfilled buffers
             works, unit.works, unit.state = unit.works, [], UnitState.SHARDED
             started = [g for g in unit.groups if g.full is not None and g.full is not g.shard]

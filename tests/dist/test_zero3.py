@@ -1289,6 +1289,37 @@ def test_a_forward_outside_the_steps_leaves_no_unit_gathered(pools, world):
         assert out == dict(left=[], trace=True, edited=True, loaded=True, reread=True, rates=(0.875, 0.875))
 
 
+def _inference_mode_forward(dist, *extra):
+    """The second step's loss after a first step, with and without a forward and a framework.gathered block
+    under torch.inference_mode between them."""
+    losses = []
+    for inference in (False, True):
+        cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "optimizer=sgd", "scheduler=constant",
+                                 "stage.stage3_param_persistence_threshold=0", *extra])
+        torch.manual_seed(0)
+        model = Sometimes()
+        engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, dist)
+        state, _ = engine.train_step(engine.state, Batch((_micro(0),)))
+        if inference:
+            with torch.inference_mode():
+                model(_micro(1)[0])
+                with framework.gathered(list(model.parameters())):
+                    pass
+        losses.append(engine.train_step(state, Batch((_micro(2),)))[1]["loss"])
+        engine.close()
+    return losses
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_forward_under_inference_mode_leaves_training_unchanged(pools, world):
+    # Gather buffers made inside inference mode are refilled in place by later gathers (world 1 gathers in
+    # place unless the shards are on the host).
+    out = [_inference_mode_forward(_local(), "offload=cpu", "offload.params=cpu")] if world == 1 else \
+        pools(2).run(_inference_mode_forward, timeout=120)
+    for plain, after in out:
+        assert after == plain
+
+
 def test_forwards_outside_the_steps_without_a_trace_follow_their_own():
     # A generation loop with no eval_step before it: the no-grad root forwards record and follow a trace
     # of their own (the steps' traces untouched), so each after the first is prefetched.
