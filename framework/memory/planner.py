@@ -18,7 +18,8 @@ from framework.core.room import available_ram, free_bytes
 from framework.core import units
 
 # Host memory besides the tensors: each rank is a Python process with torch and the framework loaded
-# (the probe's own resident set, ``process_rss_bytes``). More than one local rank are spawned by the
+# (the probe's own resident set, ``process_rss_bytes``, and with activation checkpointing what its first use
+# loads, ``checkpointing_rss_bytes``). More than one local rank are spawned by the
 # launcher, whose process stays loaded while they train (counted as one more such process), beside
 # multiprocessing's resource tracker.
 TRACKER_BYTES = 16 * units.MiB
@@ -253,8 +254,9 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
             module = component(ccfg, "model").build(ccfg.model, vocab_size=vocab)
         pred = predict(ccfg, hw.ranks, module=module, traces=traces, device="cuda" if cuda else "cpu")
         # On a CPU-only machine the host is the device: a rank's peak is all of its process.
-        device_peak = pred.device_peak(cuda) if cuda else pred.peak + rank_base
-        host = (pred.host_total() + rank_base if cuda else device_peak) * hw.ranks + launcher
+        rank_held = rank_base + (probe.get("checkpointing_rss_bytes", 0) if cand.checkpointing else 0)
+        device_peak = pred.device_peak(cuda) if cuda else pred.peak + rank_held
+        host = (pred.host_total() + rank_held if cuda else device_peak) * hw.ranks + launcher
         needs = {**({"device": (device_peak, hw.gpu_mem)} if cuda else {}), "host": (host, hw.cpu_mem),
                  "disk": (sum(pred.disk.values()) * hw.ranks, hw.nvme)}
         over = max(n / limit if limit else float("inf") if n else 0.0 for n, limit in needs.values())

@@ -1,6 +1,6 @@
 """Bandwidth probe for the planner: matmul, copies, host optimizer step, disk, the train step's fixed costs,
-all-reduce; measured once per machine and disk, cached as ``<cache>/probe-<host>-<device>-t<threads>-fs<disk>.json``
-(``python -m framework.plan --reprobe`` measures again)."""
+all-reduce, and a training process's own resident set; measured once per machine and disk, cached as
+``<cache>/probe-<host>-<device>-t<threads>-fs<disk>.json`` (``python -m framework.plan --reprobe`` measures again)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +20,7 @@ import torch
 from framework.core.paths import cache_dir
 from framework.core.units import MiB
 
-VERSION = 4
+VERSION = 5
 
 
 def cache_path(device: torch.device, disk_dir: Path) -> Path:
@@ -70,6 +70,11 @@ def measure(device: torch.device, disk_dir: Path, collectives: bool) -> dict:
     out["disk_write_bytes_s"], out["disk_read_bytes_s"] = _disk(disk_dir)
     out["allreduce_bytes_s"] = _collective() if collectives else None
     out["process_rss_bytes"] = rss_now()   # a process that has imported torch and the framework and trained
+    # A run with activation checkpointing holds more: torch's checkpoint imports torch._dynamo (and sympy) on
+    # its first call, about 65 MiB, which a process never frees (so measured last, as one checkpointed step).
+    _tiny_gpt(device, 1, 1, checkpointing=True, reps=1)
+    gc.collect()
+    out["checkpointing_rss_bytes"] = max(0, rss_now() - out["process_rss_bytes"])
     return out
 
 
@@ -96,29 +101,32 @@ def rss_peak() -> int:
 def _micro_overhead(device: torch.device) -> tuple[float, float, float]:
     """(per step, per micro step, per layer and micro step) seconds of train_step on a GPT that does almost
     no arithmetic: the fixed costs, fitted from 1 and 3 layers by 1 and 3 micro batches."""
+    t = {(layers, accum): _tiny_gpt(device, layers, accum) for layers in (1, 3) for accum in (1, 3)}
+    per_micro = {L: max(0.0, (t[L, 3] - t[L, 1]) / 2) for L in (1, 3)}
+    per_layer = max(0.0, (per_micro[3] - per_micro[1]) / 2)
+    fixed_micro = max(0.0, per_micro[1] - per_layer)
+    return max(0.0, t[1, 1] - per_micro[1]), fixed_micro, per_layer
+
+
+def _tiny_gpt(device: torch.device, layers: int, accum: int, checkpointing: bool = False, reps: int = 5) -> float:
+    """The best of ``reps`` train_step seconds of a GPT that does almost no arithmetic."""
     from framework.engine.build import initialize
     from framework.config import compose
     from framework.comm.distributed import Dist
     from framework.models.gpt import build, gpt_loss
 
-    t = {}
-    for layers in (1, 3):
-        for accum in (1, 3):
-            cfg = compose([f"model.n_layer={layers}", "model.d_model=32", "model.n_head=2", "model.context=8",
-                           "train.micro_batch=1", f"train.grad_accum={accum}", "logger=none"])
-            with torch.device("meta"):
-                module = build(cfg.model, vocab_size=64)
-            x = torch.zeros(1, 8, dtype=torch.long, device=device)
-            with initialize(module, gpt_loss, cfg, Dist(0, 1, 0, device, None, 60.0)) as engine:
-                box = [engine.state]
+    cfg = compose([f"model.n_layer={layers}", "model.d_model=32", "model.n_head=2", "model.context=8",
+                   f"model.activation_checkpointing={str(checkpointing).lower()}", "train.micro_batch=1",
+                   f"train.grad_accum={accum}", "logger=none"])
+    with torch.device("meta"):
+        module = build(cfg.model, vocab_size=64)
+    x = torch.zeros(1, 8, dtype=torch.long, device=device)
+    with initialize(module, gpt_loss, cfg, Dist(0, 1, 0, device, None, 60.0)) as engine:
+        box = [engine.state]
 
-                def step():
-                    box[0], _ = engine.train_step(box[0], [(x, x)] * accum)
-                t[layers, accum] = _best(step, device, reps=5)
-    per_micro = {L: max(0.0, (t[L, 3] - t[L, 1]) / 2) for L in (1, 3)}
-    per_layer = max(0.0, (per_micro[3] - per_micro[1]) / 2)
-    fixed_micro = max(0.0, per_micro[1] - per_layer)
-    return max(0.0, t[1, 1] - per_micro[1]), fixed_micro, per_layer
+        def step():
+            box[0], _ = engine.train_step(box[0], [(x, x)] * accum)
+        return _best(step, device, reps=reps)
 
 
 def _host_optimizer() -> float:
