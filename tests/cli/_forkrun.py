@@ -61,6 +61,20 @@ def _wait(pid: int, timeout: float) -> int:
     return 124 if code == -signal.SIGKILL else code
 
 
+def _lazy_imports(req: dict) -> list[str]:
+    """Modules a command imports on first use that cost a second of CPU or more each time: imported once
+    here, before the first child that needs them, rather than in every such child. The memory
+    estimator's meta-device trace (framework.estimate, framework.plan) pulls in torch._dynamo and
+    sympy (about 1 s); a W&B run's start imports wandb and its launch package (about 1 s). Only where
+    a command needs them: a server that never runs one pays nothing."""
+    mods = []
+    if req["module"] in ("framework.estimate", "framework.plan"):
+        mods.append("torch._dynamo")
+    if any(a.startswith("logger=wandb") for a in req["args"]):
+        mods += ["wandb", "wandb.sdk.launch"]
+    return [m for m in mods if m not in sys.modules]
+
+
 def main() -> None:
     import framework.estimate  # noqa: F401  (what the commands import: paid once, here)
     import framework.plan  # noqa: F401
@@ -74,6 +88,15 @@ def main() -> None:
 
     for line in sys.stdin:
         req = json.loads(line)
+        lazy = _lazy_imports(req)
+        if lazy:
+            import contextlib
+            import importlib
+            for m in lazy:
+                with contextlib.suppress(ImportError):   # (the command then says so itself)
+                    importlib.import_module(m)
+            gc.collect()
+            gc.freeze()
         pid = os.fork()
         if pid == 0:
             os.setpgid(0, 0)   # its spawned ranks go with it on a timeout

@@ -4,12 +4,15 @@ folder that holds what a fresh clone holds, with only its steps shortened.
 The fenced ``bash`` blocks are extracted (continuation lines joined, comments dropped) and run in the
 order of ``DOCS``, each document top to bottom. Later examples use what earlier ones wrote (the sweep's
 report, the checkpoint a resume names, the 16-bit weights a pretrained run loads, the checkpoints an
-export reads), so a page comes after the pages whose commands write what it uses; a command that both
-the README and a page show runs twice. Shortening: ``train.steps`` and the step counts checkpoints are
-named after become a few, logs and evaluations happen every step, a recipe runs its ``--quick`` twin.
-``python -m framework.*`` commands run in a fork server that has imported the framework once
-(tests/cli/_forkrun.py); others (torchrun) run as processes. The few commands that cannot run here are
-listed in SKIP with the reason, and each must still be in a document.
+export reads), so a page comes after the pages whose commands write what it uses; a command an earlier
+document showed does not run again (``make train`` counts as the ``python -m framework.train`` it
+runs), unless a page shows it more often than those before it (checkpoints.md's save, then its resume).
+Shortening: ``train.steps`` and the step counts checkpoints are named after become a few, logs and
+evaluations happen every step, a recipe runs its ``--quick`` twin. ``python -m framework.*`` commands,
+and torchrun (as ``python -m torch.distributed.run``, which is what its script runs), run in a fork
+server that has imported the framework once (tests/cli/_forkrun.py); the ranks they start are fresh
+processes, as always. The few commands that cannot run here are listed in SKIP with the reason, and
+each must still be in a document.
 """
 from __future__ import annotations
 
@@ -17,7 +20,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -29,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "docs/running.md", "docs/stages.md", "docs/nvme.md", "docs/deepspeed.md",
         "docs/checkpoints.md", "docs/hf.md", "docs/sweeps.md", "docs/estimate.md", "docs/library.md",
         "docs/gpu.md", "docs/architecture.md", "recipes/README.md"]
-STEPS = 3
+STEPS = 2   # a step, a checkpoint, and one more step after it (a resume trains that one)
 SKIP = {
     "make test": "it is this test suite",
     "bash bench/gpu_check.sh": "needs a CUDA GPU (its --dry-run runs in tests/cli/test_gpu_check.py)",
@@ -122,6 +124,7 @@ def test_every_documented_command_runs(clone, forkrun):
             dry = subprocess.run(["make", "-n", "train"], cwd=clone, capture_output=True, text=True)
             assert "-m framework.train $(ARGS)" in (ROOT / "Makefile").read_text() and dry.returncode == 0
             words = ["python", "-m", "framework.train"]
+            here[" ".join(words)] += 1   # the same command as a page's plain line (running.md): it ran here
         m = RECIPE_RUN.match(" ".join(words))
         if m:
             continue   # its --quick twin: tests/cli/test_recipes.py
@@ -130,11 +133,10 @@ def test_every_documented_command_runs(clone, forkrun):
             if module == "framework.train" and "--cfg" not in args:
                 args = shorten(args)
             p = forkrun.run(module, args, cwd=clone, env={**env, **assigned}, timeout=240)
-        elif words[0] == "torchrun":
+        elif words[0] == "torchrun":   # (the torchrun script is ``sys.exit(torch.distributed.run.main())``)
             at = words.index("framework.train") + 1
-            p = subprocess.run([str(Path(sys.executable).with_name("torchrun")), *words[1:at], *shorten(words[at:])],
-                               cwd=clone, env={**os.environ, **env, **assigned}, capture_output=True, text=True,
-                               timeout=240)
+            p = forkrun.run("torch.distributed.run", [*words[1:at], *shorten(words[at:])], cwd=clone,
+                            env={**env, **assigned}, timeout=240)
         else:
             raise AssertionError(f"{doc}: no rule to run {line!r}")
         ran += 1
