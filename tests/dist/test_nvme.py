@@ -336,6 +336,22 @@ def test_the_ram_bound_counts_an_optimizer_tile_pool_only_where_one_exists(tmp_p
             framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local()).close()
 
 
+def test_the_early_ram_bound_counts_the_pools_zero3_makes(tmp_path, monkeypatch):
+    """zero3's early host-memory bound cuts tiles and counts slots as the engine does (in each unit group's
+    partition, no more slots than tiles): with DeepSpeed's sub_group_size of 10^9 and a buffer_count far
+    above the tiles, a host with room for exactly the pools the engine allocates is not refused."""
+    import framework.offload._disk as disk
+
+    cfg = tiny_config(*BASE, "+stage=zero3", "offload=nvme", "offload.sub_group_size=1000000000",
+                      "offload.buffer_count=100000", f"offload.nvme_path={tmp_path}")
+    with framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local()) as engine:
+        items = engine.memory(engine.state).nonzero()[0]
+    pools = sum(host for name, (_, host) in items.items() if name.startswith("nvme_"))
+    assert {"nvme_optimizer_pool", "nvme_param_pool"} <= items.keys(), items
+    monkeypatch.setattr(disk, "available_ram", lambda: pools)
+    framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local()).close()
+
+
 def _short_of_ram_on_rank_1(dist, folder):
     import framework.offload._disk as disk
 
