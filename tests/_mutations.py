@@ -41,7 +41,7 @@ ZERO2_OFFLOAD = ("+stage=zero2", "stage.reduce_bucket_size=1500", "offload=cpu")
 # Four optimizer tiles through two pool slots: a slot is reused within each step.
 # Speculative host steps that are kept (no clipping): each piece's gradient copy is waited for once.
 ZERO2_SPECULATIVE = (*ZERO2_OFFLOAD, "offload.overlap_step=true", "train.grad_clip=0")
-ZERO2_NVME = ("+stage=zero2", "offload=nvme", "offload.sub_group_size=600", "offload.buffer_count=2")
+ZERO2_NVME = ("+stage=zero2", "offload=nvme", "offload.sub_group_size=1024", "offload.buffer_count=2")
 
 
 class _Forgetful(CheckingEvent):

@@ -25,6 +25,10 @@ from framework.core.errors import UnsafePathError
 
 PRIVATE_FILE = 0o600
 PRIVATE_DIR = 0o700
+DIRECT_ALIGN = 4096   # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
+# offload.sub_group_size's floor: fp32 elements in one such unit (each swapped tensor is padded to whole units,
+# so a smaller tile multiplies the memory, disk and IO requests its elements need)
+SMALLEST_TILE = DIRECT_ALIGN // 4
 _BASE = os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC   # the folder itself may be a link the user made
 

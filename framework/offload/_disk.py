@@ -74,22 +74,26 @@ class NVMePlacement(HostPlacement):
             say(f"nvme: removed {count} stale swap file(s) of dead processes from {self.spec.nvme_path}, "
                 f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", sys.stdout)
 
-    def expect(self, numel: int, param_dtype: torch.dtype) -> None:
-        """One line on every rank if a disk (its ranks summed) cannot hold the least any optimizer needs, or
-        a host the pools (exact at init)."""
+    def expect(self, sizes: Sequence[int], working: torch.dtype, master: torch.dtype) -> None:
+        """zero3, before construction (``sizes``: each unit group's partition): one line on every rank if a
+        disk (its ranks summed) cannot hold the least any optimizer needs, or a host the pools (exact at init)."""
+        numel = sum(sizes)
         if not numel:
             return
         spec = self.spec
-        size = param_dtype.itemsize if spec.params == "nvme" else 0   # a swapped parameter's bytes
+        size = working.itemsize if spec.params == "nvme" else 0   # a swapped parameter's bytes
         fp32 = (4 if spec.optimizer == "nvme" else 0) + (4 if self.grad_swap else 0)   # swapped bytes per element
 
         def need() -> int:   # once dead runs' files are gone: their room is free
             self.clean_stale()
             return numel * (fp32 + 2 * size)
-        # optimizer=cpu keeps its state in host memory (as offload=cpu does): no optimizer tile pool
-        pools = spec.buffer_count * min(spec.sub_group_size, numel) * fp32 \
-            + min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
-        agree_room(self.dist, spec.nvme_path or temp_root(), need, partial(self.check_ram, pools, "at least "),
+
+        def pools() -> None:   # as the estimator predicts them, without optimizer state (none is known yet)
+            fp = Footprint(items={"params": (0, 0)})   # (the shards' prediction moves or drops it)
+            self.shards.predict(fp, sizes, working.itemsize)
+            self.predict_pool(fp, sizes, None, working, master, ())   # (optimizer=cpu: no tile pool)
+            self.check_ram(sum(host for _, host in fp.items.values()), "at least ")
+        agree_room(self.dist, spec.nvme_path or temp_root(), need, pools,
                    verb="need at least", made=self._made if spec.nvme_path else None)
 
     def check_ram(self, pools: int, bound: str) -> None:

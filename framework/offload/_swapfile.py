@@ -27,10 +27,10 @@ from typing import Mapping
 import torch
 
 from framework.core.errors import ConfigError, SwapIOError
-from framework.core.files import refuse_links, write_atomic
+from framework.core.files import DIRECT_ALIGN, refuse_links, write_atomic
 from framework.core.utils import dtype_name
 
-ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
+ALIGN = DIRECT_ALIGN
 FORMAT = 2            # of the manifest: a file of another format is refused (``_check_same_layout``)
 
 

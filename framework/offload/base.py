@@ -149,8 +149,9 @@ class Placement:
     def connect(self, dist) -> None:
         self.dist = dist
 
-    def expect(self, numel: int, param_dtype: torch.dtype) -> None:
-        """zero3, before construction: a tier with swap files stops now if they cannot fit."""
+    def expect(self, sizes: Sequence[int], working: torch.dtype, master: torch.dtype) -> None:
+        """zero3, before construction (``sizes``: each unit group's partition): a tier with swap files stops now
+        if they cannot fit."""
 
     def ranges(self, n: int, chunk: int | None) -> list[tuple[int, int, Tier]]:
         """(start, end, tier) of the pieces ``place`` cuts a partition of ``n`` elements into."""

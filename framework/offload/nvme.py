@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError
+from framework.core.files import SMALLEST_TILE
 from framework.core.registry import Component
 from framework.offload._aio import MAX_BLOCK_SIZE, MAX_THREADS
 from framework.offload._disk import DiskPlacement, NVMePlacement
@@ -53,6 +54,10 @@ def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVM
         least = 0 if key == "max_in_cpu" else 1
         if getattr(cfg, key) < least:
             raise ConfigError(f"config: offload.{key} must be >= {least}, got {getattr(cfg, key)}")
+    if cfg.optimizer == "nvme" and cfg.sub_group_size < SMALLEST_TILE:
+        raise ConfigError(f"config: offload.sub_group_size={cfg.sub_group_size} is smaller than one {ALIGN}-byte "
+                          f"O_DIRECT page of fp32 elements, to which every tile is padded; set "
+                          f"offload.sub_group_size>={SMALLEST_TILE}")
     default = NVMeOffloadConfig()   # a tier that is off: its keys would do nothing
     for tier, on, keys in (("params", params, ("param_buffer_count", "param_buffer_size", "max_in_cpu")),
                            ("optimizer", cfg.optimizer, ("sub_group_size", "buffer_count", "pipeline_read",

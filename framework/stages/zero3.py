@@ -74,8 +74,9 @@ class Zero3Stage(PartitionedStage):
         all_named = list(module.named_parameters())  # before any parameter is replaced
         # Owned gradients in the optimizer's swap file (offload=nvme), read back on a step's later micro batches.
         self.grad_swap = self.offload.swap_grads(policy.grad_accum_dtype, grad_accum)
-        self.offload.expect(sum(p.numel() for _, p in all_named if p.requires_grad) // self.dist.world,
-                            policy.param_dtype)
+        owned = [make_layout(named, self.dist.world).shard   # this rank's partition of each unit group (``_make_group``)
+                 for members in (*(plan.named for plan in plans), persistent_named) for _, named in unit_groups(members)]
+        self.offload.expect(owned, policy.param_dtype, policy.master_dtype)
         # One reusable buffer for materialising meta parameters (the largest one).
         metas = [p for _, p in all_named if p.is_meta]
         self._scratch = torch.empty(max((p.numel() for p in metas), default=0), dtype=torch.float32,

@@ -157,7 +157,11 @@ def test_nvme_schema_resolves_params_auto_per_stage():
     (["+stage=zero3", "offload=nvme", "offload.params=gpu"], "offload.params must be none, cpu, nvme or auto"),
     (["+stage=zero2", "offload=nvme", "offload.pipeline_read=true", "offload.pipeline_write=true",
       "offload.buffer_count=2"], "set offload.buffer_count>=3"),
-    (["+stage=zero2", "offload=nvme", "offload.sub_group_size=0"], "offload.sub_group_size must be >= 1"),
+    (["+stage=zero2", "offload=nvme", "offload.sub_group_size=0"], "offload.sub_group_size must be >= 1,"),
+    # every tile is padded to a 4 KiB page: one element a tile would take 1024 times its memory and disk
+    (["+stage=zero2", "offload=nvme", "offload.sub_group_size=1023"], "config: offload.sub_group_size=1023 is "
+     "smaller than one 4096-byte O_DIRECT page of fp32 elements, to which every tile is padded; set "
+     "offload.sub_group_size>=1024"),
     (["+stage=zero2", "offload=nvme", "offload.aio.block_size=1000"], "offload.aio.block_size must be a positive multiple of 4096"),
     # absurd values: per-thread bounce buffers of 64 GiB, 20000 IO threads
     (["+stage=zero2", "offload=nvme", "offload.aio.block_size=68719476736"], "of at most 67108864"),

@@ -541,7 +541,7 @@ def test_offload_sections_and_mismatched_pin_memory():
 
 def test_nvme_buffer_keys_of_a_section_on_the_cpu_are_notes():
     """A section on the cpu beside one on nvme: its NVMe buffer keys do nothing (a note), the run loads."""
-    ds = {"zero_optimization": {"stage": 3, "sub_group_size": 1000,
+    ds = {"zero_optimization": {"stage": 3, "sub_group_size": 2000,
                                 "offload_optimizer": {"device": "cpu", "buffer_count": 2, "pipeline_write": True},
                                 "offload_param": {"device": "nvme", "nvme_path": "/tmp/x", "buffer_count": 3}}}
     cfg = framework.compose([], ds_config=ds)
@@ -552,8 +552,19 @@ def test_nvme_buffer_keys_of_a_section_on_the_cpu_are_notes():
     ds["zero_optimization"].update(offload_optimizer={"device": "nvme", "nvme_path": "/tmp/x"},
                                    offload_param={"device": "cpu", "buffer_size": 10, "max_in_cpu": 5})
     cfg = framework.compose([], ds_config=ds)
-    assert (cfg.offload.optimizer, cfg.offload.params, cfg.offload.sub_group_size) == ("nvme", "cpu", 1000)
+    assert (cfg.offload.optimizer, cfg.offload.params, cfg.offload.sub_group_size) == ("nvme", "cpu", 2000)
     assert "offload_param.buffer_size" in " ".join(cfg.notices) and "offload_param.max_in_cpu" in " ".join(cfg.notices)
+
+
+def test_a_tile_below_one_page_is_refused_naming_the_deepspeed_key():
+    """Each NVMe optimizer tile is padded to 4 KiB pages: the refusal names the key the file wrote."""
+    ds = {"zero_optimization": {"stage": 2, "sub_group_size": 1,
+                                "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"}}}
+    assert error_of(ds) == ("ds_config: zero_optimization.sub_group_size=1 is smaller than one 4096-byte O_DIRECT "
+                            "page of fp32 elements, to which every NVMe optimizer tile is padded; set it to at "
+                            "least 1024")
+    ds["zero_optimization"]["sub_group_size"] = 1024
+    assert framework.compose([], ds_config=ds).offload.sub_group_size == 1024
 
 
 def test_stage3_keys_with_and_without_prefix():

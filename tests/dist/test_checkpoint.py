@@ -30,7 +30,7 @@ from tests.dist.test_layout import assemble
 N, K = 4, 2
 ZERO3_SHARDED = "stage.stage3_param_persistence_threshold=0"   # every unit sharded
 ROWS = 8
-NVME = ["offload=nvme", "offload.sub_group_size=700", "offload.buffer_count=3"]   # many small tiles
+NVME = ["offload=nvme", "offload.sub_group_size=1024", "offload.buffer_count=3"]   # many small tiles
 
 
 def _cfg(world, overrides, root, extra=()):

@@ -43,7 +43,7 @@ ONE_RANK += [
     ("+stage=zero3", "offload=nvme", "offload.params=none", "precision=bf16"),
     # owned gradients in the swap file, read back on the second micro batch (pinned landings)
     ("+stage=zero3", "offload=nvme", "offload.params=none", "precision=bf16", "train.grad_accum=2"),
-    ("+stage=zero3", "offload=nvme", "offload.sub_group_size=300", "offload.param_buffer_count=2"),
+    ("+stage=zero3", "offload=nvme", "offload.sub_group_size=1024", "offload.param_buffer_count=2"),
     ("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "precision=bf16"),
     ("+stage=ddp", "precision=bf16", FROZEN),
     ("+stage=zero1", FROZEN),
@@ -58,7 +58,7 @@ TWO_RANKS += [("+stage=zero3", "offload=nvme", f"precision={p}") for p in ("fp32
 TWO_RANKS += [("+stage=zero2", "offload=cpu", f"precision={p}") for p in ("fp32", "fp16")]
 # a wider wire with no accumulator: the fp32 sums land in a buffer of their own (ddp: all, zero1: its partition)
 TWO_RANKS += [(f"+stage={s}", "precision=bf16", "precision.reduce_fp32=true") for s in ("ddp", "zero1")]
-TWO_RANKS += [("+stage=ddp",), ("+stage=zero3", "offload=nvme", "offload.sub_group_size=300"),
+TWO_RANKS += [("+stage=ddp",), ("+stage=zero3", "offload=nvme", "offload.sub_group_size=1024"),
               # round-robin buckets hold one partition's share each (a plain plan's would be twice as large)
               ("+stage=zero2", "stage.round_robin_gradients=true", "stage.reduce_bucket_size=3000",
                "stage.overlap_comm=true", "precision=bf16"),

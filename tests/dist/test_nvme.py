@@ -4,7 +4,7 @@ zero1/2/3 + offload=nvme are bitwise equal to offload=cpu (the same host kernels
 values; only where they live between steps differs) and within 1e-6 of offload=none, on 1 and 2
 ranks (zero2 on 4 too), fp32 and bf16, with gradient accumulation (2 micro batches), with pipeline_read and
 pipeline_write on and off (bitwise equal to each other), and zero3 parameter shards on none, cpu and
-nvme (also with the optimizer in host memory). Tiles are small (sub_group_size=700, a few buffers) so every step swaps many of them. One
+nvme (also with the optimizer in host memory). Tiles are small (sub_group_size=1024, a few buffers) so every step swaps many of them. One
 pool call per world size runs every case. Also: an IO error on one rank (a corrupted extent of the
 optimizer's or of zero3's parameter swap file) fails every rank with the error, not a hang, in a step, a
 checkpoint save or a weights export (both read the mapped swap file after checking it), as do a
@@ -35,7 +35,7 @@ from tests._helpers import build_gpt, no_collection, tiny_config
 
 BASE = ["model.d_model=33", "model.n_head=3", "train.steps=3", "train.micro_batch=2", "train.grad_accum=2",
         "train.grad_clip=0.05"]
-NVME = ["offload=nvme", "offload.sub_group_size=700", "offload.buffer_count=3"]
+NVME = ["offload=nvme", "offload.sub_group_size=1024", "offload.buffer_count=3"]
 RTOL = 1e-6
 
 # name -> (overrides, reference name it must equal bitwise, or None)
@@ -334,6 +334,22 @@ def test_the_ram_bound_counts_an_optimizer_tile_pool_only_where_one_exists(tmp_p
                 framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local())
         else:
             framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local()).close()
+
+
+def test_the_early_ram_bound_counts_the_pools_zero3_makes(tmp_path, monkeypatch):
+    """zero3's early host-memory bound cuts tiles and counts slots as the engine does (in each unit group's
+    partition, no more slots than tiles): with DeepSpeed's sub_group_size of 10^9 and a buffer_count far
+    above the tiles, a host with room for exactly the pools the engine allocates is not refused."""
+    import framework.offload._disk as disk
+
+    cfg = tiny_config(*BASE, "+stage=zero3", "offload=nvme", "offload.sub_group_size=1000000000",
+                      "offload.buffer_count=100000", f"offload.nvme_path={tmp_path}")
+    with framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local()) as engine:
+        items = engine.memory(engine.state).nonzero()[0]
+    pools = sum(host for name, (_, host) in items.items() if name.startswith("nvme_"))
+    assert {"nvme_optimizer_pool", "nvme_param_pool"} <= items.keys(), items
+    monkeypatch.setattr(disk, "available_ram", lambda: pools)
+    framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local()).close()
 
 
 def _short_of_ram_on_rank_1(dist, folder):

@@ -113,7 +113,7 @@ BASE = ["model.d_model=33", "model.n_head=3", "train.steps=6", "train.micro_batc
 
 def _train(dist, offload: list[str]):
     with tempfile.TemporaryDirectory(prefix="nvme-fp16-") as folder:
-        extra = [f"offload.nvme_path={folder}", "offload.sub_group_size=700", "offload.buffer_count=3"] \
+        extra = [f"offload.nvme_path={folder}", "offload.sub_group_size=1024", "offload.buffer_count=3"] \
             if "offload=nvme" in offload else []
         cfg = tiny_config(*BASE, *offload, *extra)
         module, data = build_gpt(cfg)

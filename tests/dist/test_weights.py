@@ -103,7 +103,7 @@ CASES = {
         ["+stage=zero3", "precision=bf16", "offload=cpu", "offload.params=cpu",
          "stage.stage3_param_persistence_threshold=300"], "safetensors"),
     "zero3 bf16 nvme (master, state, shards on disk) <- safetensors": (
-        ["+stage=zero3", "precision=bf16", "offload=nvme", "offload.sub_group_size=700",
+        ["+stage=zero3", "precision=bf16", "offload=nvme", "offload.sub_group_size=1024",
          "stage.stage3_param_persistence_threshold=0"], "safetensors"),
 }
 

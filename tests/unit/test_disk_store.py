@@ -212,19 +212,19 @@ def test_the_early_swap_bound_sums_the_ranks_sharing_a_disk(tmp_path):
     from framework.core.errors import ConfigError
     from framework.offload.nvme import NVMeOffloadConfig, build, resolve
 
-    spec = resolve(NVMeOffloadConfig(nvme_path=str(tmp_path), sub_group_size=1024, param_buffer_size=1024), "zero3", {})
+    spec = resolve(NVMeOffloadConfig(nvme_path=str(tmp_path), sub_group_size=10**6), "zero3", {})
     placement = build(spec, for_device(torch.device("cpu")))
     placement.connect(_TwoRanks())
     st = os.statvfs(tmp_path)
     per_param = 4 + 4 + 2 * 2   # fp32 master + optimizer on nvme, the owned gradient, bf16 shards in and out
     placement.swap_grads(torch.float32, 2)
-    numel = int(st.f_bavail * st.f_frsize * 0.6) // per_param
+    groups = int(st.f_bavail * st.f_frsize * 0.6) // per_param // 10**6   # unit groups of 10^6 elements
     with pytest.raises(ConfigError) as e:
-        placement.expect(numel, torch.bfloat16)
+        placement.expect([10**6] * groups, torch.bfloat16, torch.float32)
     assert str(e.value).startswith(f"offload.nvme_path={tmp_path}: the swap files of ranks 0, 0, sharing this "
                                    "file system, need at least "), str(e.value)
     assert "GiB (" in str(e.value) and "\n" not in str(e.value)
-    placement.expect(numel // 4, torch.bfloat16)   # both fit
+    placement.expect([10**6] * (groups // 4), torch.bfloat16, torch.float32)   # both fit
 
 
 class _PeerMade:
@@ -248,7 +248,7 @@ def test_every_rank_removes_the_swap_folder_a_peer_made_once_empty(tmp_path):
         folder.mkdir()
         placement = build(resolve(NVMeOffloadConfig(nvme_path=str(folder)), "zero3", {}), for_device(torch.device("cpu")))
         placement.connect(_PeerMade() if peer_made else _TwoRanks())
-        placement.expect(1024, torch.bfloat16)
+        placement.expect([1024], torch.bfloat16, torch.float32)
         placement.close()
         assert folder.exists() is not peer_made
     folder.rmdir()
@@ -267,7 +267,7 @@ def test_a_refused_preflight_removes_the_folders_it_made(tmp_path):
         placement = build(resolve(NVMeOffloadConfig(nvme_path=str(folder)), "zero2", {}),
                           for_device(torch.device("cpu")))
         placement.connect(_PeerFailed(0))   # (two ranks that found the same folders missing)
-        placement.expect(1024, torch.bfloat16)
+        placement.expect([1024], torch.bfloat16, torch.float32)
         store = DiskStore(for_device(torch.device("cpu")), pin=False, buffer_count=1, read_ahead=False,
                           write_behind=False, name="test")
         store.add(0, [torch.ones(1000)], [], park=False)

@@ -14,6 +14,7 @@ from framework.config.dsconfig._keys import (ACT_KEYS, AIO_KEYS, AS_HERE, ALIASE
                                              STAGES, TORCH_COMPILE_KEYS, ZERO_FEATURES, ZERO_KEYS, ZERO_PERF,
                                              ZERO_STAGE, REQUIRED, close, switched_off)
 from framework.config.dsconfig._record import Translation
+from framework.core.files import DIRECT_ALIGN, SMALLEST_TILE
 
 Z = "zero_optimization."
 
@@ -228,6 +229,10 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
     if z.get("sub_group_size") is not None:
         tr.put(z, "sub_group_size", "int", "offload.sub_group_size", Z, od == "nvme", "tiles the NVMe optimizer step; "
                + ("no NVMe offload" if target == "none" else "the optimizer is not on nvme"))
+        tile = tr.settings.get("offload.sub_group_size")
+        if tile is not None and tile.value < SMALLEST_TILE:   # (as offload=nvme's check, with the key written)
+            tr.error(f"{Z}sub_group_size={tile.value} is smaller than one {DIRECT_ALIGN}-byte O_DIRECT page of fp32 "
+                     f"elements, to which every NVMe optimizer tile is padded; set it to at least {SMALLEST_TILE}")
     aio_keys(tr, aio, applies=target == "nvme")
 
 
