@@ -10,6 +10,7 @@ stage are bitwise the saved ones, and the data position continues.
 import json
 import os
 import pickle
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -466,7 +467,7 @@ def test_every_checkpoint_damaged_keeps_them_and_names_the_way_out(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{K}"]
 
 
-def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
+def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path, monkeypatch):
     dist = _local()
     _train(dist, [], str(tmp_path), steps=K)
     with pytest.raises(framework.FrameworkError, match=r"parameter 'wte.weight' has shape \(24, 32\) in the checkpoint "
@@ -477,6 +478,18 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
     with pytest.raises(ConfigError, match=r"was saved with optimizer=adamw, this run uses optimizer=sgd; resume with "
                                           r"optimizer=adamw; use another checkpoint.dir to start this run afresh$"):
         _train(dist, ["optimizer=sgd"], str(tmp_path), resume="auto")
+    # a train state that names another model but fails its manifest check is damage, not another model: the
+    # check before the ranks leaves it to them (which name it and fall back)
+    from framework.persist.checkpoint import preflight
+    state = tmp_path / f"step-{K}" / "train_state.json"
+    other, edits = re.subn(r'"n_layer": (\d+)', lambda m: f'"n_layer": {int(m[1]) + 1}', state.read_text(), 1)
+    assert edits == 1
+    state.write_text(other)
+    preflight(_cfg(1, [], str(tmp_path), ["checkpoint.resume=auto"]), None)
+    # latest, resolved to that folder before the ranks, is still said as typed (``Checkpointer.resume``'s errors)
+    monkeypatch.chdir(tmp_path)   # (latest looks in the run folders under the working directory too)
+    resolved = preflight(_cfg(1, [], str(tmp_path), ["checkpoint.resume=latest"]), None)
+    assert (resolved.checkpoint.resume, resolved.resume_given) == (str(tmp_path), "latest")
 
 
 class _Norm(torch.nn.Module):
