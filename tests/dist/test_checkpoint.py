@@ -187,6 +187,33 @@ def test_resume_under_another_layout(pools, tmp_path, case):
     _same_state(saved, loaded, case)
 
 
+def _diverged_save(dist, root):
+    """ddp: rank 1 alone changes its copy of a (replicated) parameter; the save's error, on each rank."""
+    cfg = _cfg(dist.world, [], root, ["checkpoint.resume=off"])
+    module, _ = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg, dist) as engine:
+        ckpt = Checkpointer(cfg, engine)
+        try:
+            with engine.mapped_state(engine.state, write=True) as (mapped, _), torch.no_grad():
+                if dist.rank == 1:
+                    mapped.params[0].add_(1.0)
+            with pytest.raises(CheckpointError) as got:
+                ckpt.save(engine.state)
+            return str(got.value)
+        finally:
+            ckpt.close()
+
+
+def test_ranks_whose_replicated_copies_differ_are_not_saved(pools, tmp_path):
+    """One rank's copy of each replicated parameter is written: copies that differ (bit for bit) are refused,
+    naming the ranks and the parameter, not saved as a checkpoint that matches neither rank."""
+    errors = pools(2).run(_diverged_save, str(tmp_path), timeout=120)
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("checkpoint: not saving step 0: ranks 0 and 1 hold different values of model."), errors
+    assert "change it on every rank alike; the previous checkpoints are kept" in errors[0], errors
+    assert not list(tmp_path.glob("step-*")), list(tmp_path.iterdir())
+
+
 def test_a_user_reads_the_folder_with_plain_dcp(pools, tmp_path):
     """The folder is plain DCP: dcp.load into full tensors on one process gives the masters and
     moments by name, with global shapes (contract D)."""

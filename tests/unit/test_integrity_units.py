@@ -541,9 +541,10 @@ class _OneRank:
         return [obj]
 
 
-@pytest.mark.parametrize("case", ["no room", "cannot inspect", "non-finite", "damaged", "folder"])
+@pytest.mark.parametrize("case", ["no room", "cannot inspect", "non-finite", "copies differ", "damaged", "folder"])
 def test_a_checkpoint_refused_from_exchanged_outcomes_is_marked_as_every_ranks(tmp_path, monkeypatch, case):
-    """A save refused before it wrote (no room, a folder it cannot inspect, non-finite state), a damaged
+    """A save refused before it wrote (no room, a folder it cannot inspect, non-finite state, replicated copies
+    that differ between ranks), a damaged
     checkpoint or a checkpoint.dir rank 0 cannot write is decided from outcomes every rank holds: each rank raises it alike (``every_rank``), so that a
     torchrun sweep's ranks go on to the next job together."""
     import types
@@ -562,10 +563,15 @@ def test_a_checkpoint_refused_from_exchanged_outcomes_is_marked_as_every_ranks(t
     else:
         if case == "cannot inspect":
             monkeypatch.setattr(_save.Claim, "of", lambda *a: (_ for _ in ()).throw(OSError(13, "denied")))
-        ckpt = types.SimpleNamespace(group=_OneRank(), root=tmp_path, on_nonfinite="error")
+        group = _OneRank()
+        if case == "copies differ":   # rank 1's digest of model.w is another
+            group = types.SimpleNamespace(rank=0, world=2, all_gather=lambda obj, what: [
+                obj, (*obj[:3], [(("model.w", 0, 4), 8)])])
+        ckpt = types.SimpleNamespace(group=group, root=tmp_path, on_nonfinite="error")
         snap = {"step": 2, "bytes": 1 << 62 if case == "no room" else 1, "nonfinite": ["w"] if case == "non-finite"
-                else []}
-        with pytest.raises(FrameworkError, match="not saving step 2") as got:
+                else [], "copies": [(("model.w", 0, 4), 7)]}
+        said = "ranks 0 and 1 hold different values of model.w" if case == "copies differ" else ""
+        with pytest.raises(FrameworkError, match=f"not saving step 2: .*{said}") as got:
             _save._agree_to_save(ckpt, snap, None, lambda: None)
     assert got.value.every_rank, got.value
 
