@@ -74,6 +74,8 @@ class Config(RootSchema):
     # The world size a DeepSpeed file's train_batch_size was divided over (None: no such batch); a
     # launch with another world size is refused (its global batch would not be the file's).
     batch_world: int | None = None
+    # checkpoint.resume as the user gave it where the launch resolved it to a folder (latest): what messages say
+    resume_given: str | None = None
 
     def to_dict(self) -> dict:
         """Plain, resolved config (for logging and summary files)."""

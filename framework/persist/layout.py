@@ -81,6 +81,12 @@ class StateLayout:
     def mine(self) -> list[tuple[Param, Holding]]:
         return [(p, h) for p in self.params.values() for h in p.holdings if h.rank == self.rank]
 
+    def replicated(self) -> list[tuple[Param, Holding]]:
+        """This rank's holdings another rank holds the same range of (ddp: every parameter), of which ``share``
+        writes one rank's copy. Needs a gathered layout."""
+        return [(p, h) for p, h in self.mine()
+                if any(o.rank != h.rank and (o.lo, o.hi) == (h.lo, h.hi) for o in p.holdings)]
+
     def share(self) -> list[tuple[Param, Holding, int, int]]:
         """This rank's part of writing every parameter once: (parameter, holding, lo, hi). Over the ranks the parts
         tile each parameter exactly once; replicated elements are spread, parameter i starting with rank

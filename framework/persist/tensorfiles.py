@@ -416,6 +416,15 @@ def nonfinite(src: torch.Tensor, nan_only: bool = False) -> torch.Tensor | None:
 
 
 _CHUNK = 1 << 22   # elements upcast at a time where a dtype has no min/max kernel
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_sum(src: torch.Tensor) -> torch.Tensor:
+    """An int64 on ``src``'s device: the sum of its elements' raw bits read as integers, a bit-exact digest (integer
+    sums do not depend on the order) that two copies of the same values share; a chunk at a time (no int64 copy)."""
+    ints = src.reshape(-1).view(_BITS[src.element_size()])
+    return torch.stack([ints[i:i + _CHUNK].sum(dtype=torch.int64) for i in range(0, ints.numel(), _CHUNK)]
+                       or [ints.new_zeros((), dtype=torch.int64)]).sum()
 
 
 def _min_max(t: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -649,8 +650,12 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     later = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=7", "hydra.run.dir=outputs/a")
     assert f"resumed from {run / 'checkpoints' / 'step-5'}" in later.stdout, later.stdout
 
-    # resume=latest whose newest checkpoint is damaged falls back to the one before it, as auto does.
-    (run / "checkpoints" / "step-7" / "train_state.json").write_text("{")
+    # resume=latest whose newest checkpoint is damaged falls back to the one before it, as auto does: a train
+    # state that reads as another model's but fails its manifest check is damage, not another model.
+    state = run / "checkpoints" / "step-7" / "train_state.json"
+    other, edits = re.subn(r'"n_layer": (\d+)', lambda m: f'"n_layer": {int(m[1]) + 1}', state.read_text(), 1)
+    assert edits == 1
+    state.write_text(other)
     damaged = _run(forkrun, tmp_path, "checkpoint.resume=latest", "train.steps=7", "hydra.run.dir=outputs/f")
     assert damaged.returncode == 0, damaged.stderr
     assert f"falling back to the previous checkpoint, {run / 'checkpoints' / 'step-6'}" in damaged.stdout, damaged.stdout

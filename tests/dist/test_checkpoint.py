@@ -10,6 +10,7 @@ stage are bitwise the saved ones, and the data position continues.
 import json
 import os
 import pickle
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -184,6 +185,33 @@ def test_resume_under_another_layout(pools, tmp_path, case):
         assert r[2][:2] == (K, K)  # step and global data position continue
         assert len(r[0]) == N - K and all(torch.isfinite(torch.tensor(r[0])))
     _same_state(saved, loaded, case)
+
+
+def _diverged_save(dist, root):
+    """ddp: rank 1 alone changes its copy of a (replicated) parameter; the save's error, on each rank."""
+    cfg = _cfg(dist.world, [], root, ["checkpoint.resume=off"])
+    module, _ = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg, dist) as engine:
+        ckpt = Checkpointer(cfg, engine)
+        try:
+            with engine.mapped_state(engine.state, write=True) as (mapped, _), torch.no_grad():
+                if dist.rank == 1:
+                    mapped.params[0].add_(1.0)
+            with pytest.raises(CheckpointError) as got:
+                ckpt.save(engine.state)
+            return str(got.value)
+        finally:
+            ckpt.close()
+
+
+def test_ranks_whose_replicated_copies_differ_are_not_saved(pools, tmp_path):
+    """One rank's copy of each replicated parameter is written: copies that differ (bit for bit) are refused,
+    naming the ranks and the parameter, not saved as a checkpoint that matches neither rank."""
+    errors = pools(2).run(_diverged_save, str(tmp_path), timeout=120)
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("checkpoint: not saving step 0: ranks 0 and 1 hold different values of model."), errors
+    assert "change it on every rank alike; the previous checkpoints are kept" in errors[0], errors
+    assert not list(tmp_path.glob("step-*")), list(tmp_path.iterdir())
 
 
 def test_a_user_reads_the_folder_with_plain_dcp(pools, tmp_path):
@@ -466,7 +494,7 @@ def test_every_checkpoint_damaged_keeps_them_and_names_the_way_out(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{K}"]
 
 
-def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
+def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path, monkeypatch):
     dist = _local()
     _train(dist, [], str(tmp_path), steps=K)
     with pytest.raises(framework.FrameworkError, match=r"parameter 'wte.weight' has shape \(24, 32\) in the checkpoint "
@@ -477,6 +505,18 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
     with pytest.raises(ConfigError, match=r"was saved with optimizer=adamw, this run uses optimizer=sgd; resume with "
                                           r"optimizer=adamw; use another checkpoint.dir to start this run afresh$"):
         _train(dist, ["optimizer=sgd"], str(tmp_path), resume="auto")
+    # a train state that names another model but fails its manifest check is damage, not another model: the
+    # check before the ranks leaves it to them (which name it and fall back)
+    from framework.persist.checkpoint import preflight
+    state = tmp_path / f"step-{K}" / "train_state.json"
+    other, edits = re.subn(r'"n_layer": (\d+)', lambda m: f'"n_layer": {int(m[1]) + 1}', state.read_text(), 1)
+    assert edits == 1
+    state.write_text(other)
+    preflight(_cfg(1, [], str(tmp_path), ["checkpoint.resume=auto"]), None)
+    # latest, resolved to that folder before the ranks, is still said as typed (``Checkpointer.resume``'s errors)
+    monkeypatch.chdir(tmp_path)   # (latest looks in the run folders under the working directory too)
+    resolved = preflight(_cfg(1, [], str(tmp_path), ["checkpoint.resume=latest"]), None)
+    assert (resolved.checkpoint.resume, resolved.resume_given) == (str(tmp_path), "latest")
 
 
 class _Norm(torch.nn.Module):

@@ -541,9 +541,10 @@ class _OneRank:
         return [obj]
 
 
-@pytest.mark.parametrize("case", ["no room", "cannot inspect", "non-finite", "damaged", "folder"])
+@pytest.mark.parametrize("case", ["no room", "cannot inspect", "non-finite", "copies differ", "damaged", "folder"])
 def test_a_checkpoint_refused_from_exchanged_outcomes_is_marked_as_every_ranks(tmp_path, monkeypatch, case):
-    """A save refused before it wrote (no room, a folder it cannot inspect, non-finite state), a damaged
+    """A save refused before it wrote (no room, a folder it cannot inspect, non-finite state, replicated copies
+    that differ between ranks), a damaged
     checkpoint or a checkpoint.dir rank 0 cannot write is decided from outcomes every rank holds: each rank raises it alike (``every_rank``), so that a
     torchrun sweep's ranks go on to the next job together."""
     import types
@@ -562,30 +563,45 @@ def test_a_checkpoint_refused_from_exchanged_outcomes_is_marked_as_every_ranks(t
     else:
         if case == "cannot inspect":
             monkeypatch.setattr(_save.Claim, "of", lambda *a: (_ for _ in ()).throw(OSError(13, "denied")))
-        ckpt = types.SimpleNamespace(group=_OneRank(), root=tmp_path, on_nonfinite="error")
+        group = _OneRank()
+        if case == "copies differ":   # rank 1's digest of model.w is another
+            group = types.SimpleNamespace(rank=0, world=2, all_gather=lambda obj, what: [
+                obj, (*obj[:3], [(("model.w", 0, 4), 8)])])
+        ckpt = types.SimpleNamespace(group=group, root=tmp_path, on_nonfinite="error")
         snap = {"step": 2, "bytes": 1 << 62 if case == "no room" else 1, "nonfinite": ["w"] if case == "non-finite"
-                else []}
-        with pytest.raises(FrameworkError, match="not saving step 2") as got:
+                else [], "copies": [(("model.w", 0, 4), 7)]}
+        said = "ranks 0 and 1 hold different values of model.w" if case == "copies differ" else ""
+        with pytest.raises(FrameworkError, match=f"not saving step 2: .*{said}") as got:
             _save._agree_to_save(ckpt, snap, None, lambda: None)
     assert got.value.every_rank, got.value
 
 
-@pytest.mark.parametrize("resume", ["PATH", "auto"])
-def test_a_resume_refused_after_agreed_damage_keeps_the_mark(tmp_path, monkeypatch, resume):
-    """``resume=PATH`` damaged, or ``resume=auto`` with every checkpoint damaged: the error that ends the resume
-    replaces the agreed ones, and is marked as raised on every rank as they were."""
+@pytest.mark.parametrize("resume, said", [
+    ("PATH", "is damaged"),
+    ("auto", r"^checkpoint.resume=auto: every checkpoint in \S+ is damaged or not finite \(the folders are kept; set "
+             r"checkpoint.dir to another folder to start afresh\)"),
+    # resolved by the CLI to another run's folder: said as typed, and resume=off starts afresh there
+    ("latest", r"^checkpoint.resume=latest: every checkpoint in \S+other is damaged or not finite \(the folders are "
+               r"kept; set checkpoint.resume=off to start afresh, or checkpoint.resume to a good checkpoint's "
+               r"step-<N> folder\)")])
+def test_a_resume_refused_after_agreed_damage_keeps_the_mark(tmp_path, monkeypatch, resume, said):
+    """``resume=PATH`` damaged, or ``resume=auto`` or ``latest`` with every checkpoint damaged: the error that ends
+    the resume replaces the agreed ones, is marked as raised on every rank as they were, and its way out works."""
     import types
     import framework.persist.checkpoint as checkpoint
     from framework.core.errors import on_every_rank
 
-    folders = [tmp_path / "step-2"] if resume == "PATH" else [tmp_path / "step-2", tmp_path / "step-1"]
+    where = tmp_path / "other" if resume == "latest" else tmp_path
+    folders = [where / "step-2"] if resume == "PATH" else [where / "step-2", where / "step-1"]
     monkeypatch.setattr(checkpoint, "choose", lambda *a: (folders, []))
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: (_ for _ in ()).throw(
         on_every_rank(CheckpointError("checkpoint step-2 is damaged"))))
     ckpt = object.__new__(checkpoint.Checkpointer)
-    ckpt.cfg, ckpt.closed = types.SimpleNamespace(resume=str(folders[0]) if resume == "PATH" else "auto", every=1), False
+    given = {"PATH": str(folders[0]), "auto": "auto", "latest": str(where)}[resume]
+    ckpt.cfg, ckpt.closed, ckpt.resume_given = types.SimpleNamespace(resume=given, every=1), False, \
+        "latest" if resume == "latest" else given
     ckpt.group, ckpt.rank, ckpt.root, ckpt.engine, ckpt.seed, ckpt.config = _OneRank(), 0, tmp_path, None, 0, {}
-    with pytest.raises(CheckpointError, match="is damaged") as got:
+    with pytest.raises(CheckpointError, match=said) as got:
         ckpt.resume(None)
     assert got.value.every_rank, got.value
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from framework.core import files
-from framework.core.errors import CheckpointError, ConfigError, FrameworkError, on_every_rank, say
+from framework.core.errors import CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank, say
 from framework.core.registry import closest_hint
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
@@ -44,6 +44,7 @@ class Checkpointer:
                  on_point: Callable[[str], None] | None = None):
         """``run_dir``, ``job``: see ``checkpoint_root``. ``on_point``: ``save``'s (fault tests)."""
         self.cfg, self.config, self.seed, self.engine = cfg.checkpoint, cfg.to_dict(), cfg.seed, engine
+        self.resume_given = cfg.resume_given or cfg.checkpoint.resume   # what messages say (latest as typed)
         self.root = checkpoint_root(cfg, run_dir, job)
         self.on_nonfinite, self.on_point = cfg.train.on_nonfinite, on_point
         self.group = Group(engine.components.dist, self.cfg.timeout_s)
@@ -64,6 +65,7 @@ class Checkpointer:
         """The state loaded from the checkpoint ``checkpoint.resume`` selects, or ``state`` (saying why). Collective."""
         self._check_open("resume")
         resume, every = self.cfg.resume, self.cfg.every
+        given = self.resume_given
         # Rank 0 looks, every rank gets its answer (or its error: no rank is left waiting).
         what = "checkpoint.resume=off" if resume == "off" else \
             f"looking for checkpoint.resume={resume} in {self.root} (another checkpoint.dir starts afresh)"
@@ -78,7 +80,7 @@ class Checkpointer:
         errors, spent = [], ""   # SPENT once a read began (it may have written into the state)
         for i, folder in enumerate(folders):
             try:
-                read = load(self.engine, state, folder, group=self.group, seed=self.seed, same=(self.config, resume))
+                read = load(self.engine, state, folder, group=self.group, seed=self.seed, same=(self.config, given))
                 spent = SPENT
                 state, body = read()
             except CheckpointError as e:
@@ -107,9 +109,13 @@ class Checkpointer:
                       + (f"; config differs in {', '.join(diff)}" if diff else "")
                       + (f"; {batch}" if batch else ""))
             return state
+        # resume=off is refused where this run saves among checkpoints: there, another folder starts afresh
+        ours = every and folders[0].parent.resolve() == self.root.resolve()
+        way = "set checkpoint.dir to another folder to start afresh" if ours else \
+            "set checkpoint.resume=off to start afresh, or checkpoint.resume to a good checkpoint's step-<N> folder"
         raise on_every_rank(CheckpointError(   # (each fallback came after an agreed one: so does this)
-            f"resume={resume}: every checkpoint in {folders[0].parent} is damaged or not finite (the folders are "
-            f"kept; set checkpoint.dir to another folder to start afresh): " + " | ".join(errors) + spent))
+            f"checkpoint.resume={given}: every checkpoint in {folders[0].parent} is damaged or not finite (the "
+            f"folders are kept; {way}): " + " | ".join(errors) + spent))
 
     def _committed_since(self, final: Path) -> bool:
         """Whether the commit of the step read where it lay (``step-N.tmp`` or ``.old``, another run's commit under
@@ -210,14 +216,18 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
             return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume="off"))
         # That run's checkpoint folder, not its newest step folder alone: a damaged newest one falls
         # back to the one before it, as resume=auto does.
-        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folders[0].parent)))
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folders[0].parent)),
+                                  resume_given=c.resume)
     if not folders:   # (resume=off too)
         return cfg
     folder = folders[0]   # the one every rank reads first
-    try:
+    try:   # a train state that fails its manifest check is damage: the ranks name it and fall back
+        want = stepfolders.read_manifest(folder)["files"][stepfolders.TRAIN_STATE]
+        if stepfolders.check_file(folder, stepfolders.TRAIN_STATE, want) is not None:
+            return cfg
         body = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")
         saved = body["config"]
-    except (CheckpointError, KeyError, TypeError):
+    except (CheckpointError, UnsafePathError, OSError, KeyError, TypeError):
         return cfg
     same_run(folder, saved, cfg.to_dict(), c.resume, body.get("model_config"))   # (the model's own: at the load)
     return cfg

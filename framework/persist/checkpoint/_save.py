@@ -28,6 +28,7 @@ from framework.persist import rng
 from framework.persist.checkpoint._group import Group, agree_save, glue
 from framework.core.utils import dtype_name, few, tensor_bytes
 from framework.persist.layout import StateLayout, host_copy, nonfinite_items, pieces
+from framework.persist.tensorfiles import bits_sum, read_per_device
 from framework.persist.weights import save_on_model_save, tied_names, whole_tensors
 
 # torch.optim's names for the per-element and scalar state of our transforms (the DCP keys).
@@ -70,6 +71,10 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     release = fmap.release if fmap is not None else None
     nonfinite = nonfinite_items([(dcp_key(key, p.name, keys), h.of(t)) for p, h in layout.mine()
                                  for key, t in flats[h.piece].items()], release)
+    # A replicated holding (ddp's) is written from one rank's copy (``share``): ``_agree_to_save`` compares these
+    # digests, or a rank's copy changed alone would make a checkpoint that matches no rank.
+    copies = read_per_device([((dcp_key(key, p.name, keys), h.lo, h.hi), bits_sum(h.of(t)))
+                              for p, h in layout.replicated() for key, t in flats[h.piece].items()])
 
     def take(box: torch.Tensor) -> torch.Tensor:
         owned = fmap.own(box) if zero_copy and fmap is not None else None
@@ -102,7 +107,7 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     if tied := tied_names(c.module):   # saved once: the other names, for get_fp32_state_dict_from_checkpoint
         train["tied"] = tied
     return {"dcp": out, "layout": layout.saved(), "train": train, "rng": rng.capture(state.rng), "step": state.step,
-            "nonfinite": nonfinite, "bytes": nbytes, "release": release if zero_copy else None}
+            "nonfinite": nonfinite, "copies": copies, "bytes": nbytes, "release": release if zero_copy else None}
 
 
 def save(ckpt, state):
@@ -145,9 +150,9 @@ def save(ckpt, state):
 
 
 def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
-    """Every rank's verdict on the state (finite) and the room for it, exchanged; True to save (``snap["need"]``:
-    the bytes all ranks will write). Non-finite state is a TrainingError (unless ``recheck``: the swap file changed
-    under it), too little room a CheckpointError."""
+    """Every rank's verdict on the state (finite, replicated copies alike) and the room for it, exchanged; True to
+    save (``snap["need"]``: the bytes all ranks will write). Non-finite state is a TrainingError (unless ``recheck``:
+    the swap file changed under it), copies that differ or too little room a CheckpointError."""
     step, group, root = snap["step"], ckpt.group, ckpt.root
     problem, claim = None, None
     try:
@@ -158,12 +163,13 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
         problem = f"rank {group.rank}: cannot inspect {root} ({e.strerror or e})"
     except FrameworkError as e:
         problem = f"rank {group.rank}: {e}"
-    everyone = group.all_gather((snap["nonfinite"], claim, problem), "pre-save check")
-    bad = [f"rank {r}: {few(names)}" for r, (names, _, _) in enumerate(everyone) if names]
+    everyone = group.all_gather((snap["nonfinite"], claim, problem, snap["copies"]), "pre-save check")
+    bad = [f"rank {r}: {few(names)}" for r, (names, *_) in enumerate(everyone) if names]
     refused = (f"checkpoint: not saving step {step}: the state holds non-finite values (NaN or inf) in "
                f"{'; '.join(bad)}") if bad else None
-    problems = [p for _, _, p in everyone if p]
-    shorts = shortfalls([c for _, c, _ in everyone if c is not None]) if not problems else []
+    problems = [p for _, _, p, _ in everyone if p] + (   # (non-finite copies: said as such, below)
+        [] if bad else _differing([copies for *_, copies in everyone]))
+    shorts = shortfalls([c for _, c, _, _ in everyone if c is not None]) if not problems else []
     if (refused or problems or shorts) and group.rank == 0 and staged16 is not None:
         shutil.rmtree(staged16, ignore_errors=True)
     # (each verdict below is drawn from the exchanged outcomes alone: every rank raises it alike)
@@ -183,8 +189,20 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
             s.describe("the checkpoint files") for s in shorts)
             + "; free space, lower checkpoint.keep_last or set checkpoint.dir to a larger disk "
               "(the previous checkpoints are kept)"))
-    snap["need"] = sum(c.need for _, c, _ in everyone)   # every rank's files: one number on every rank
+    snap["need"] = sum(c.need for _, c, _, _ in everyone)   # every rank's files: one number on every rank
     return True
+
+
+def _differing(copies: list[list]) -> list[str]:
+    """The first replicated holding whose digest (``snapshot``'s) differs between two ranks, said; else none."""
+    first: dict = {}
+    for r, mine in enumerate(copies):
+        for (name, lo, hi), digest in mine:
+            a, theirs = first.setdefault((name, lo, hi), (r, digest))
+            if theirs != digest:
+                return [f"ranks {a} and {r} hold different values of {name}, which every rank keeps a copy of (changed "
+                        "on one rank alone?): a checkpoint would match neither; change it on every rank alike"]
+    return []
 
 
 def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
