@@ -395,7 +395,8 @@ class Gatherer:
                 continue
             if g.full is g.shard:
                 # Gathered in place by the hooks: the blocks edit a copy; the outermost exit points back at the shard.
-                g.full = g.shard.clone()
+                with torch.inference_mode(False):   # (a normal tensor: a regather fills it in place)
+                    g.full = g.shard.clone()
                 self._point(g)
             elif saved is not None:
                 for p, slot in zip(g.params, g.layout.slots):

@@ -1290,8 +1290,8 @@ def test_a_forward_outside_the_steps_leaves_no_unit_gathered(pools, world):
 
 
 def _inference_mode_forward(dist, *extra):
-    """The second step's loss after a first step, with and without a forward and a framework.gathered block
-    under torch.inference_mode between them."""
+    """The second step's loss after a first step, with and without a forward (editing a unit's weights from its
+    own forward, as a hook may) and a framework.gathered block under torch.inference_mode between them."""
     losses = []
     for inference in (False, True):
         cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "optimizer=sgd", "scheduler=constant",
@@ -1301,10 +1301,15 @@ def _inference_mode_forward(dist, *extra):
         engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, dist)
         state, _ = engine.train_step(engine.state, Batch((_micro(0),)))
         if inference:
+            def edit(mod, args):
+                with framework.gathered([mod.weight], modifier_rank=0):
+                    mod.weight.mul_(1.0)
+            hook = model.b.register_forward_pre_hook(edit)
             with torch.inference_mode():
                 model(_micro(1)[0])
                 with framework.gathered(list(model.parameters())):
                     pass
+            hook.remove()
         losses.append(engine.train_step(state, Batch((_micro(2),)))[1]["loss"])
         engine.close()
     return losses
@@ -1313,9 +1318,9 @@ def _inference_mode_forward(dist, *extra):
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_forward_under_inference_mode_leaves_training_unchanged(pools, world):
     # Gather buffers made inside inference mode are refilled in place by later gathers (world 1 gathers in
-    # place unless the shards are on the host).
-    out = [_inference_mode_forward(_local(), "offload=cpu", "offload.params=cpu")] if world == 1 else \
-        pools(2).run(_inference_mode_forward, timeout=120)
+    # place, where a block edits a copy, unless the shards are on the host).
+    out = [_inference_mode_forward(_local(), *extra) for extra in ([], ["offload=cpu", "offload.params=cpu"])] \
+        if world == 1 else pools(2).run(_inference_mode_forward, timeout=120)
     for plain, after in out:
         assert after == plain
 
