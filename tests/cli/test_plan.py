@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,20 +81,24 @@ def test_offload_and_ranks_cost_what_they_move():
     assert z3["comm"] > z2["comm"] > 0   # zero3 also gathers parameters for forward and backward
 
 
-def test_verify_top3_runs_each_and_reports_measured_times(forkrun, tmp_path, monkeypatch):
+def test_verify_top3_runs_each_and_reports_measured_times(tmp_path, monkeypatch):
     # --verify K trains the first K setups of the ranking for steps= steps each and reports their
     # measured time next to the predicted one. Whether the measured order agrees is a timing claim: on
     # a shared 2-core machine it is noise, so it is not asserted here (house rule: no timed unit tests).
     # A fresh cache folder for the probe; the C++ kernels stay where they were built (compiling them
     # again would take most of this test's time).
     from framework.ops._loader import cache_root
-    # (The command forked from the suite's fork server, tests/cli/_forkrun.py.)
-    env = {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"), "FRAMEWORK_OPS_CACHE": str(cache_root())}
+    # A fresh process, as a user runs it: the probe measures its own process's resident set (a child forked
+    # from the suite's fork server holds what the server imported).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "FRAMEWORK_OPS_CACHE": str(cache_root()),
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     # The command line's train.micro_batch (the global batch) and model.activation_checkpointing (which
     # restricts the search as checkpointing= would) do not replace the candidates' own values in the runs.
     args = ["model=gpt-nano", "model.context=16", "train.micro_batch=8", "micro_batches=8,2,1", "stages=ddp",
             "model.activation_checkpointing=true", "steps=3", "--verify", "3", "--json"]
-    run = forkrun.run("framework.plan", args, cwd=tmp_path, env=env, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "framework.plan", *args], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "probe (measured now" in run.stdout and (tmp_path / "cache" / "framework").is_dir()
     assert "note: planned only with model.activation_checkpointing=true (the command line)" in run.stdout
