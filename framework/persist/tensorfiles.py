@@ -420,11 +420,11 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bits_sum(src: torch.Tensor) -> torch.Tensor:
-    """An int64 on ``src``'s device: the sum of its elements' raw bits read as integers, a bit-exact digest (integer
-    sums do not depend on the order) that two copies of the same values share; a chunk at a time (no int64 copy)."""
-    ints = src.reshape(-1).view(_BITS[src.element_size()])
-    return torch.stack([ints[i:i + _CHUNK].sum(dtype=torch.int64) for i in range(0, ints.numel(), _CHUNK)]
-                       or [ints.new_zeros((), dtype=torch.int64)]).sum()
+    """An int64 on ``src``'s device: the sum of its elements' raw bits read as integers of their own width, wrapping
+    around, a bit-exact digest (such sums do not depend on the order) that two copies of the same values share; in
+    the integers' own type, so no wider copy is made."""
+    bits = _BITS[src.element_size()]
+    return src.reshape(-1).view(bits).sum(dtype=bits).to(torch.int64)
 
 
 def _min_max(t: torch.Tensor) -> torch.Tensor:
