@@ -1,9 +1,8 @@
 """offload=cpu equals the same stage without offload (1e-6 per step) on 1 and 2 ranks (some cases on 4), with the
-host step run by the C++ kernels and by the pure-PyTorch fallback (FRAMEWORK_OPS=0); each offload
+host step run by the C++ kernels and (1 and 2 ranks) by the pure-PyTorch fallback (FRAMEWORK_OPS=0); each offload
 run is compared with a plain run that uses the same kernels. The C++ kernel and torch's fused
 AdamW round differently in the last bit, and under bf16 one such bit can flip a working weight's
 rounding, so a run is never compared against the other kernel's."""
-import os
 
 import pytest
 import torch
@@ -41,24 +40,29 @@ def _without_kernels(fn, *args):
         return fn(*args)
 
 
-def _pair(dist, stage, offload, extra):
-    """((no offload, offload) with the C++ kernels, (no offload, offload) with the fallback)."""
+def _pair(dist, stage, offloads, extra, fallback=True):
+    """{path: (no offload, [offload=cpu with each of ``offloads``])} with the C++ kernels, and with the
+    fallback if ``fallback``."""
     from framework import ops
     assert ops.available(), ops.status()  # the first runs below must exercise the kernels
     base = [f"+stage={stage}", *extra]
     if stage == "zero3":
         base.append("stage.stage3_param_persistence_threshold=0")
-    off = [*base, "offload=cpu", *offload]
-    return ((_train(dist, base), _train(dist, off)),
-            (_without_kernels(_train, dist, base), _without_kernels(_train, dist, off)))
+    offs = [[*base, "offload=cpu", *offload] for offload in offloads]
+
+    def runs(train):
+        return train(dist, base), [train(dist, off) for off in offs]
+    out = {"C++ kernel": runs(_train)}
+    if fallback:
+        out["fallback"] = _without_kernels(runs, _train)
+    return out
 
 
-CASES = [
-    ("zero1", [], []),
-    ("zero2", ["offload.ratio=0.5"], ["stage.overlap_comm=true", "stage.reduce_bucket_size=1500"]),
-    ("zero3", [], []),
-    ("zero3", ["offload.params=cpu"], []),
-    ("zero2", [], ["precision=bf16"]),   # bf16 working params, fp32 master on the host
+CASES = [  # (stage, offload=cpu variants compared with the one run without offload, extra overrides)
+    ("zero1", [[]], []),
+    ("zero2", [["offload.ratio=0.5"]], ["stage.overlap_comm=true", "stage.reduce_bucket_size=1500"]),
+    ("zero3", [[], ["offload.params=cpu"]], []),   # optimizer state on the host, and parameter shards too
+    ("zero2", [[]], ["precision=bf16"]),   # bf16 working params, fp32 master on the host
 ]
 
 
@@ -68,28 +72,38 @@ def _local():
 
 
 # Also on 4 ranks, where gloo reduces to each owner (2 ranks all-reduce): the bucketed zero2 and the
-# host-sharded zero3 cases.
-RUNS = [(world, *case) for case in CASES for world in (1, 2)] + [(4, *CASES[1]), (4, *CASES[3])]
+# host-sharded zero3 cases, with the C++ kernels only: which kernel steps the host pieces is arithmetic per
+# element of this rank's pieces, whatever the world (2 ranks run the fallback on pieces cut at a partition
+# boundary too).
+RUNS = [(world, *case) for case in CASES for world in (1, 2)] + [(4, *CASES[1]), (4, "zero3", [["offload.params=cpu"]], [])]
 
 
-@pytest.mark.parametrize("world,stage,offload,extra", RUNS,
-                         ids=[" ".join([stage, *offload, *extra, f"world={world}"]) for world, stage, offload, extra in RUNS])
-def test_offload_equals_no_offload(pools, world, stage, offload, extra):
-    results = [_pair(_local(), stage, offload, extra)] if world == 1 else \
-        pools(world).run(_pair, stage, offload, extra, timeout=240)
-    for rank, ((plain, off), fallback_pair) in enumerate(results):
-        for path, (ref, run) in (("C++ kernel", (plain, off)), ("fallback", fallback_pair)):
-            for i, (a, b) in enumerate(zip(run[0], ref[0])):
-                assert a == pytest.approx(b, rel=RTOL), \
-                    f"{stage} rank {rank} step {i} ({path}): offload {a} vs {b} (rel 1e-6)"
-            torch.testing.assert_close(run[1], ref[1], rtol=RTOL, atol=1e-7, msg=lambda m: f"{path}: {m}")
-        mem = off[2]   # Footprint: item -> (device, host) bytes
-        host_master = mem.items["master_params"][1]
-        assert host_master > 0 and plain[2].items.get("master_params", (0, 0))[1] == 0
-        share = 0.5 if offload == ["offload.ratio=0.5"] else 1.0  # ratio 0.5: half stays on the device
-        if stage != "zero3":  # zero1/2: params are the replicated working copy, 1/world of it owned
-            elements = mem.items["params"][0] / (2 if "precision=bf16" in extra else 4)
-            assert host_master == pytest.approx(share * 4 * elements / world, rel=0.01)
+def _id(world, stage, offloads, extra):
+    return " ".join([stage, " + ".join(" ".join(["offload=cpu", *o]) for o in offloads), *extra, f"world={world}"])
+
+
+@pytest.mark.parametrize("world,stage,offloads,extra", RUNS, ids=[_id(*run) for run in RUNS])
+def test_offload_equals_no_offload(pools, world, stage, offloads, extra):
+    fallback = world < 4
+    results = [_pair(_local(), stage, offloads, extra)] if world == 1 else \
+        pools(world).run(_pair, stage, offloads, extra, fallback, timeout=240)
+    for rank, paths in enumerate(results):
+        assert list(paths) == ["C++ kernel", "fallback"][:1 + fallback]
+        for path, (ref, runs) in paths.items():
+            for offload, run in zip(offloads, runs, strict=True):
+                for i, (a, b) in enumerate(zip(run[0], ref[0])):
+                    assert a == pytest.approx(b, rel=RTOL), \
+                        f"{stage} {offload} rank {rank} step {i} ({path}): offload {a} vs {b} (rel 1e-6)"
+                torch.testing.assert_close(run[1], ref[1], rtol=RTOL, atol=1e-7, msg=lambda m: f"{path} {offload}: {m}")
+        plain, offs = paths["C++ kernel"]
+        for offload, off in zip(offloads, offs):
+            mem = off[2]   # Footprint: item -> (device, host) bytes
+            host_master = mem.items["master_params"][1]
+            assert host_master > 0 and plain[2].items.get("master_params", (0, 0))[1] == 0
+            share = 0.5 if offload == ["offload.ratio=0.5"] else 1.0  # ratio 0.5: half stays on the device
+            if stage != "zero3":  # zero1/2: params are the replicated working copy, 1/world of it owned
+                elements = mem.items["params"][0] / (2 if "precision=bf16" in extra else 4)
+                assert host_master == pytest.approx(share * 4 * elements / world, rel=0.01)
 
 
 def test_parameter_offload_needs_zero3():
@@ -187,8 +201,13 @@ OVERLAP_CASES = {  # name: (overrides, step whose loss is made infinite, expect 
 }
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("case", list(OVERLAP_CASES))
+# On one rank every collective is Local's no-op: reduce_scatter=false changes nothing there ("zero2 never
+# clipped" is that run), so the all-reduce fallback runs on 2 ranks only.
+OVERLAP_RUNS = [(case, world) for case in OVERLAP_CASES for world in (1, 2)
+                if not (world == 1 and case == "zero2 all-reduce fallback")]
+
+
+@pytest.mark.parametrize("case,world", OVERLAP_RUNS, ids=[f"{case}-{world}" for case, world in OVERLAP_RUNS])
 def test_overlapped_host_step_is_identical(pools, world, case):
     """offload.overlap_step=true gives bit-identical results: speculative pieces are kept when the
     step is neither clipped nor skipped, rolled back otherwise; the rest is pipelined."""
