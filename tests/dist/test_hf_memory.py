@@ -10,10 +10,8 @@ layer) and a fixed slack for the allocator and Python objects.
 from __future__ import annotations
 
 import ctypes
-import gc
 import importlib.util
 import resource
-import threading
 
 import pytest
 import torch

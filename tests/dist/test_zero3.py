@@ -121,7 +121,7 @@ def _ledger_and_peak(dist, limit):
     engine = framework.initialize(module, gpt_loss, cfg, dist)
     stage = engine.components.stage
     n_params = sum(p.logical_shape.numel() for p in module.parameters())
-    padded = sum(l.padded for l in stage.layouts)
+    padded = sum(lay.padded for lay in stage.layouts)
     largest = max(u.numel for u in stage.gatherer.units)
     state = engine.state
     for _ in range(3):
@@ -509,7 +509,7 @@ def test_loss_fn_calling_submodules_and_a_failed_backward_match_ddp(pools, world
     # stage: no reduction of it lands later, no gradient of it is kept), as if it never ran.
     for res in [_detours_all(_local())] if world == 1 else pools(2).run(_detours_all, timeout=120):
         ref_losses, ref_params = res["clean"]
-        assert len({l for l, _ in ref_losses[4:]}) == 2
+        assert len({loss for loss, _ in ref_losses[4:]}) == 2
         for name, _, _ in DETOURS:
             losses, params = res[name]
             assert losses[3] == "backward failed"
