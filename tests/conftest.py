@@ -18,10 +18,11 @@ from tests._pool import RankPool
 # first. `make test` runs two workers that take one file at a time (--dist loadfile, with xdist's own
 # reordering by test count turned off): a long file handed out last would run alone at the end while
 # the other worker idles, which is how a 2-test file of 2 minutes used to end the run.
-SLOW_FIRST = ["cli/test_recipes.py", "cli/test_readme.py", "cli/test_cli.py", "dist/test_offload.py",
-              "dist/test_checkpoint.py", "unit/test_bench.py", "dist/test_zero12.py", "dist/test_zero3.py",
-              "cli/test_estimate.py", "dist/test_nvme.py", "dist/test_numerics.py", "cli/test_gpu_check.py",
-              "dist/test_hf.py", "config/test_dsconfig.py", "dist/test_nvme_memory.py", "dist/test_zero3_memory.py"]
+SLOW_FIRST = ["cli/test_cli.py", "cli/test_readme.py", "cli/test_recipes.py", "dist/test_offload.py",
+              "cli/test_plan.py", "dist/test_zero3.py", "dist/test_zero12.py", "cli/test_estimate.py",
+              "dist/test_nvme.py", "dist/test_checkpoint.py", "unit/test_bench.py", "cli/test_gpu_check.py",
+              "dist/test_footprint.py", "config/test_dsconfig.py", "dist/test_numerics.py", "dist/test_nvme_memory.py",
+              "dist/test_zero3_memory.py", "dist/test_hf.py"]
 
 
 def pytest_collection_modifyitems(config, items):
