@@ -100,9 +100,9 @@ def _local():
     return connect("gloo")
 
 
-# On 4 ranks (gloo reduces to each owner; 2 ranks all-reduce) one case and its reference
-# (test_offload compares offload=cpu with none on 4 ranks).
-WORLD_4 = ("zero2 cpu", "zero2 nvme piped")
+# On 4 ranks (gloo reduces to each owner; 2 ranks all-reduce) one case of each stage and its reference
+# (test_offload compares offload=cpu with none on 4 ranks), so every stage runs each offload target at 1, 2 and 4.
+WORLD_4 = ("zero1 cpu", "zero1 nvme", "zero2 cpu", "zero2 nvme piped", "zero3 cpu params=cpu", "zero3 nvme params=nvme")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -117,7 +117,7 @@ def test_nvme_equals_cpu_bitwise_and_none_within_1e6(pools, world):
                 assert losses == res[ref][0], f"rank {rank} {name} vs {ref}: losses differ"
                 assert torch.equal(full, res[ref][1]), f"rank {rank} {name} vs {ref}: parameters differ (bitwise)"
         for name, plain in PLAIN.items():
-            if name not in res:
+            if name not in res or plain not in res:
                 continue
             for i, (a, b) in enumerate(zip(res[name][0], res[plain][0])):
                 assert a == pytest.approx(b, rel=RTOL), f"rank {rank} {name} step {i}: {a} vs {plain} {b}"
