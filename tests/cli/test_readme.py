@@ -20,6 +20,7 @@ import os
 import re
 import shlex
 import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def test_every_documented_command_runs(clone, forkrun):
     cmds = commands()
     assert len(cmds) > 40, len(cmds)
     skipped = {k: False for k in SKIP}
-    failures, ran = [], 0
+    failures, ran, started = [], 0, 0
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     before, here = Counter(), Counter()   # lines of the earlier documents, of this one so far
     for i, (doc, line) in enumerate(cmds):
@@ -132,9 +133,17 @@ def test_every_documented_command_runs(clone, forkrun):
             module, args = words[2], words[3:]
             if module == "framework.train" and "--cfg" not in args:
                 args = shorten(args)
+                # Hydra names a run's folder by the second it starts (outputs/DATE/TIME): two shortened runs
+                # within one second would share it, the second resuming the first's checkpoints.
+                while int(time.time()) == started:
+                    time.sleep(0.05)
+                started = int(time.time())
             p = forkrun.run(module, args, cwd=clone, env={**env, **assigned}, timeout=240)
         elif words[0] == "torchrun":   # (the torchrun script is ``sys.exit(torch.distributed.run.main())``)
             at = words.index("framework.train") + 1
+            while int(time.time()) == started:   # (its run folder too is named by the second)
+                time.sleep(0.05)
+            started = int(time.time())
             p = forkrun.run("torch.distributed.run", [*words[1:at], *shorten(words[at:])], cwd=clone,
                             env={**env, **assigned}, timeout=240)
         else:
