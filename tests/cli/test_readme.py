@@ -73,6 +73,15 @@ def shorten(args: list[str]) -> list[str]:
     return out + ["train.log_every=1", f"train.eval_every={STEPS}", "train.eval_batches=1"]
 
 
+def _next_second(last: int) -> int:
+    """Wait for a second after ``last`` and return it: Hydra names a run's folder by the second it starts
+    (outputs/DATE/TIME), so two shortened runs within one second would share it, the second resuming the first's
+    checkpoints."""
+    while int(time.time()) == last:
+        time.sleep(0.05)
+    return int(time.time())
+
+
 def test_every_page_is_listed():
     """A page under docs/ that DOCS leaves out would have commands nobody runs."""
     pages = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
@@ -132,18 +141,11 @@ def test_every_documented_command_runs(clone, forkrun):
         if words[:2] == ["python", "-m"] and words[2].startswith("framework."):
             module, args = words[2], words[3:]
             if module == "framework.train" and "--cfg" not in args:
-                args = shorten(args)
-                # Hydra names a run's folder by the second it starts (outputs/DATE/TIME): two shortened runs
-                # within one second would share it, the second resuming the first's checkpoints.
-                while int(time.time()) == started:
-                    time.sleep(0.05)
-                started = int(time.time())
+                args, started = shorten(args), _next_second(started)
             p = forkrun.run(module, args, cwd=clone, env={**env, **assigned}, timeout=240)
         elif words[0] == "torchrun":   # (the torchrun script is ``sys.exit(torch.distributed.run.main())``)
             at = words.index("framework.train") + 1
-            while int(time.time()) == started:   # (its run folder too is named by the second)
-                time.sleep(0.05)
-            started = int(time.time())
+            started = _next_second(started)   # (its run folder too is named by the second)
             p = forkrun.run("torch.distributed.run", [*words[1:at], *shorten(words[at:])], cwd=clone,
                             env={**env, **assigned}, timeout=240)
         else:

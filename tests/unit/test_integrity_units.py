@@ -1,6 +1,7 @@
 """Integrity pieces on one process: planted links refused by name in every folder the framework
 writes, strict swap-extent checks, disk room summed per file system, a stopped rank named,
 rendezvous folders of dead runs removed (never a live one's), non-finite numbers in configs."""
+import errno
 import json
 import os
 import signal
@@ -489,6 +490,26 @@ def test_an_agreed_outcome_marks_every_ranks_error_alike(tmp_path, how, outcomes
     raised = _agreed(outcomes, {"agree": lambda group, what, fn: agree(group, fn, what), "load": None,
                                 "save": lambda group, what, fn: agree_save(group, what, fn, tmp_path / "s.tmp")}[how])
     assert [getattr(e, "every_rank", False) for e in raised] == [every] * len(outcomes), raised
+
+
+@pytest.mark.parametrize("dcp_wrapped,more", [(True, False), (False, True)])
+def test_one_full_disk_reported_by_every_rank_is_said_once(tmp_path, monkeypatch, dcp_wrapped, more):
+    """DCP raises rank 1's ENOSPC on every rank, and each rank measures the free bytes at its own moment: on a
+    busy disk two numbers for one cause, which once read as "(and 1 more rank(s))" (a CI flake). One failure is
+    said once, in one rank's words, the same on every rank; two ranks' own failures are still both counted."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from framework.persist.checkpoint import _group
+    from framework.persist.checkpoint._group import agree_save
+    moments = iter(range(100))
+    monkeypatch.setattr(_group, "free_note", lambda *a, **k: f"{next(moments)} bytes free")
+    full = OSError(errno.ENOSPC, "No space left on device")
+    outcome = CheckpointException("write", {1: (full, [])}) if dcp_wrapped else full
+    raised = _agreed([outcome, outcome], lambda group, what, fn: agree_save(group, what, fn, tmp_path / "step-3.tmp"))
+    assert all(isinstance(e, CheckpointError) for e in raised) and len({str(e) for e in raised}) == 1, raised
+    assert ("more rank" in str(raised[0])) == more, raised[0]
+    assert str(raised[0]).startswith("checkpoint: saving step-3 failed (reading): " +
+                                     ("rank 1: " if dcp_wrapped else "rank 0: ")), raised[0]
 
 
 def _dcp_stopped(stop):

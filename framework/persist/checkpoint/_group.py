@@ -62,9 +62,15 @@ def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, 
         if (stop := _stop(e)) is None:
             # DCP raises on every rank what failed on some: named after the ranks that failed
             ranks = sorted(e.failures) if isinstance(e, glue().CheckpointException) and e.failures else [group.rank]
-            problem = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {_write_error(e, tmp, need)}"
+            problem = (tuple(ranks), f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+                                     f"{_write_error(e, tmp, need)}")
     everyone = _exchange(group, (result, problem, stop), stop, what)
-    problems = list(dict.fromkeys(p for _, p, _ in everyone if p))
+    # One failure per set of failed ranks, in the first reporter's words: DCP raises rank 1's full disk on every
+    # rank, and each measures the free bytes at its own moment (a busy disk: two numbers, one cause).
+    said: dict = {}
+    for ranks, text in (p for _, p, _ in everyone if p):
+        said.setdefault(ranks, text)
+    problems = list(said.values())
     stops = [s for _, _, s in everyone if s is not None]
     if (problems or stops) and cleanup and group.rank == 0 and not tmp.is_symlink():   # (a planted link is only named)
         shutil.rmtree(tmp, ignore_errors=True)
