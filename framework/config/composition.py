@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -193,13 +194,28 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     for key, value in resolved.values.items():
         if key not in cli.keys | cli.deleted:
             _set_key(cfg, key, value)
-    config = validate(cfg, choices)
+    try:
+        config = validate(cfg, choices)
+    except ConfigError as e:   # a bad value the file states: name the file's key too
+        raise ConfigError(_from_file(str(e), {k: v for k, v in resolved.ds_keys.items()
+                                              if k not in cli.keys | cli.deleted})) from None
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE if g in mine else dsconfig.YAML
                                           for g in t.choices}, **resolved.sources})
     notices = config.notices + tuple(t.notices(strict, resolved.inert, resolved.notes))
     batch_world = world if isinstance(t.batch.get("train_batch_size"), int) else None
     return cfg, dataclasses.replace(config, ds_config=label, sources=sources, notices=notices,
                                     batch_world=batch_world)
+
+
+def _from_file(message: str, ds_keys: Mapping[str, str]) -> str:
+    """``message`` with "(from ds_config's KEY)" on its first line, KEY the file's key behind the first of
+    ``ds_keys``'s (our dotted keys) it names; unchanged when it names none."""
+    hits = [(m.start(), ds_key) for key, ds_key in ds_keys.items()
+            if (m := re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message))]
+    if not hits:
+        return message
+    first, *rest = message.split("\n", 1)
+    return "\n".join([f"{first} (from ds_config's {min(hits)[1]})", *rest])
 
 
 def _set_key(cfg: Any, key: str, value: Any) -> None:

@@ -127,7 +127,7 @@ def _split(inner: str) -> list[str]:
 def load_yaml(path: Path) -> dict:
     import yaml  # PyYAML: transformers needs it too, so it is there wherever torch's stack is
 
-    return dict(yaml.safe_load(path.read_text()) or {})
+    return dict(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
 
 
 def plain_composer(overrides: list[str], *, config_dir: str | None = None,

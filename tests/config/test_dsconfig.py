@@ -248,7 +248,7 @@ def test_a_deprecated_key_beside_its_new_key_with_another_value_is_an_error(z, n
 
 @pytest.mark.parametrize("ds,new", [
     ({"bfloat16": {"enabled": True}}, "'bf16'"),
-    ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "'offload_optimizer'"),
+    *(({"zero_optimization": {"stage": 2, "cpu_offload": on}}, "'offload_optimizer'") for on in (True, False)),
     # DeepSpeed no longer applies it (only warns): the section's pin_memory, or DeepSpeed's default false
     *(({"zero_optimization": {"stage": 2, "cpu_offload_use_pin_memory": True, "offload_optimizer": sec}},
        "ignored, as by DeepSpeed; use 'offload_optimizer.pin_memory'")
@@ -264,8 +264,10 @@ def test_deprecated_alias_accepted_with_a_warning(ds, new):
     elif "cpu_offload_use_pin_memory" in ds["zero_optimization"]:
         offload = ds["zero_optimization"]["offload_optimizer"]["device"]
         assert cfg.choices["offload"] == offload and (offload == "none" or cfg.offload.pin_memory is False)
-    elif ds["zero_optimization"]["stage"] == 2:
-        assert cfg.choices["offload"] == "cpu"
+    elif ds["zero_optimization"]["stage"] == 2:   # as offload_optimizer.device cpu / none: the command line agrees
+        device, other = ("cpu", "none") if ds["zero_optimization"]["cpu_offload"] else ("none", "cpu")
+        assert cfg.choices["offload"] == device
+        assert f"in the file means offload={device}" in error_of(ds, [f"offload={other}"])
     else:
         assert cfg.stage.stage3_gather_16bit_weights_on_model_save is True
 
@@ -316,6 +318,33 @@ def test_broken_json_names_line_and_column(tmp_path):
     for text, got in (("null", "null"), ("[1]", "an array")):
         path.write_text(text)
         assert error_of(path) == f"ds_config: {path}: the top level must be a JSON object, got {got}"
+    path.write_text(" \n")
+    assert error_of(path) == f"ds_config: {path} is empty; give a JSON object ({{}} for DeepSpeed's defaults)"
+    path.write_bytes(b'\xef\xbb\xbf{"gradient_clipping": 0.5}')   # a byte-order mark, as some editors write
+    assert framework.compose([], ds_config=path).train.grad_clip == 0.5
+    assert error_of(tmp_path) == f"ds_config: {tmp_path} is a directory; give a DeepSpeed JSON file"
+    if Path("/dev/null").exists():
+        assert error_of("/dev/null") == "ds_config: /dev/null is not a regular file; give a DeepSpeed JSON file"
+    # base64 of broken JSON: the JSON's error, not "no such file"
+    import base64
+    encoded = base64.urlsafe_b64encode(b'{"gradient_clipping": 1.0,}').decode()
+    assert error_of(encoded).startswith("ds_config: the base64-encoded config: line 1 column 27: Expecting property")
+
+
+def test_a_file_is_read_as_utf8_whatever_the_locale(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "ds.json").write_text('{"_comment": "caf\u00e9", "gradient_clipping": 0.5}', encoding="utf-8")
+    (tmp_path / "c.yaml").write_text("note: caf\u00e9\n", encoding="utf-8")
+    code = ("import sys; from pathlib import Path; from framework.config import dsconfig, plainconf; "
+            "print(dsconfig.load(sys.argv[1])['gradient_clipping'], plainconf.load_yaml(Path(sys.argv[2]))['note'] "
+            "== 'caf\\u00e9')")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ds.json"), str(tmp_path / "c.yaml")],
+                         env=env, capture_output=True, text=True, check=False)
+    assert out.stdout.split() == ["0.5", "True"], out.stderr[-2000:]
 
 
 def test_every_problem_in_one_block():
@@ -534,6 +563,11 @@ def test_offload_sections_and_mismatched_pin_memory():
     assert framework.compose(["offload.pin_memory=true"], ds_config=partial).offload.pin_memory is True
     assert framework.compose(["offload=cpu"], ds_config={"zero_optimization": {"stage": 2}}).offload.pin_memory \
         is True   # (no offload section: the run's own offload, as it is)
+    # no offload_param section: its device is DeepSpeed's default, which the command line overrides unremarked
+    assert framework.compose([], ds_config=partial).sources["offload.params"] == "DeepSpeed default"
+    partial["zero_optimization"].update(stage=3, offload_optimizer={"device": "cpu"})
+    cfg = framework.compose(["offload.params=cpu"], ds_config=partial)
+    assert cfg.offload.params == "cpu" and not any("offload_param" in n for n in cfg.notices), cfg.notices
     bad = copy.deepcopy(ds)
     bad["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
     assert "offload.ratio<1 keeps part of each partition's step on the device" in error_of(bad)
@@ -554,6 +588,13 @@ def test_nvme_buffer_keys_of_a_section_on_the_cpu_are_notes():
     cfg = framework.compose([], ds_config=ds)
     assert (cfg.offload.optimizer, cfg.offload.params, cfg.offload.sub_group_size) == ("nvme", "cpu", 2000)
     assert "offload_param.buffer_size" in " ".join(cfg.notices) and "offload_param.max_in_cpu" in " ".join(cfg.notices)
+    # the deprecated pipeline sets both flags on nvme; on the cpu it is one note
+    ds["zero_optimization"]["offload_optimizer"]["pipeline"] = True
+    cfg = framework.compose([], ds_config=ds)
+    assert cfg.offload.pipeline_read is True and cfg.offload.pipeline_write is True
+    ds["zero_optimization"].update(offload_optimizer={"device": "cpu", "pipeline": True}, offload_param={})
+    (note,) = [n for n in framework.compose([], ds_config=ds).notices if n.startswith("note:")]
+    assert note.count("offload_optimizer.pipeline ") == 1, note
 
 
 def test_a_tile_below_one_page_is_refused_naming_the_deepspeed_key():
@@ -600,6 +641,18 @@ def test_a_static_loss_scale_leaves_the_dynamic_keys_inert():
     (note,) = [n for n in cfg.notices if n.startswith("note:")]
     assert "fp16.hysteresis (loss_scale 128 is static)" in note and "loss_scale_window" not in note
     assert SCALER_DEFAULTS == {f.name: f.default for f in dataclasses.fields(ScalerConfig) if f.name != "loss_scale"}
+    # the final scale decides: the command line's dynamic scale takes the file's dynamic keys, a static one
+    # leaves them inert
+    ds = {"fp16": {"enabled": True, "loss_scale": 128, "initial_scale_power": 8, "loss_scale_window": 50,
+                   "hysteresis": 4}}
+    cfg = framework.compose(["precision.loss_scale=0"], ds_config=ds)
+    p = cfg.precision
+    assert (p.loss_scale, p.initial_scale_power, p.loss_scale_window, p.hysteresis) == (0, 8, 50, 4)
+    assert not any("static" in n for n in cfg.notices), cfg.notices
+    ds["fp16"]["loss_scale"] = 0
+    cfg = framework.compose(["precision.loss_scale=64"], ds_config=ds)
+    assert (cfg.precision.loss_scale, cfg.precision.hysteresis) == (64, 2)
+    assert any("fp16.hysteresis (loss_scale 64 is static)" in n for n in cfg.notices), cfg.notices
 
 
 def test_bf16_communication_dtype_and_grad_accum_dtype():
@@ -645,6 +698,21 @@ def test_bf16_check_grad_overflow_skips_a_nonfinite_step_as_deepspeed():
 def test_an_adam_eps_of_0_from_a_file_is_one_line():
     msg = error_of({"optimizer": {"type": "AdamW", "params": {"eps": 0}}})
     assert msg.startswith("optimizer.eps must be > 0 for adamw, got 0.0 (an eps of 0 makes the update 0/0") and "\n" not in msg
+    assert msg.endswith(" (from ds_config's optimizer.params.eps)"), msg
+
+
+@pytest.mark.parametrize("ds,start,ds_key", [
+    ({"fp16": {"enabled": True, "loss_scale": -1}}, "precision.loss_scale must be >= 0", "fp16.loss_scale"),
+    ({"gradient_clipping": -1}, "config: train.grad_clip must be >= 0", "gradient_clipping"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
+      "aio": {"single_submit": True}}, "config: offload.aio.single_submit=true has no effect", "aio.single_submit"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": -1}}}, "optimizer.lr must be >= 0 for sgd", "optimizer.params.lr"),
+])
+def test_a_bad_value_from_the_file_names_the_files_key(ds, start, ds_key):
+    msg = error_of(ds)
+    assert msg.startswith(start) and msg.endswith(f" (from ds_config's {ds_key})") and "\n" not in msg, msg
+    if ds_key == "gradient_clipping":   # the command line's value: our key alone
+        assert error_of(ds, ["train.grad_clip=-2"]) == "config: train.grad_clip must be >= 0, got -2"
 
 
 # --- defects found in review (round 9) ----------------------------------------------------------

@@ -30,33 +30,44 @@ def load(source: str | Path | Mapping) -> dict:
     if not str(source).strip():
         raise ConfigError("ds_config: an empty path; give a DeepSpeed JSON file (or null for none)")
     path = Path(source)
-    # DeepSpeed's third form: the JSON base64-encoded (as launchers pass it); isfile is False, not an
-    # error, for a name too long for a path (a real config in base64 is)
+    if os.path.exists(path) and not os.path.isfile(path):
+        what = "a directory" if path.is_dir() else "not a regular file"
+        raise ConfigError(f"ds_config: {path} is {what}; give a DeepSpeed JSON file")
     if not os.path.isfile(path):
-        text = str(source)   # the padding restored: Hydra's override grammar takes no bare '='
-        try:   # duplicate keys refused as in a file (json keeps the last one silently)
-            data = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode(),
-                              object_pairs_hook=partial(_no_duplicates, "the base64-encoded config"))
-        except ConfigError:
-            raise
-        except ValueError:   # binascii.Error, UnicodeDecodeError and JSONDecodeError are ValueErrors
-            data = None
-        if isinstance(data, dict):
-            return data
-        raise ConfigError(f"ds_config: no such file: {path}")
+        # DeepSpeed's third form: the JSON base64-encoded (as launchers pass it); isfile is False, not an
+        # error, for a name too long for a path (a real config in base64 is). The padding restored: Hydra's
+        # override grammar takes no bare '='.
+        text = str(source)
+        try:   # (binascii.Error and UnicodeDecodeError are ValueErrors)
+            text = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
+        except ValueError:
+            text = ""
+        if not text.lstrip().startswith("{"):   # (a mistyped path decodes to anything but a JSON object)
+            raise ConfigError(f"ds_config: no such file: {path}")
+        return _parse(text, "the base64-encoded config")
     try:
-        data = json.loads(path.read_text(), object_pairs_hook=partial(_no_duplicates, str(path)))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"ds_config: {path}: line {e.lineno} column {e.colno}: {e.msg} "
-                          f"(strict JSON: no comments or trailing commas)") from None
+        text = path.read_text(encoding="utf-8")   # (JSON is UTF-8 whatever the locale)
     except UnicodeDecodeError as e:
         raise ConfigError(f"ds_config: {path}: not UTF-8 text ({e.reason})") from None
     except OSError as e:
         raise ConfigError(f"ds_config: cannot read {path} ({e.strerror}); fix its permissions or set "
                           "ds_config to a readable file") from None
+    return _parse(text, str(path))
+
+
+def _parse(text: str, where: str) -> dict:
+    """The JSON object in ``text`` (a leading byte-order mark skipped, duplicate keys refused: json keeps
+    the last one silently); ``where`` names it in errors."""
+    if not text.strip():
+        raise ConfigError(f"ds_config: {where} is empty; give a JSON object ({{}} for DeepSpeed's defaults)")
+    try:
+        data = json.loads(text.removeprefix("\ufeff"), object_pairs_hook=partial(_no_duplicates, where))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"ds_config: {where}: line {e.lineno} column {e.colno}: {e.msg} "
+                          f"(strict JSON: no comments or trailing commas)") from None
     if not isinstance(data, dict):
         got = "an array" if isinstance(data, list) else json.dumps(data)[:40]
-        raise ConfigError(f"ds_config: {path}: the top level must be a JSON object, got {got}")
+        raise ConfigError(f"ds_config: {where}: the top level must be a JSON object, got {got}")
     return data
 
 

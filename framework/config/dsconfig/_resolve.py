@@ -30,11 +30,12 @@ class Resolved:
     sources: dict[str, str]             # our dotted key -> provenance label
     inert: list[str]                    # file keys that turned out to change nothing (fp16 keys of a bf16 run)
     notes: list[str]                    # where the run differs from the file's intent
+    ds_keys: dict[str, str]             # our dotted key -> the file's key whose stated value it takes
 
 
 def resolve(t: Translation, run: RunFacts) -> Resolved:
     """Fill "auto", derive the batch triple, check must-match relations; one ConfigError lists every mismatch."""
-    values, sources, mismatches, leftover, notes, overridden = {}, {}, [], [], [], []
+    values, sources, mismatches, leftover, notes, overridden, ds_keys = {}, {}, [], [], [], [], {}
     h = run.hidden_size
     # Hugging Face's phase 2: sizes from the model's hidden size (None: unknown)
     sizes = {"h*h": h * h, "0.9*h*h": int(0.9 * h * h), "10*h": 10 * h} if h is not None else {}
@@ -60,11 +61,13 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     fp16_keys = {k.removeprefix("_fp16."): settings.pop(k) for k in [k for k in settings if k.startswith("_fp16.")]}
     inert = [] if precision == "fp16" else [f"{s.ds_key} (the run is {precision})" for s in fp16_keys.values()]
     if precision == "fp16":
-        static = fp16_keys.get("loss_scale")
-        if static is not None and isinstance(static.value, (int, float)) and static.value > 0:
+        # the scale the run will have: the command line's over the file's
+        scale = run.value("precision.loss_scale") if "precision.loss_scale" in run.cli_keys else \
+            getattr(fp16_keys.get("loss_scale"), "value", None)
+        if isinstance(scale, (int, float)) and scale > 0:
             # a static scale: the dynamic scaler's keys change nothing (their defaults pass as they are)
             unused = [k for k, s in fp16_keys.items() if k in SCALER_DEFAULTS and s.value != SCALER_DEFAULTS[k]]
-            inert += [f"{fp16_keys.pop(k).ds_key} (loss_scale {static.value:g} is static)" for k in unused]
+            inert += [f"{fp16_keys.pop(k).ds_key} (loss_scale {scale:g} is static)" for k in unused]
         settings.update({f"precision.{k}": s for k, s in fp16_keys.items()})
     for key in [k for k in settings if k.startswith("_bf16.")]:   # bf16's keys of a bf16 run
         if precision == "bf16":
@@ -119,6 +122,8 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
                                   f"on the command line")
         else:
             values[key], sources[key] = s.value, s.source
+            if s.source == DS_FILE:
+                ds_keys[key] = s.ds_key
 
     # Scheduler relations (phase 1 and 2): "auto" takes the run's value, a stated one must match it.
     lr, steps = final("optimizer.lr"), final("train.steps")
@@ -156,7 +161,7 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     if mismatches:
         raise ConfigError("ds_config: the file does not match the run's config:\n" +
                           "\n".join(f"  - {m}" for m in mismatches))
-    return Resolved(values, sources, inert, notes)
+    return Resolved(values, sources, inert, notes, ds_keys)
 
 
 def _show(value: Any) -> str:

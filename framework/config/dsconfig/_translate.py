@@ -96,8 +96,8 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
         if on is not None and device not in (None, "cpu" if on else "none"):
             tr.error(f"{Z}{switch} and {Z}{section}.device are the same key with different values "
                      f"({json.dumps(on)}: device {'cpu' if on else 'none'}, and {json.dumps(device)}); keep {section}")
-        elif on and z.get(section) is None:
-            z[section] = {"device": "cpu"}
+        elif on is not None and z.get(section) is None:   # (false: as a stated device none)
+            z[section] = {"device": "cpu" if on else "none"}
     if "cpu_offload_use_pin_memory" in z:   # DeepSpeed warns and reads only the sections' pin_memory
         tr.typed(z.pop("cpu_offload_use_pin_memory"), "bool", Z + "cpu_offload_use_pin_memory")
         tr.warnings.append(f"'{Z}cpu_offload_use_pin_memory' is deprecated and ignored, as by DeepSpeed; use "
@@ -176,8 +176,8 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
     if opt is not None or param is not None:  # absent sections leave the run's offload choice
         tr.choose("offload", target, f"{Z}offload_optimizer.device / offload_param.device")
     # (with target none both devices are none: only the offload_*.device checks above apply)
-    if target != "none":
-        tr.set("offload.params", pd, f"{Z}offload_param.device")
+    if target != "none":   # (no device stated, or a section DeepSpeed ignores: its default, none)
+        tr.set("offload.params", pd, f"{Z}offload_param.device", DS_FILE if "device" in sections[1][0] else DS_DEFAULT)
     if target == "nvme":
         tr.set("offload.optimizer", od, f"{Z}offload_optimizer.device")
     for key, kind, inert in (("nvme_path", "str", "" if target == "nvme" else "device cpu"),
@@ -216,8 +216,10 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
         for key, ours, kind in (("buffer_count", "buffer_count", "int"),
                                 ("pipeline_read", "pipeline_read", "bool"),
                                 ("pipeline_write", "pipeline_write", "bool"),
-                                ("pipeline", "pipeline_read", "bool"), ("pipeline", "pipeline_write", "bool")):
+                                ("pipeline", "pipeline_read", "bool")):
             tr.put(o, key, kind, f"offload.{ours}", f"{Z}offload_optimizer.", od == "nvme", "device cpu: NVMe buffers")
+        if (s := tr.settings.get("offload.pipeline_read")) is not None and s.ds_key == f"{Z}offload_optimizer.pipeline":
+            tr.settings["offload.pipeline_write"] = s   # (the deprecated key sets both: read once, one note)
         tr.inert_keys(o, dict.fromkeys(("fast_init", "cpuadam_cores_perc"),
                                        "a speed knob of DeepSpeed's CPU optimizer"), f"{Z}offload_optimizer.")
         if "super_offload" in o and o["super_offload"] is not False:
