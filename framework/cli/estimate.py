@@ -11,7 +11,8 @@ Counts accept ``2.78e9``, ``2783M``, ``32K``, ``1.4B``. A model is built on the 
 two DeepSpeed tables (model states only; "per CPU" is per node) match DeepSpeed's to the printed digit; ours
 follow: ZeRO-Infinity rows (the ``offload=nvme`` keys) and, for a model, the bytes each rank will hold for the
 composed config (any other ``key=value`` is a Hydra override of ``conf/train.yaml``; ``context=`` sets a
-Hugging Face model's sequence length). ``--json`` prints everything as JSON. More in docs/estimate.md.
+Hugging Face model's sequence length, by default training's ``model.context``). ``--json`` prints everything as JSON.
+More in docs/estimate.md.
 """
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
 from framework.engine.build import component
-from framework.memory.model import build_vocab, nvme_pools, predict, state_bytes
+from framework.memory.model import build_vocab, data_vocab, nvme_pools, predict, state_bytes
+from framework.models.hf import HFConfig
 from framework.models.hf import causal_lm_class as hf_causal_lm_class
+from framework.models.hf import check_vocab as hf_check_vocab
 from framework.models.hf import load_config as hf_load_config
 from framework.models.hf import trace_loss as hf_trace_loss
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
@@ -96,6 +99,8 @@ def resolve_model(value: str, overrides: list[str]):
         # model=hf model.config=...; not the composed default model's (None: the file's "auto" is refused).
         hidden = getattr(_text_config(module.config), "hidden_size", None)
         cfg = compose(overrides, hidden_size=hidden if isinstance(hidden, int) else None, hidden_from_model=False)
+        if hf_causal_lm_class(module.config) is not None:   # one model=hf trains: the data's ids must fit it
+            hf_check_vocab(data_vocab(cfg), module.config, value)
         return module, cfg, True, "model"
     if yaml:   # a GPT model config in a YAML file (as conf/model/*.yaml), then the model.* overrides
         model = _yaml_model(path, model_keys)
@@ -186,13 +191,13 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if "params" in own or "largest_layer" in own:
             raise ConfigError("estimate: give model=... or params=/largest_layer=, not both")
         nproc = [o for o in overrides if override_key(o) == "dist.nproc"]
-        if nproc and ("gpus_per_node" in own or "nodes" in own) and nproc[-1].split("=", 1)[-1] != str(gpus * nodes):
-            raise ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of {gpus * nodes}); "
-                              "give one of them")
         if not nproc and ("gpus_per_node" in own or "nodes" in own):
             # The world sizes a ds_config's batch triple (and its checks) as dist.nproc does for training.
             overrides = [*overrides, f"dist.nproc={gpus * nodes}"]
         module, cfg, hf, source = resolve_model(own["model"], overrides)
+        if nproc and ("gpus_per_node" in own or "nodes" in own) and cfg.dist.nproc != gpus * nodes:
+            raise ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of {gpus * nodes}); "
+                              "give one of them")
         if "gpus_per_node" not in own and "nodes" not in own:
             gpus = cfg.dist.nproc   # the tables for the world the prediction below is for (one node)
         if "context" in own and not hf:
@@ -270,9 +275,10 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if hf:
             conf = getattr(module, "config", None)
             limit = getattr(conf, "n_positions", None) or getattr(conf, "max_position_embeddings", None)
-            context = _count(own, "context", limit or cfg.model.context)
+            context = _count(own, "context", HFConfig.context)   # by default training's model.context
             if limit is not None and context > limit:   # as framework.train refuses it
-                raise ConfigError(f"estimate: context={context} exceeds the model's max_position_embeddings "
+                default = "" if "context" in own else " (training's default model.context)"
+                raise ConfigError(f"estimate: context={context}{default} exceeds the model's max_position_embeddings "
                                   f"({limit}); set context <= {limit}")
         text += ["", f"model {Path(own['model'])}"] if hf else [""]
         try:

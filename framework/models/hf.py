@@ -175,6 +175,14 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
     return config
 
 
+def check_vocab(vocab_size: int | None, config: Any, where: str | Path) -> None:
+    """The data's ``vocab_size`` token ids must all be ids of the model (``config``, read from ``where``)."""
+    if vocab_size is not None and vocab_size > config.vocab_size:
+        raise ConfigError(f"the data has {vocab_size} token ids but the model's vocabulary has {config.vocab_size} "
+                          f"(vocab_size in {where}); use data whose tokenizer fits the model "
+                          f"(e.g. data.vocab_size <= {config.vocab_size})")
+
+
 def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     """An ``AutoModelForCausalLM`` from local files on the default device; ``vocab_size`` (the data's) must fit."""
     try:
@@ -183,10 +191,7 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
         raise ConfigError("model=hf needs the hf extra: pip install -e '.[hf]' (transformers, safetensors)") from None
     key, file, raw = _raw_config(cfg)
     config = _transformers_config(key, file, raw)
-    if vocab_size is not None and vocab_size > config.vocab_size:
-        raise ConfigError(f"the data has {vocab_size} token ids but the model's vocabulary has {config.vocab_size} "
-                          f"(vocab_size in {cfg.pretrained or cfg.config}); use data whose tokenizer fits the model "
-                          f"(e.g. data.vocab_size <= {config.vocab_size})")
+    check_vocab(vocab_size, config, cfg.pretrained or cfg.config)
     limit = getattr(config, "max_position_embeddings", None)   # absent for some architectures
     if limit is not None and cfg.context > limit:
         raise ConfigError(f"model.context={cfg.context} exceeds the model's max_position_embeddings ({limit}); "

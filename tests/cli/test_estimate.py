@@ -19,6 +19,8 @@ from framework.config import compose
 from framework.core.errors import ConfigError
 from framework.cli.estimate import main
 from framework.models.gpt import GPT, PRESETS
+from framework.models.hf import HFConfig
+from framework.models.hf import build as hf_build
 from tests._helpers import count_params
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,7 +159,7 @@ def test_hf_config_json_counted_on_meta(tmp_path, monkeypatch, capsys):
     assert sum({p.data_ptr(): p.numel() for p in meta.parameters()}.values()) < expected  # the collapse
     assert count_module(meta).params == expected
     assert count_module(meta).largest_layer == 1000 * 64
-    assert main([f"model={tmp_path / 'config.json'}", "gpus_per_node=2", "--json"]) == 0
+    assert main([f"model={tmp_path / 'config.json'}", "gpus_per_node=2", "context=128", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == expected and out["largest_layer"] == 64_000
     assert out["zero3"][4]["gpu"] == 4 * 64_000 + int(18 * expected / 2)
@@ -170,10 +172,10 @@ def test_hf_config_json_counted_on_meta(tmp_path, monkeypatch, capsys):
     assert pred["items"]["params"]["device"] <= 4 * (padded + 128)   # two groups (matrices, vectors)
     assert pred["transient"]["activations"] > 2 * 64 * 1000 * 4    # at least the fp32 logits
     # The NVMe tables take the offload keys composed around a Hugging Face model, as around ours.
-    assert main([f"model={tmp_path / 'config.json'}", "+stage=zero3", "offload=nvme",
+    assert main([f"model={tmp_path / 'config.json'}", "+stage=zero3", "offload=nvme", "context=64",
                  "offload.sub_group_size=12345", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["nvme_sub_group_size"] == 12345
-    assert main([f"model={tmp_path / 'config.json'}", "+stage=zero3", "offload=nvme",
+    assert main([f"model={tmp_path / 'config.json'}", "+stage=zero3", "offload=nvme", "context=64",
                  "offload.buffer_count=7"]) == 0
     assert "buffer_count=7," in capsys.readouterr().out
 
@@ -224,7 +226,7 @@ def test_hf_config_is_sized_as_training_builds_it(tmp_path, monkeypatch, capsys)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with torch.device("meta"):
         lm = transformers.LlamaForCausalLM(transformers.LlamaConfig(**raw))
-    assert main([f"model={tmp_path / 'config.json'}", "--json"]) == 0
+    assert main([f"model={tmp_path / 'config.json'}", "context=16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["params"] == count_module(lm).params == 2 * 32_000 + 9_280 + 32   # with the head
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mymodel", "hidden_size": 32, "auto_map": {
         "AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyLM"}}))
@@ -455,6 +457,21 @@ def test_hf_context_is_checked_like_training(tmp_path, capsys, monkeypatch):
                             ("33", "estimate: context=33 exceeds the model's max_position_embeddings (32)")):
         assert main([f"model={tmp_path}", f"context={context}"]) == 2
         assert needle in capsys.readouterr().err
+    # Without context=, training's default model.context (256), never the model's 32 positions.
+    assert main([f"model={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: estimate: context=256 (training's default model.context) exceeds the model's "
+                   "max_position_embeddings (32); set context <= 32\n"), err
+    config.n_positions = 1024
+    config.save_pretrained(tmp_path)
+    assert main([f"model={tmp_path}", "train.micro_batch=1"]) == 0
+    assert " context=256\n" in capsys.readouterr().out
+    # The data's token ids must fit the model's vocabulary: refused as model=hf refuses it.
+    with pytest.raises(ConfigError) as training:
+        hf_build(HFConfig(config=str(tmp_path)), vocab_size=101)
+    assert main([f"model={tmp_path}", "context=8", "data.vocab_size=101"]) == 2
+    assert capsys.readouterr().err == f"error: {training.value}\n"
+    assert main([f"model={tmp_path}", "context=8", "data.vocab_size=100"]) == 0
     # Refused as model=hf refuses it in the prediction, not ignored (the prediction would be unchanged).
     assert main([f"model={tmp_path}", "context=8", "model.activation_checkpointing=true"]) == 2
     err = capsys.readouterr().err
@@ -516,6 +533,7 @@ def test_world_from_gpus_or_nproc_not_both(capsys):
     assert "estimate: dist.nproc=4 conflicts with gpus_per_node=/nodes=" in err and err.count("\n") == 1, err
     # the same world both ways (the hf_gpt2_zero3 recipe's estimate) is no conflict
     assert main(["model=gpt-nano", "gpus_per_node=2", "dist.nproc=2"]) == 0
+    assert main(["model=gpt-nano", "gpus_per_node=2", "dist.nproc=02"]) == 0   # the composed value, not its text
 
 
 def test_gpus_per_node_and_nodes_size_the_ds_config_batch(tmp_path, capsys):
