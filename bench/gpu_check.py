@@ -29,8 +29,8 @@ check's log and records), rewritten after every check: three files (the checks' 
 ``--logs``, default DIR/logs; the device tool returns at most 8 files, so give it a folder outside DIR).
 Standard output ends with a short summary (failed rows in full, the rest as counts per check) and the
 verdict: PASSED (exit 0), FAILED (a row failed; exit 1) or INCOMPLETE (nothing failed, but a check was
-left out by the time budget or limit, or a run without --dry-run found no GPU; exit 3; --skip is
-neutral). Under gpu_check.sh the budget is clamped to its hard time limit less a margin; when that limit
+left out by the time budget or limit, or a run without --dry-run found no GPU: then it stops after the
+environment check; exit 3; --skip is neutral; exit 2: bad arguments, or a Python that cannot import torch). Under gpu_check.sh the budget is clamped to its hard time limit less a margin; when that limit
 stops the run, the table is still written, with the interrupted check's row (a failure: FAILED).
 ``--dry-run`` runs each check on the CPU (gloo, FRAMEWORK_ACCELERATOR=check, tiny sizes); the test
 suite runs it without Hydra, OmegaConf and W&B, as the GPU image has none.
@@ -124,11 +124,11 @@ def check_environment(dry: bool, out: Path) -> list[dict]:
 
     rows = [row("environment", "python", True, platform.python_version()),
             row("environment", "torch", True, torch.__version__, "2.11 (GPU image) or 2.13"),
-            row("environment", "CUDA", torch.cuda.is_available() or dry, torch.version.cuda or "none"),
+            row("environment", "CUDA", True if torch.cuda.is_available() or dry else None, torch.version.cuda or "none"),
             row("environment", "host cores", True, os.cpu_count())]
     gpus = gpu_count()
     names = [torch.cuda.get_device_name(i) for i in range(gpus)]
-    rows.append(row("environment", "GPUs", gpus > 0 or dry, f"{gpus}: {', '.join(names) or '-'}"))
+    rows.append(row("environment", "GPUs", True if gpus > 0 or dry else None, f"{gpus}: {', '.join(names) or '-'}"))
     for mod in ("hydra", "omegaconf", "wandb", "deepspeed", "transformers", "yaml", "ninja"):
         try:
             __import__(mod)
@@ -520,6 +520,7 @@ class _Stopped(BaseException):
 
 
 EXIT = {"PASSED": 0, "FAILED": 1, "INCOMPLETE": 3}
+NO_GPU = "not run (no GPU)"   # (the verdict's "no GPU" says why: not the time budget)
 
 
 def _verdict(info: dict, rows: list[dict]) -> tuple[str, list[str]]:
@@ -527,7 +528,8 @@ def _verdict(info: dict, rows: list[dict]) -> tuple[str, list[str]]:
     the time budget or the time limit left out or that was not reached yet, a GPU run without a GPU),
     else PASSED. A check left out by --skip was asked for: neutral. Also what was not checked."""
     seen = {r["check"] for r in rows}
-    cut = [r["check"] for r in rows if r["item"] == "check" and r["ok"] is None and r["value"] != "skipped (--skip)"]
+    cut = [r["check"] for r in rows
+           if r["item"] == "check" and r["ok"] is None and r["value"] not in ("skipped (--skip)", NO_GPU)]
     timing = [r for r in rows if r["check"] == "timing" and r["item"] != "check"]
     if timing and not any(r["ok"] for r in timing) and any("time budget" in r["value"] for r in timing):
         cut.append("timing")   # every system skipped or stopped by the budget: nothing was timed
@@ -622,6 +624,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", default="", help=f"comma-separated checks to skip: {', '.join(ORDER)}")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    try:
+        import torch
+    except ImportError as e:
+        print(f"gpu_check: {sys.executable} cannot import torch ({e}); activate the environment "
+              f"(. .venv/bin/activate) or set PYTHON=.venv/bin/python", file=sys.stderr)
+        return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.one:
@@ -648,13 +656,16 @@ def main(argv: list[str] | None = None) -> int:
             state["running"] = False
             raise _Stopped
     signal.signal(signal.SIGTERM, stop)
-    import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     start = time.monotonic()
     machine = (f"{torch.cuda.get_device_name(0)} x{gpus}" if gpus else "no GPU") + \
         f"; {os.cpu_count()} host cores; torch {torch.__version__}; python {platform.python_version()}"
     info = {"dry_run": args.dry_run, "machine": machine, "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "seconds": 0.0, "budget_s": budget, "gpus": gpus, "unrun": UNRUN_ONE_GPU if gpus < 2 else [], "per_check_s": {}}
+    no_gpu = not args.dry_run and not gpus
+    if no_gpu:
+        print("gpu_check: no GPU found (torch.cuda.is_available() is False): only the environment check runs; run it "
+              "on a GPU machine, or with --dry-run for the same code paths on the CPU", flush=True)
     rows: list[dict] = []
     for name in ORDER:
         left = budget - (time.monotonic() - start)
@@ -662,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row(name, "check", None, "not run (stopped by the time limit)"))
         elif name in skip:
             rows.append(row(name, "check", None, "skipped (--skip)"))
+        elif no_gpu and name != "environment":
+            rows.append(row(name, "check", None, NO_GPU))
         elif left < (3 if args.dry_run else FLOOR[name]):
             rows.append(row(name, "check", None, f"skipped (time budget: {left:.0f} s left)"))
         else:

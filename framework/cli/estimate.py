@@ -107,11 +107,7 @@ def resolve_model(value: str, overrides: list[str]):
         rest = [o for o in overrides if o not in model_keys]
         cfg = dataclasses.replace(compose(rest, hidden_size=model.d_model, hidden_from_model=False), model=model)
     else:
-        try:
-            models.get(value)
-        except ConfigError as e:
-            raise ConfigError(f"{e}; a Hub name? nothing is downloaded; give a local config.json or a folder "
-                              f"holding one") from None
+        models.get(value)   # an unknown name: one line, with how to name a Hugging Face model
         cfg = compose([f"model={value}", *overrides])
     vocab, source = build_vocab(cfg, overrides)
     with torch.device("meta"):

@@ -3,7 +3,8 @@
 A component is a public module (no leading underscore, not base.py) of the group's package defining
 ``COMPONENT = Component(config=<dataclass>, build=<callable>)``, named by its file name (also the YAML
 file name in ``conf/<group>/``); or ``COMPONENTS = {name: Component, ...}`` for several (the model
-sizes, zero1 and zero2). Discovery is read-only: nothing registers itself at import time.
+sizes, zero1 and zero2). Discovery is read-only: nothing registers itself at import time. A group's package
+may define ``UNKNOWN_HINT``: what an unknown name's error adds (another way to name what was meant).
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class Component:
 class Registry:
     group: str
     entries: Mapping[str, Component]
+    hint: str = ""   # the package's UNKNOWN_HINT
 
     def names(self) -> list[str]:
         return sorted(self.entries)
@@ -56,7 +58,7 @@ class Registry:
     def get(self, name: str) -> Component:
         if name not in self.entries:
             raise ConfigError(f"config: unknown {self.group} {name!r}{closest_hint(name, self.entries)}; "
-                              f"available: {', '.join(self.names())}")
+                              f"available: {', '.join(self.names())}{'; ' + self.hint if self.hint else ''}")
         return self.entries[name]
 
 
@@ -74,8 +76,10 @@ def closest(name: str, valid, cutoff: float = 0.5, aliases: Mapping[str, str] | 
     snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
     if (same := folded.get(name.lower()) or folded.get(snake)) is not None:
         return same
-    match = difflib.get_close_matches(name.lower(), folded, n=1, cutoff=cutoff)
-    return folded[match[0]] if match else None
+    # Of the close ones, one that starts with what was typed first (gpt2: gpt2-small, not gpt-1b).
+    near = difflib.get_close_matches(name.lower(), folded, n=max(1, len(folded)), cutoff=cutoff)
+    match = next((m for m in near if m.startswith(name.lower())), near[0] if near else None)
+    return None if match is None else folded[match]
 
 
 def closest_hint(name: str, valid) -> str:
@@ -100,4 +104,4 @@ def registry(group: str) -> Registry:
             entries[info.name] = module.COMPONENT
         else:
             raise TypeError(f"{module.__name__} is in a registry package but defines no COMPONENT")
-    return Registry(group, MappingProxyType(entries))
+    return Registry(group, MappingProxyType(entries), getattr(package, "UNKNOWN_HINT", ""))

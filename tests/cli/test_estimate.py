@@ -435,9 +435,9 @@ def dataclasses_replace_vocab(cfg, vocab):
     (["model=gpt-nano", "+stage=zero3", "offload=nvme", "sub_group_size=100000"],
      "estimate: sub_group_size=100000 with offload=nvme: the config's offload.sub_group_size sizes both the tables "
      "and the per-rank prediction; give offload.sub_group_size=100000 instead"),
-    (["model=gpt2"], "config: unknown model 'gpt2' (did you mean 'gpt-1b'?); available: gpt-1b, gpt-mini, gpt-nano, "
-                     "gpt2-medium, gpt2-small, hf; a Hub name? nothing is downloaded; give a local config.json or a "
-                     "folder holding one"),
+    (["model=gpt2"], "config: unknown model 'gpt2' (did you mean 'gpt2-small'?); available: gpt-1b, gpt-mini, "
+                     "gpt-nano, gpt2-medium, gpt2-small, hf; a Hugging Face model is model=hf "
+                     "model.config=path/to/config.json (or its folder; local files: nothing is downloaded)"),
 ])
 def test_bad_arguments_are_one_line(capsys, args, needle):
     """Each value estimate cannot use is refused with one line (nothing rounded, dropped or defaulted);

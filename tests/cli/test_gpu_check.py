@@ -314,20 +314,53 @@ def test_gpu_check_stopped_by_the_time_limit_still_writes_the_table(tmp_path):
 
 
 def test_gpu_check_that_checked_nothing_is_incomplete_not_passed(tmp_path):
-    """Checks left out by the time budget, or a GPU run on a machine without one: INCOMPLETE, exit 3
-    (not PASSED with nothing checked); the table and rows say so too."""
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "tests" / "without_hydra"),
-           "CUDA_VISIBLE_DEVICES": ""}   # (no GPU, also where there is one)
-    p = subprocess.run(["bash", "bench/gpu_check.sh", "--out", str(tmp_path), "--budget", "5", "--skip", "timing"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    """Checks left out by the time budget: INCOMPLETE, exit 3 (not PASSED with nothing checked); the table
+    and rows say so too."""
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "tests" / "without_hydra")}
+    p = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--out", str(tmp_path), "--budget", "2", "--skip",
+                        "timing"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 3, p.stdout + p.stderr
     verdict = p.stdout.splitlines()[-2]
     assert verdict.startswith("gpu_check: INCOMPLETE: 0 failed of 0 checked rows"), p.stdout
-    assert "environment, kernels, equivalence, memory, sync not run (time budget or limit)" in verdict, verdict
-    assert "no GPU" in verdict, verdict
+    assert verdict.endswith("not checked: environment, kernels, equivalence, memory, sync not run (time budget or "
+                            "limit)"), verdict
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["verdict"] == "INCOMPLETE" and report["failed"] == 0, report
-    assert (tmp_path / "gpu_check.md").read_text().startswith("# GPU check: INCOMPLETE")
+    assert (tmp_path / "gpu_check.md").read_text().startswith("# GPU check (dry run on the CPU): INCOMPLETE")
+
+
+def test_gpu_check_without_a_gpu_stops_after_the_environment_check(tmp_path):
+    """A GPU run on a machine without one: one line says so, the environment check runs (no GPU is not
+    checked there, not failed) and the run stops: INCOMPLETE, exit 3, in seconds (not the CPU's minutes of
+    memory and timing runs, failing)."""
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "tests" / "without_hydra"),
+           "CUDA_VISIBLE_DEVICES": ""}   # (no GPU, also where there is one)
+    # (--budget: where the run went on, it would end within it)
+    p = subprocess.run(["bash", "bench/gpu_check.sh", "--out", str(tmp_path), "--budget", "60", "--skip", "timing"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert p.stdout.startswith("gpu_check: no GPU found (torch.cuda.is_available() is False): only the environment "
+                               "check runs"), p.stdout
+    verdict = p.stdout.splitlines()[-2]
+    assert verdict.startswith("gpu_check: INCOMPLETE: 0 failed of ") and verdict.endswith("not checked: no GPU"), verdict
+    rows = {(r["check"], r["item"]): r for r in json.loads((tmp_path / "gpu_check.json").read_text())["rows"]}
+    assert rows[("environment", "CUDA")]["ok"] is None and rows[("environment", "GPUs")]["ok"] is None, rows
+    assert [rows[(c, "check")]["value"] for c in ("kernels", "equivalence", "memory", "sync", "timing")] == \
+        ["not run (no GPU)"] * 4 + ["skipped (--skip)"], rows
+
+
+def test_gpu_check_with_a_python_without_torch_is_one_line(tmp_path):
+    """PYTHON (or python3) without torch, as outside the environment: one line saying what to do, exit 2,
+    nothing written."""
+    bare = tmp_path / "python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')   # (-S: no site-packages, no torch)
+    bare.chmod(0o755)
+    p = subprocess.run(["bash", "bench/gpu_check.sh", "--out", str(tmp_path / "out")], cwd=ROOT,
+                       env={**os.environ, "PYTHON": str(bare)}, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
+    assert p.stderr.splitlines() == [f"gpu_check: {sys.executable} cannot import torch (No module named 'torch'); "
+                                     "activate the environment (. .venv/bin/activate) or set PYTHON=.venv/bin/python"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_gpu_check_verdict_only_an_explicit_skip_is_neutral():

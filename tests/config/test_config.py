@@ -8,7 +8,7 @@ from framework import ConfigError, compose
 from framework.config import COMPATIBLE, GROUPS, Config, validate
 from framework.comm.distributed import connect
 from framework.core.paths import conf_dir
-from framework.core.registry import registry
+from framework.core.registry import closest, registry
 from tests._helpers import TINY
 
 
@@ -243,6 +243,20 @@ def test_a_group_name_in_another_case_is_refused_naming_ours(override, name):
     case-sensitive spelling distance names adam for AdamW, fp16 for BF16, or nothing)."""
     with pytest.raises(ConfigError, match=f"\\(did you mean '{name}'\\?\\)"):
         compose([override])
+
+
+def test_a_name_that_begins_a_close_one_names_it_and_an_unknown_model_names_hf():
+    """gpt2 (a GPT-2 user): gpt2-small, not the nearer spelling gpt-1b; and how a Hugging Face model is named.
+    Only among the close names: an exact-only lookup (cutoff 1.0) stays exact."""
+    with pytest.raises(ConfigError) as e:
+        compose(["model=gpt2"])
+    msg = str(e.value)
+    assert msg.startswith("config: unknown model 'gpt2' (did you mean 'gpt2-small'?); available: "), msg
+    assert msg.endswith("; a Hugging Face model is model=hf model.config=path/to/config.json (or its folder; local "
+                        "files: nothing is downloaded)"), msg
+    assert "Hugging Face" not in str(pytest.raises(ConfigError, compose, ["optimizer=adamx"]).value)
+    assert closest("adamw", ["adam", "adamw_8bit"]) == "adamw_8bit" and closest("ad", ["adamw", "adam"]) == "adam"
+    assert closest("lr", ["lr_decay"], 1.0) is None and closest("zero", ["zero3"], 0.95) is None
 
 
 @pytest.mark.parametrize("override,key", [
