@@ -42,8 +42,10 @@ class TokensSource(CropSource):
                               "tokenizer's size")
         vocab = cfg.vocab_size if cfg.vocab_size is not None else own
         if vocab is None:
-            raise ConfigError(f"data.vocab_size is not set and {meta} gives none; set data.vocab_size "
-                              f"to the tokenizer's size")
+            whose = (f"is that of another token file, {path.parent / other} (token files of one stem share it)"
+                     if (other := meta_owner(path)) else "gives none")
+            raise ConfigError(f"data.vocab_size is not set and {meta} {whose}; set data.vocab_size to the "
+                              f"tokenizer's size")
         if own is not None and vocab < own:
             raise ConfigError(f"data.vocab_size={vocab} is smaller than the {own} token ids of {meta}: its "
                               f"tokens would be out of range; set data.vocab_size={own} (or null: the file's own)")
@@ -66,6 +68,15 @@ class TokensSource(CropSource):
 def meta_path(path: Path) -> Path:
     """Where ``recipe prepare`` writes the metadata of the token file ``path``: ``<stem>.meta.json``."""
     return path.with_name(f"{path.stem}.meta.json")
+
+
+def meta_owner(path: Path) -> str | None:
+    """The other token file that ``meta_path(path)`` describes (one of the same stem), if it does."""
+    try:
+        owner = json.loads(meta_path(path).read_text()).get("tokens")
+    except (OSError, ValueError, AttributeError):   # none, not JSON, not an object
+        return None
+    return owner if isinstance(owner, str) and owner != path.name else None
 
 
 def tokens_stat(path: Path) -> list[int]:

@@ -297,6 +297,16 @@ def test_each_token_file_has_its_own_meta_and_data_vocab_size_must_fit_it(tmp_pa
         vocab("c.bin")
     (ds / "meta.json").write_text(json.dumps({"tokens": "c.bin", "vocab_size": 9}))
     assert vocab("c.bin") == 9
+    # Token files of one stem would share a.meta.json: prepare refuses to take another's, and the reader of a
+    # file of that stem without metadata of its own says whose it is.
+    with pytest.raises(DataError, match=rf"^--out {ds / 'a.dat'}: its metadata file {ds / 'a.meta.json'} is that "
+                                        rf"of {ds / 'a.bin'} \(token files .*; give the token file a stem of its own$"):
+        text.prepare_chars(str(tmp_path / "b.txt"), ds / "a.dat")
+    assert vocab("a.bin") == 3 and not (ds / "a.dat").exists()
+    np.tile(np.arange(9, dtype="<u2"), 10).tofile(ds / "a.dat")
+    with pytest.raises(ConfigError, match=rf"^data.vocab_size is not set and {ds / 'a.meta.json'} is that of "
+                                          rf"another token file, {ds / 'a.bin'} \(token files of one stem share it\)"):
+        vocab("a.dat")
 
 
 def test_synthetic_vocab_size_is_bounded():
