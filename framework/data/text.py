@@ -13,7 +13,7 @@ import numpy as np
 
 from framework.core import files
 from framework.data._base import CropSource, resolve_path
-from framework.data.tokens import meta_path, read_meta, tokens_stat
+from framework.data.tokens import meta_owner, meta_path, read_meta, tokens_stat
 from framework.core.errors import DataError
 from framework.core.registry import Component
 
@@ -67,6 +67,9 @@ def prepare_chars(source: str, out: Path) -> dict:
                          or out.stat().st_size != 2 * (old["train_tokens"] + old["val_tokens"])):
             raise DataError(f"--out {out} exists and is not a token file prepare wrote (no {meta_path(out)} "
                             f"describes it); remove it or choose another file")
+    if (other := meta_owner(out)) and (out.parent / other).exists():
+        raise DataError(f"--out {out}: its metadata file {meta_path(out)} is that of {out.parent / other} (token "
+                        f"files of one stem share it); give the token file a stem of its own")
     tokens = ids.astype("<u2").tobytes()
     meta = {"source": str(path), "source_bytes": path.stat().st_size,
             "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),

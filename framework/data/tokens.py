@@ -42,8 +42,10 @@ class TokensSource(CropSource):
                               "tokenizer's size")
         vocab = cfg.vocab_size if cfg.vocab_size is not None else own
         if vocab is None:
-            raise ConfigError(f"data.vocab_size is not set and {meta} gives none; set data.vocab_size "
-                              f"to the tokenizer's size")
+            whose = (f"is that of another token file, {path.parent / other} (token files of one stem share it)"
+                     if (other := meta_owner(path)) else "gives none")
+            raise ConfigError(f"data.vocab_size is not set and {meta} {whose}; set data.vocab_size to the "
+                              f"tokenizer's size")
         if own is not None and vocab < own:
             raise ConfigError(f"data.vocab_size={vocab} is smaller than the {own} token ids of {meta}: its "
                               f"tokens would be out of range; set data.vocab_size={own} (or null: the file's own)")
@@ -52,7 +54,12 @@ class TokensSource(CropSource):
         except OSError as e:
             raise DataError(f"data.path={path}: cannot read it ({e.strerror}); fix its permissions or point "
                             "data.path at a readable file") from None
-        check_pair(path, data)
+        recorded = check_pair(path, data) and own is not None
+        if not recorded and vocab < 1 << 16 and (top := _top_id(data)) >= vocab:
+            # Once here rather than when a crop happens to reach it: mid-run, on one rank, after checkpoints
+            # of a vocabulary the fix then changes. (prepare's recorded files hold ids below their vocab_size.)
+            raise DataError(f"{path}: token id {top} >= vocab_size {vocab}; set data.vocab_size to the "
+                            f"tokenizer's size (at least {top + 1})")
         split = int((1.0 - cfg.val_fraction) * len(data))
         super().__init__(train=data[:split], val=data[split:], vocab_size=vocab,
                          seed=seed, context=context, kind="tokens", path=path)
@@ -63,24 +70,40 @@ def meta_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}.meta.json")
 
 
+def meta_owner(path: Path) -> str | None:
+    """The other token file that ``meta_path(path)`` describes (one of the same stem), if it does."""
+    try:
+        owner = json.loads(meta_path(path).read_text()).get("tokens")
+    except (OSError, ValueError, AttributeError):   # none, not JSON, not an object
+        return None
+    return owner if isinstance(owner, str) and owner != path.name else None
+
+
 def tokens_stat(path: Path) -> list[int]:
     """The token file's identity as prepare records it: size, modification time (ns) and inode."""
     st = path.stat()
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
-def check_pair(path: Path, data: np.ndarray) -> None:
+def check_pair(path: Path, data: np.ndarray) -> bool:
     """Refuse a token file whose count or checksum is not that of the ``<stem>.meta.json`` naming it (a prepare
-    stopped between the two renames); the checksum is read only where ``tokens_stat`` differs."""
+    stopped between the two renames); the checksum is read only where ``tokens_stat`` differs. Whether the
+    file is the one its metadata's checksum records."""
     meta, found = read_meta(path)
     if found.get("tokens") != path.name:
-        return
+        return False
     counts, digest = (found.get("train_tokens"), found.get("val_tokens")), found.get("tokens_sha256")
     if (all(isinstance(c, int) for c in counts) and sum(counts) != len(data)) or \
             (isinstance(digest, str) and found.get("tokens_stat") != tokens_stat(path)
              and hashlib.sha256(data).hexdigest() != digest):
         raise DataError(f"{path} is not the token file {meta} describes (another token count or checksum: a "
                         f"prepare that was stopped, or a file changed by hand); run prepare again")
+    return isinstance(digest, str)
+
+
+def _top_id(data: np.ndarray, chunk: int = 1 << 24) -> int:
+    """The largest token id, a chunk at a time (any file size in bounded memory)."""
+    return max(int(data[i:i + chunk].max()) for i in range(0, len(data), chunk))
 
 
 def read_meta(path: Path) -> tuple[Path, dict]:

@@ -2,13 +2,14 @@
 offline. wandb is imported lazily (1-2.5 s), on rank 0 only."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from framework.core import files
-from framework.core.errors import ConfigError, first_line
+from framework.core.errors import ConfigError, first_line, say
 from framework.loggers._base import RunInfo
 from framework.loggers.console import Console
 from framework.core.registry import Component
@@ -68,21 +69,37 @@ class WandbLogger:
 
     def log(self, record: dict) -> None:
         self.console.log(record)
-        if self.run is not None:
-            self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        self._call(lambda run: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]))
 
     def finish(self, summary: dict) -> None:
         self.console.finish(summary)
         self.finished = True
-        if self.run is not None:
-            self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+        self._call(lambda run: run.summary.update({k: v for k, v in summary.items()
+                                                   if isinstance(v, (int, float, str))}))
 
     def close(self) -> None:
         self.console.close()
-        if self.run is not None:
-            # A run that ended before its summary failed: W&B records it so (exit code 0 is "finished").
-            self.run.finish(exit_code=None if self.finished else 1)
+        # A run that ended before its summary failed: W&B records it so (exit code 0 is "finished").
+        self._call(lambda run: run.finish(exit_code=None if self.finished else 1))
+        self.run = None
+
+    def _call(self, act) -> None:
+        """``act(self.run)``. W&B failing mid-run (its service process gone, say) ends its record, not the
+        training: one note, and the run is dropped."""
+        if self.run is None:
+            return
+        try:
+            act(self.run)
+        except Exception as e:
             self.run = None
+            say(f"note: W&B stopped ({type(e).__name__}: {first_line(e)}); this run logs no more to W&B, "
+                f"metrics.jsonl goes on")
+            import wandb
+
+            # Now, quietly, rather than at exit with a traceback; and a later run in this process (a sweep's
+            # next job) starts a service of its own. (Its exit code for a service that died is a SystemExit.)
+            with contextlib.suppress(Exception, SystemExit):
+                wandb.teardown()
 
 
 FORBIDDEN = "/\\#?%:"   # W&B refuses these in a project name (after the run is set up)

@@ -208,10 +208,18 @@ def test_tokens_memmap_round_trip(token_file, sources):
             assert len(crop_at(row_x, row_y)) and crop_at(row_x, row_y).min() >= 18_000
 
 
-def test_tokens_out_of_vocab_and_bad_files(token_file, tmp_path):
-    small = tokens.TokensSource(tokens.TokensConfig(path=str(token_file[0]), vocab_size=10), seed=0, context=8)
-    with pytest.raises(DataError, match="vocab_size"):
-        small.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1)
+def test_tokens_out_of_vocab_and_bad_files(token_file, tmp_path, monkeypatch):
+    # A token id past data.vocab_size is refused when the source is built, however rare: not when (and on
+    # whichever rank) a random crop first reaches it.
+    rare = tmp_path / "rare.bin"
+    ids = np.arange(20_000, dtype="<u2") % 100
+    ids[12_345] = 500
+    ids.tofile(rare)
+    for path, top in ((token_file[0], 999), (rare, 500)):
+        with pytest.raises(DataError, match=rf"^{path}: token id {top} >= vocab_size 100; set data.vocab_size "
+                                            rf"to the tokenizer's size \(at least {top + 1}\)$"):
+            tokens.TokensSource(tokens.TokensConfig(path=str(path), vocab_size=100), seed=0, context=8)
+    assert tokens.TokensSource(tokens.TokensConfig(path=str(rare), vocab_size=501), seed=0, context=8)
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x00\x01\x02")
     with pytest.raises(DataError, match="uint16"):
@@ -220,6 +228,12 @@ def test_tokens_out_of_vocab_and_bad_files(token_file, tmp_path):
     np.arange(20, dtype=np.uint16).tofile(short)
     with pytest.raises(DataError, match="context"):
         tokens.TokensSource(tokens.TokensConfig(path=str(short), vocab_size=100), seed=0, context=8)
+    # A file prepare wrote and recorded is not read for it (every rank of every job builds the source).
+    (tmp_path / "a.txt").write_text("abcdefgh" * 20)
+    text.prepare_chars(str(tmp_path / "a.txt"), tmp_path / "a.bin")
+    monkeypatch.setattr(tokens, "_top_id", lambda data: pytest.fail("read for its largest id"))
+    for vocab_size in (None, 300):
+        tokens.TokensSource(tokens.TokensConfig(path=str(tmp_path / "a.bin"), vocab_size=vocab_size), seed=0, context=8)
 
 
 def test_tokens_vocab_from_the_meta_json_prepare_writes(tmp_path):
@@ -283,6 +297,16 @@ def test_each_token_file_has_its_own_meta_and_data_vocab_size_must_fit_it(tmp_pa
         vocab("c.bin")
     (ds / "meta.json").write_text(json.dumps({"tokens": "c.bin", "vocab_size": 9}))
     assert vocab("c.bin") == 9
+    # Token files of one stem would share a.meta.json: prepare refuses to take another's, and the reader of a
+    # file of that stem without metadata of its own says whose it is.
+    with pytest.raises(DataError, match=rf"^--out {ds / 'a.dat'}: its metadata file {ds / 'a.meta.json'} is that "
+                                        rf"of {ds / 'a.bin'} \(token files .*; give the token file a stem of its own$"):
+        text.prepare_chars(str(tmp_path / "b.txt"), ds / "a.dat")
+    assert vocab("a.bin") == 3 and not (ds / "a.dat").exists()
+    np.tile(np.arange(9, dtype="<u2"), 10).tofile(ds / "a.dat")
+    with pytest.raises(ConfigError, match=rf"^data.vocab_size is not set and {ds / 'a.meta.json'} is that of "
+                                          rf"another token file, {ds / 'a.bin'} \(token files of one stem share it\)"):
+        vocab("a.dat")
 
 
 def test_synthetic_vocab_size_is_bounded():

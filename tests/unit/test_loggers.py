@@ -290,6 +290,44 @@ def test_a_failed_run_is_finished_in_wandb_with_exit_code_1():
         assert run.exit_code == code
 
 
+class _DyingRun(_FakeRun):
+    """A W&B run whose service process died after ``lives`` records: every call to it fails as W&B's does."""
+
+    def __init__(self, lives):
+        super().__init__()
+        self.lives, self.logged = lives, []
+
+    def log(self, data, step):
+        if len(self.logged) == self.lives:
+            raise ConnectionResetError("Connection lost")
+        self.logged.append(step)
+
+    def finish(self, exit_code=None):
+        if len(self.logged) == self.lives:
+            raise ConnectionResetError("Connection lost")
+        super().finish(exit_code)
+
+
+def test_wandb_failing_mid_run_is_one_note_and_the_run_goes_on(tmp_path, capsys):
+    """W&B's service gone mid-run (a failing run.log, then run.finish): noted once, W&B dropped, and the run's
+    records go on to the end; closing raises nothing either."""
+    from framework.loggers.wandb import WandbConfig, WandbLogger
+
+    for lives in (3, 6):   # dies while logging; dies after the last record, so that closing (run.finish) fails
+        record = _started(RunRecord(tmp_path / str(lives)))
+        record.logger = logger = WandbLogger(WandbConfig(live=False), run=RunInfo(tmp_path, None, None))
+        logger.run = run = _DyingRun(lives)
+        for step in range(1, 7):
+            record.log({"step": step, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0})
+        record.finish({"steps": 6, "steps_run": 6, "train_loss": 1.0, "val_loss": 1.0, "tokens_per_s": 1.0})
+        record.close()
+        assert [r["step"] for r in _records(tmp_path / str(lives) / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+        assert run.logged == list(range(1, lives + 1)) and bool(run.summary) == (lives == 6) and logger.run is None
+        err = capsys.readouterr().err
+        assert err.count("note: W&B stopped (ConnectionResetError: Connection lost); this run logs no more to W&B, "
+                         "metrics.jsonl goes on\n") == 1 and "Traceback" not in err, err
+
+
 def test_the_wandb_pyproject_takes_starts_runs_as_the_logger_asks():
     """The logger passes wandb.init(reinit="finish_previous") (a sweep's jobs share a process): wandb before
     0.19.9 takes only a bool there and refuses every run, so pyproject asks for 0.19.9 or later."""
