@@ -240,7 +240,8 @@ def check_launch_env(cfg: Config) -> None:
     """One line, before anything connects, for a launch environment ``connect`` refuses or an overruled dist.nproc."""
     check_env()
     world = env_int("WORLD_SIZE", 1)
-    if world > 1 and (cfg.dist.nproc > 1 or cfg.sources.get("dist.nproc") == COMMAND_LINE) and cfg.dist.nproc != world:
+    launched = world > 1 or "TORCHELASTIC_RUN_ID" in os.environ   # (torchrun's one worker: WORLD_SIZE=1)
+    if launched and (cfg.dist.nproc > 1 or cfg.sources.get("dist.nproc") == COMMAND_LINE) and cfg.dist.nproc != world:
         raise ConfigError(f"dist.nproc={cfg.dist.nproc} differs from WORLD_SIZE={world} set by the launcher "
                           f"(torchrun), which makes the ranks; drop dist.nproc or launch {cfg.dist.nproc} ranks")
 

@@ -32,6 +32,7 @@ from typing import Callable, Mapping
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.types import ValueType
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, OmegaConfBaseException
@@ -105,7 +106,13 @@ def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
                           f"Optuna or Ax sweeper plugin, hydra/sweeper=...), and {chosen}; list the values "
                           "(a,b,c) or use range(...)")
     if o.value_type != ValueType.GLOB_CHOICE_SWEEP:
-        values = list(o.sweep_string_iterator())
+        try:
+            values = list(o.sweep_string_iterator())
+        except (ValueError, HydraException) as e:   # range(a,b,0): Python's ValueError, Hydra's for floats
+            if o.value_type != ValueType.RANGE_SWEEP:
+                raise
+            raise ConfigError(f"config: {o.input_line}: a range's step must not be 0; give another step (below 0 "
+                              "counts down) or leave it out for 1") from e
         if not values:   # (Hydra's sweeper would run no job and exit 0)
             why = " (range(start, stop[, step]) stops before stop)" if o.value_type == ValueType.RANGE_SWEEP else ""
             raise ConfigError(f"config: {o.input_line}: the sweep has no value{why}; give it at least one")

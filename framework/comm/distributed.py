@@ -112,6 +112,16 @@ class Dist:
         if self.world > 1:
             self._issue(what, tdist.broadcast, t, src=src)
 
+    def gloo_group(self, timeout_s: float, what: str):
+        """A new gloo group of every rank (None at world size 1) whose collectives wait up to ``timeout_s``.
+        Making it is a collective of this Dist's: a peer that never arrives is waited for ``timeout_s`` of
+        this Dist and named, as any collective's."""
+        if self.world == 1:
+            return None
+        pg = self._run(what, tdist.new_group, backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        pg.set_timeout(timedelta(seconds=timeout_s))
+        return pg
+
     def barrier(self, what: str = "barrier") -> None:
         if self.world > 1:
             # A tensor all-reduce rather than tdist.barrier: it honours the group timeout on gloo.

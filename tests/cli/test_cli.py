@@ -78,6 +78,12 @@ def test_the_val_loss_does_not_depend_on_the_micro_batch_split(forkrun, tmp_path
     # a sweep of no job: refused (Hydra would run none and exit 0)
     (["-m", "optimizer=glob(adm*)"], "glob() selects none of the optimizer names (adagrad, adam, adamw, lion, sgd)"),
     (["-m", "optimizer.lr=range(1,1)"], "optimizer.lr=range(1,1): the sweep has no value (range(start, stop[, step])"),
+    (["-m", "optimizer.lr=range(0,1,0)"], "optimizer.lr=range(0,1,0): a range's step must not be 0"),
+    (["-m", "train.steps=range(1.5,3,0)"], "train.steps=range(1.5,3,0): a range's step must not be 0"),
+    # a hydra.* typo: the closest of Hydra's keys (its own advice, +KEY, adds a key nothing reads)
+    (["hydra.run.dri=X"], "unknown key 'hydra.run.dri' of Hydra's config (did you mean 'hydra.run.dir'?)"),
+    (["+hydra.job.chdri=true", "train.steps=1"], "unknown key 'hydra.job.chdri' of Hydra's config (did you mean "
+                                                 "'hydra.job.chdir'?)"),
 ])
 def test_bad_override_one_line(forkrun, tmp_path, args, needle):
     p = cli(forkrun, tmp_path, *args)

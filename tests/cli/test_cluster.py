@@ -157,6 +157,9 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
      "dist.nproc=4 differs from WORLD_SIZE=2"),
     ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},   # (set: dist.nproc=1)
      "dist.nproc=1 differs from WORLD_SIZE=2"),
+    # torchrun's one worker (--nproc-per-node 1) would spawn the ranks itself
+    ({"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "r",
+      "NPROC": "2"}, "dist.nproc=2 differs from WORLD_SIZE=1 set by the launcher (torchrun)"),
     ({"SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, "SLURM_NTASKS=4"),
     ({"SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0"}, "SLURM_STEP_NUM_TASKS=2"),
     ({"WORLD_SIZE": "2x"}, "WORLD_SIZE='2x' is not an integer; unset it or launch with torchrun"),

@@ -57,22 +57,36 @@ def _stall(dist):
 
     from framework.comm.distributed import Dist, DistributedError
 
+    from framework.persist.checkpoint._group import Group
+
     # A group of its own with a 3 s timeout (collective: both ranks create it first).
     group = td.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
-    short = Dist(dist.rank, dist.world, dist.local_rank, dist.device, dist.backend, 3.0)
+    short = Dist(dist.rank, dist.world, dist.local_rank, dist.device, dist.backend, 3.0, dist.peers)
+    made = Group(short, 1800)   # made within dist.timeout_s, then waits checkpoint.timeout_s
+    waits = made.pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    made.close()
     if dist.rank == 1:
-        time.sleep(8)  # a stalled peer
+        time.sleep(10)  # a stalled peer
         return "slept"
-    try:
-        short._run("test all-reduce", td.all_reduce, torch.ones(1), group=group)
-    except DistributedError as e:
-        return str(e)
-    return "no error"
+    out = [waits]
+    for what, fn in (("checkpoint group", lambda: Group(short, 1800)),
+                     ("all-reduce", lambda: short._run("test all-reduce", td.all_reduce, torch.ones(1), group=group))):
+        try:
+            fn()
+            out.append(f"no error: {what}")
+        except DistributedError as e:
+            out.append(str(e))
+    return out
 
 
 def test_stalled_rank_fails_peers_with_message(pools):
+    """Rank 1 stalls: rank 0's all-reduce, and its making of the checkpoint's group (whose own timeout,
+    checkpoint.timeout_s, is far longer), fail after dist.timeout_s with one line."""
     # Runs last in its pool: a timed-out gloo group cannot be reused, so the pool is closed after.
     pool = pools(2)
     out = pool.run(_stall, timeout=60)
     pool.close(kill=True)
-    assert "test all-reduce failed after waiting up to 3s" in out[0] and "peer rank died or stalled" in out[0]
+    waits, made, reduced = out[0]
+    assert waits == 1800
+    assert "checkpoint group creation failed after waiting up to 3s" in made and "dist.timeout_s" in made, made
+    assert "test all-reduce failed after waiting up to 3s" in reduced and "peer rank died or stalled" in reduced

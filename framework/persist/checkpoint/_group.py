@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import shutil
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ class Group:
 
     def __init__(self, dist, timeout_s: float):
         self.rank, self.world, self.timeout_s, self.dist = dist.rank, dist.world, timeout_s, dist
-        self.pg = tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.world > 1 else None
+        self.pg = dist.gloo_group(timeout_s, "checkpoint group creation")
 
     def all_gather(self, obj: Any, what: str) -> list:
         return self.all_gather_object(obj, f"checkpoint {what}")
