@@ -352,6 +352,19 @@ def test_hf_gpt2_zero3_quick(tmp_path, capsys):
     assert "vs the job's not finite" in capsys.readouterr().out
     check = {"file": "reload.json", "key": "val_loss_abs_diff", "max": 1e-4}
     assert not recipes.evaluate([], {"checks": [check]}, out=out)[0]["passed"]
+    # Token 0 (the config's eos) is an ordinary symbol of the chain: generation goes on past it.
+    # Weights doctored so that greedy decoding picks 0 at every position (a constant final norm).
+    from safetensors.torch import load_file, save_file
+    weights = next(summary.parent.glob("model_16bit/*.safetensors"))
+    w = load_file(weights)
+    w["transformer.ln_f.weight"].zero_()
+    w["transformer.ln_f.bias"].fill_(1.0)
+    for k in ("transformer.wte.weight", "lm_head.weight"):   # (tied: either may be saved)
+        if k in w:
+            w[k][0] = 1.0
+    save_file(w, weights)
+    _script(ROOT / "recipes" / "hf_gpt2_zero3" / "reload_generate.py").main(out)
+    assert json.loads((out / "reload.json").read_text())["generated"] == [0] * 16
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
