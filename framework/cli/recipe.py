@@ -157,6 +157,7 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
     """Run every job of the recipe into ``out``, write the report, check it; return the verdict."""
     stream = stream or sys.stdout
     recipe.checks(quick)   # a malformed expected.json: before anything trains
+    report.require_matplotlib()   # (the report's plots, after every job)
     if not quick and recipe.spec.get("requires") == "cuda" and gpu_count() == 0:
         # (on the CPU its full run would go on for hours and then fail the GPU's expected numbers)
         raise RecipeError(f"recipe {recipe.name} needs a CUDA GPU (its recipe.yaml: requires: cuda) and torch sees "

@@ -440,6 +440,16 @@ def test_run_refuses_an_out_folder_holding_results(tmp_path, capsys):
     assert (tmp_path / "file").read_text() == "a file"
 
 
+def test_run_without_matplotlib_refuses_before_anything_trains(tmp_path, capsys, monkeypatch):
+    """matplotlib (the report's plots, an optional extra) is missing: one line naming the extra
+    before any job trains or the output folder is made, not after every job."""
+    for mod in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, mod, None)
+    out = tmp_path / "out"
+    _one_line_error(capsys, ["zero_equivalence", "--quick", "--out", str(out)], "pip install 'framework[report]'")
+    assert not out.exists()
+
+
 def test_expected_json_checks_are_validated_before_anything_runs(tmp_path, capsys):
     """A misspelled bound ("maximum") would make a check always pass, a check without a bound
     too; an unknown kind or a missing section: one line before the output folder is made."""
