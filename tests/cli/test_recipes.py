@@ -537,6 +537,30 @@ def test_check_keeps_the_section_of_the_run(equivalence, tmp_path, capsys):
     for extra in (["train.steps=20"], [str(out), "x=1"]):   # would be ignored: refused, the verdict untouched
         _one_line_error(capsys, ["zero_equivalence", "check", str(out), *extra], f"not also {' '.join(extra)}")
     assert json.loads((out / "checks.json").read_text()) == {**verdict, "quick": False}
+    # No checks.json (e.g. deleted): the full section by default, not recorded as the run's, so --quick still checks.
+    (out / "checks.json").unlink()
+    capsys.readouterr()
+    assert recipes.main(["zero_equivalence", "check", str(out)]) == 1
+    assert "records no section" in capsys.readouterr().out
+    assert json.loads((out / "checks.json").read_text())["quick"] is None
+    assert recipes.main(["zero_equivalence", "check", str(out), "--quick"]) == 0
+
+
+def test_a_run_stopped_before_its_checks_records_its_section(equivalence, tmp_path, capsys, monkeypatch):
+    """A run records its recipe and section when it starts: `check DIR` of one whose job failed
+    (or was interrupted) checks the section it ran, with or without --quick."""
+    def failed(cmd, log, stream):
+        raise recipes.RecipeError(f"a run failed (exit 1); its log: {log}")
+    monkeypatch.setattr(recipes, "_run_logged", failed)
+    out = tmp_path / "stopped"
+    _one_line_error(capsys, ["zero_equivalence", "--quick", "--out", str(out)], "a run failed")
+    assert json.loads((out / "checks.json").read_text()) == {"recipe": "zero_equivalence", "quick": True,
+                                                             "out": str(out), "passed": None}
+    for job in Path(equivalence["out"]).glob(recipes.JOB_DIRS):   # (as if its jobs had finished)
+        shutil.copytree(job, out / job.name)
+    assert recipes.main(["zero_equivalence", "check", str(out)]) == 0
+    assert json.loads((out / "checks.json").read_text())["quick"] is True
+    _one_line_error(capsys, ["memory_scaling", "check", str(out)], "holds a run of recipe zero_equivalence")
 
 
 def _crafted_job(d: Path, stage: str = "ddp", **summary) -> None:
