@@ -178,9 +178,6 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
         files.make_dirs(out)
     except OSError as e:   # e.g. --out names a file
         raise RecipeError(f"cannot make the output folder {out} ({e.strerror}); pass a new folder with --out") from None
-    # What ran, recorded first: `check DIR` of a run stopped before its checks (a failed job, Ctrl-C) takes its section.
-    files.write_atomic(out / "checks.json", json.dumps({"recipe": recipe.name, "quick": quick, "out": str(out),
-                                                       "passed": None}).encode())
     t0 = time.perf_counter()
     fill = {"python": sys.executable, "out": str(out), "recipe": str(recipe.dir), "quick": "--quick" if quick else "",
             **cfg_fill}
@@ -189,6 +186,11 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
               *r, f"hydra.sweep.dir={out}", f"hydra.sweep.subdir=run{i}-job${{hydra.job.num}}"])
             for i, r in enumerate(runs)]
     for log, say, cmd in [*_commands(recipe, "before", fill), *jobs, *_commands(recipe, "after", fill)]:
+        if log == jobs[0][0]:
+            # What ran, recorded as its first job starts: `check DIR` of a run stopped before its checks (a failed
+            # job, Ctrl-C) takes its section; a failed `before` command leaves the folder free for a rerun.
+            files.write_atomic(out / "checks.json", json.dumps({"recipe": recipe.name, "quick": quick,
+                                                               "out": str(out), "passed": None}).encode())
         print(f"[recipe {recipe.name}] {say}", file=stream, flush=True)
         _run_logged(cmd, out / f"{log}.log", stream)
     return finish(recipe, out, quick=quick, elapsed_s=time.perf_counter() - t0, stream=stream)
