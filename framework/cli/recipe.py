@@ -157,6 +157,7 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
     """Run every job of the recipe into ``out``, write the report, check it; return the verdict."""
     stream = stream or sys.stdout
     recipe.checks(quick)   # a malformed expected.json: before anything trains
+    report.require_matplotlib()   # (the report's plots, after every job)
     if not quick and recipe.spec.get("requires") == "cuda" and gpu_count() == 0:
         # (on the CPU its full run would go on for hours and then fail the GPU's expected numbers)
         raise RecipeError(f"recipe {recipe.name} needs a CUDA GPU (its recipe.yaml: requires: cuda) and torch sees "
@@ -185,6 +186,11 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
               *r, f"hydra.sweep.dir={out}", f"hydra.sweep.subdir=run{i}-job${{hydra.job.num}}"])
             for i, r in enumerate(runs)]
     for log, say, cmd in [*_commands(recipe, "before", fill), *jobs, *_commands(recipe, "after", fill)]:
+        if log == jobs[0][0]:
+            # What ran, recorded as its first job starts: `check DIR` of a run stopped before its checks (a failed
+            # job, Ctrl-C) takes its section; a failed `before` command leaves the folder free for a rerun.
+            files.write_atomic(out / "checks.json", json.dumps({"recipe": recipe.name, "quick": quick,
+                                                               "out": str(out), "passed": None}).encode())
         print(f"[recipe {recipe.name}] {say}", file=stream, flush=True)
         _run_logged(cmd, out / f"{log}.log", stream)
     return finish(recipe, out, quick=quick, elapsed_s=time.perf_counter() - t0, stream=stream)
@@ -237,9 +243,10 @@ def _config_fill(recipe: Recipe, run0: list[str]) -> dict:
     return fill
 
 
-def _checked_section(recipe: Recipe, out: Path, quick: bool | None) -> tuple[bool, float | None]:
+def _checked_section(recipe: Recipe, out: Path, quick: bool | None) -> tuple[bool | None, float | None]:
     """The section (quick or full) ``check DIR`` re-checks, and the run's elapsed_s: the run's own (its
-    checks.json), so a re-check never replaces one section's or recipe's verdict with another's."""
+    checks.json), so a re-check never replaces one section's or recipe's verdict with another's; None
+    where neither the run nor --quick says (the full section, not recorded as the run's)."""
     try:
         before = json.loads((out / "checks.json").read_text())
     except (OSError, ValueError):
@@ -255,7 +262,7 @@ def _checked_section(recipe: Recipe, out: Path, quick: bool | None) -> tuple[boo
                           f"{'with' if ran else 'without'} --quick")
     took = before.get("elapsed_s")
     took = took if isinstance(took, (int, float)) and not isinstance(took, bool) else None
-    return (ran if isinstance(ran, bool) else bool(quick)), took
+    return (ran if isinstance(ran, bool) else quick), took
 
 
 def _fill(arg, fill: dict) -> str:
@@ -284,13 +291,14 @@ def _run_logged(cmd: list[str], log: Path, stream) -> None:
         raise RecipeError(f"a run failed (exit {p.returncode}); its log: {log}; last lines:\n  " + "\n  ".join(tail))
 
 
-def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = None, stream=None) -> dict:
-    """Report, extra plots and checks of a finished (or re-checked) output folder."""
+def finish(recipe: Recipe, out: Path, *, quick: bool | None, elapsed_s: float | None = None, stream=None) -> dict:
+    """Report, extra plots and checks of a finished (or re-checked) output folder; ``quick`` None: the
+    section the run used is not known, the full one is checked and recorded as null."""
     stream = stream or sys.stdout
     # Only this run's own job folders (run() names them): not an earlier run's below --out.
     res = report.write_report(out, title=f"{recipe.name}{' (quick)' if quick else ''}", pattern=JOB_DIRS)
     jobs = res["jobs"]
-    want = recipe.checks(quick)
+    want = recipe.checks(bool(quick))
     results = evaluate(jobs, want, out)
     plots = [str(p) for p in res["plots"]]
     ref = next((c for c in want.get("checks", []) if "curves_match" in c), None)
@@ -307,6 +315,9 @@ def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = 
     print(res["table"], end="", file=stream)
     for r in results:
         print(f"{'ok  ' if r['passed'] else 'FAIL'} {r['message']}", file=stream)
+    if quick is None:
+        print(f"[recipe {recipe.name}] {out} records no section (quick or full): checked against the full run's; "
+              f"`check {out} --quick` checks the twin's", file=stream)
     took = f" in {elapsed_s:.0f} s" if elapsed_s is not None else ""
     print(f"[recipe {recipe.name}] {'passed' if verdict['passed'] else 'FAILED'}{took}; report: {res['report']}",
           file=stream, flush=True)

@@ -216,13 +216,18 @@ def markdown_table(jobs: list[Job], root: Path) -> str:
     return "\n".join(rows) + "\n"
 
 
-def _figure(figsize: tuple[float, float], cols: int = 1, **subplots):
-    """(figure, its axes): a matplotlib Figure made without pyplot (files only; never a window, no global state)."""
+def require_matplotlib():
+    """matplotlib's Figure class, or one line saying how to install it (checked before a recipe trains)."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise FrameworkError("report: plots need matplotlib; pip install 'framework[report]'") from None
-    fig = Figure(figsize=figsize, dpi=100)
+    return Figure
+
+
+def _figure(figsize: tuple[float, float], cols: int = 1, **subplots):
+    """(figure, its axes): a matplotlib Figure made without pyplot (files only; never a window, no global state)."""
+    fig = require_matplotlib()(figsize=figsize, dpi=100)
     return fig, fig.subplots(1, cols, **subplots)
 
 
@@ -356,7 +361,7 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
     """Write report.md, loss.png and throughput_memory.png of ``load_jobs(root, pattern)``; return the paths and jobs."""
     root, out = Path(root), Path(out if out is not None else root)
     jobs = load_jobs(root, pattern)   # first: a wrong folder is refused before anything is made
-    _figure((1, 1))   # and a missing matplotlib
+    require_matplotlib()   # and a missing matplotlib
     try:
         files.make_dirs(out)
     except OSError as e:   # e.g. --out names a file

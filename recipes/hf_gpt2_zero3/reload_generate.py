@@ -48,7 +48,8 @@ def main(out: Path) -> None:
                   for x, y in batches]
         val = sum(losses) / len(losses)
         prompt = batches[0][0][:1, :8]
-        generated = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        # eos_token_id=None: the config's eos (0) is an ordinary symbol of the chain, not an end to stop at
+        generated = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
     new = generated[0, prompt.shape[1]:].tolist()
     # null where either loss is not finite (summary.json's null: the job diverged), which fails the check
     job_val = summary["val_loss"]

@@ -352,6 +352,19 @@ def test_hf_gpt2_zero3_quick(tmp_path, capsys):
     assert "vs the job's not finite" in capsys.readouterr().out
     check = {"file": "reload.json", "key": "val_loss_abs_diff", "max": 1e-4}
     assert not recipes.evaluate([], {"checks": [check]}, out=out)[0]["passed"]
+    # Token 0 (the config's eos) is an ordinary symbol of the chain: generation goes on past it.
+    # Weights doctored so that greedy decoding picks 0 at every position (a constant final norm).
+    from safetensors.torch import load_file, save_file
+    weights = next(summary.parent.glob("model_16bit/*.safetensors"))
+    w = load_file(weights)
+    w["transformer.ln_f.weight"].zero_()
+    w["transformer.ln_f.bias"].fill_(1.0)
+    for k in ("transformer.wte.weight", "lm_head.weight"):   # (tied: either may be saved)
+        if k in w:
+            w[k][0] = 1.0
+    save_file(w, weights)
+    _script(ROOT / "recipes" / "hf_gpt2_zero3" / "reload_generate.py").main(out)
+    assert json.loads((out / "reload.json").read_text())["generated"] == [0] * 16
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
@@ -425,6 +438,16 @@ def test_run_refuses_an_out_folder_holding_results(tmp_path, capsys):
     _one_line_error(capsys, ["zero_equivalence", "--quick", "--out", str(tmp_path / "file")],
                     "cannot make the output folder")
     assert (tmp_path / "file").read_text() == "a file"
+
+
+def test_run_without_matplotlib_refuses_before_anything_trains(tmp_path, capsys, monkeypatch):
+    """matplotlib (the report's plots, an optional extra) is missing: one line naming the extra
+    before any job trains or the output folder is made, not after every job."""
+    for mod in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, mod, None)
+    out = tmp_path / "out"
+    _one_line_error(capsys, ["zero_equivalence", "--quick", "--out", str(out)], "pip install 'framework[report]'")
+    assert not out.exists()
 
 
 def test_expected_json_checks_are_validated_before_anything_runs(tmp_path, capsys):
@@ -514,6 +537,30 @@ def test_check_keeps_the_section_of_the_run(equivalence, tmp_path, capsys):
     for extra in (["train.steps=20"], [str(out), "x=1"]):   # would be ignored: refused, the verdict untouched
         _one_line_error(capsys, ["zero_equivalence", "check", str(out), *extra], f"not also {' '.join(extra)}")
     assert json.loads((out / "checks.json").read_text()) == {**verdict, "quick": False}
+    # No checks.json (e.g. deleted): the full section by default, not recorded as the run's, so --quick still checks.
+    (out / "checks.json").unlink()
+    capsys.readouterr()
+    assert recipes.main(["zero_equivalence", "check", str(out)]) == 1
+    assert "records no section" in capsys.readouterr().out
+    assert json.loads((out / "checks.json").read_text())["quick"] is None
+    assert recipes.main(["zero_equivalence", "check", str(out), "--quick"]) == 0
+
+
+def test_a_run_stopped_before_its_checks_records_its_section(equivalence, tmp_path, capsys, monkeypatch):
+    """A run records its recipe and section when it starts: `check DIR` of one whose job failed
+    (or was interrupted) checks the section it ran, with or without --quick."""
+    def failed(cmd, log, stream):
+        raise recipes.RecipeError(f"a run failed (exit 1); its log: {log}")
+    monkeypatch.setattr(recipes, "_run_logged", failed)
+    out = tmp_path / "stopped"
+    _one_line_error(capsys, ["zero_equivalence", "--quick", "--out", str(out)], "a run failed")
+    assert json.loads((out / "checks.json").read_text()) == {"recipe": "zero_equivalence", "quick": True,
+                                                             "out": str(out), "passed": None}
+    for job in Path(equivalence["out"]).glob(recipes.JOB_DIRS):   # (as if its jobs had finished)
+        shutil.copytree(job, out / job.name)
+    assert recipes.main(["zero_equivalence", "check", str(out)]) == 0
+    assert json.loads((out / "checks.json").read_text())["quick"] is True
+    _one_line_error(capsys, ["memory_scaling", "check", str(out)], "holds a run of recipe zero_equivalence")
 
 
 def _crafted_job(d: Path, stage: str = "ddp", **summary) -> None:
