@@ -73,7 +73,7 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
         raise ConfigError(f"estimate: cannot build a model from {config_path}: {why}") from None
 
 
-def resolve_model(value: str, overrides: list[str]):
+def resolve_model(value: str, overrides: list[str], context: int = HFConfig.context):
     """(module on meta, composed Config, whether it is a Hugging Face model, where its vocabulary comes
     from: ``memory.model.build_vocab``) for ``model=value``."""
     path, models = Path(value), registry("model")
@@ -100,7 +100,7 @@ def resolve_model(value: str, overrides: list[str]):
         hidden = getattr(_text_config(module.config), "hidden_size", None)
         cfg = compose(overrides, hidden_size=hidden if isinstance(hidden, int) else None, hidden_from_model=False)
         if hf_causal_lm_class(module.config) is not None:   # one model=hf trains: the data's ids must fit it
-            hf_check_vocab(data_vocab(cfg), module.config, value)
+            hf_check_vocab(data_vocab(cfg, context), module.config, value)   # (its data at its context)
         return module, cfg, True, "model"
     if yaml:   # a GPT model config in a YAML file (as conf/model/*.yaml), then the model.* overrides
         model = _yaml_model(path, model_keys)
@@ -173,6 +173,14 @@ def _count(own: dict[str, str], key: str, default: int | None = None) -> int | N
     return n
 
 
+def _number(override: str) -> float | None:
+    """An override's value as a number (dist.nproc=02 is 2), None where it is not one (composing names it)."""
+    try:
+        return float(override.split("=", 1)[-1])
+    except ValueError:
+        return None
+
+
 def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     gpus, nodes = _count(own, "gpus_per_node", 1), _count(own, "nodes", 1)
     try:
@@ -190,10 +198,10 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if not nproc and ("gpus_per_node" in own or "nodes" in own):
             # The world sizes a ds_config's batch triple (and its checks) as dist.nproc does for training.
             overrides = [*overrides, f"dist.nproc={gpus * nodes}"]
-        module, cfg, hf, source = resolve_model(own["model"], overrides)
-        if nproc and ("gpus_per_node" in own or "nodes" in own) and cfg.dist.nproc != gpus * nodes:
+        elif nproc and ("gpus_per_node" in own or "nodes" in own) and _number(nproc[-1]) not in (None, gpus * nodes):
             raise ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of {gpus * nodes}); "
                               "give one of them")
+        module, cfg, hf, source = resolve_model(own["model"], overrides, _count(own, "context", HFConfig.context))
         if "gpus_per_node" not in own and "nodes" not in own:
             gpus = cfg.dist.nproc   # the tables for the world the prediction below is for (one node)
         if "context" in own and not hf:

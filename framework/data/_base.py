@@ -118,7 +118,12 @@ class CropSource(DataSource):
         data = self.train if split == "train" else self.val
         starts = torch.randint(0, len(data) - self.context, (n,), generator=gen, device="cpu")[rows]
         idx = starts.numpy()[:, None] + np.arange(self.context + 1)
-        return torch.from_numpy(np.asarray(data[idx]).astype(np.int64))
+        seqs = torch.from_numpy(np.asarray(data[idx]).astype(np.int64))
+        # (host data, no device sync) a file edited since its check, clearer than an index error in an embedding
+        if seqs.numel() and int(seqs.max()) >= self.vocab_size:
+            raise DataError(f"{self.kind} {self.path}: token id {int(seqs.max())} >= vocab_size "
+                            f"{self.vocab_size}; set data.vocab_size to the tokenizer's size")
+        return seqs
 
     def describe(self) -> dict:
         return {"source": self.kind, "vocab_size": self.vocab_size, "train_tokens": len(self.train),

@@ -204,11 +204,12 @@ def state_bytes(cfg) -> tuple[int, int]:
     return component(cfg, "precision").build(cfg.precision).param_dtype.itemsize, sum(_opt_bytes_per_element(cfg))
 
 
-def data_vocab(cfg) -> int:
-    """The vocabulary training builds the model with: the configured data set's (it overrides the model's);
-    where the data cannot be built here, its config's ``vocab_size`` when that states one, else refused."""
+def data_vocab(cfg, context: int | None = None) -> int:
+    """The vocabulary training builds the model with: the configured data set's (it overrides the model's),
+    built at ``context`` (default the model's); where the data cannot be built here, its config's ``vocab_size``
+    when that states one, else refused."""
     try:
-        return component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
+        return component(cfg, "data").build(cfg.data, seed=cfg.seed, context=context or cfg.model.context).vocab_size
     except FrameworkError as e:   # e.g. a data file that is not here
         if (stated := getattr(cfg.data, "vocab_size", None)) is not None:
             return stated

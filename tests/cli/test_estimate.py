@@ -472,6 +472,10 @@ def test_hf_context_is_checked_like_training(tmp_path, capsys, monkeypatch):
     assert main([f"model={tmp_path}", "context=8", "data.vocab_size=101"]) == 2
     assert capsys.readouterr().err == f"error: {training.value}\n"
     assert main([f"model={tmp_path}", "context=8", "data.vocab_size=100"]) == 0
+    # Its data is built at the model's context, not the composed default model's (64): a small text fits context=8.
+    small = tmp_path / "small.txt"
+    small.write_text("the quick brown fox jumps over the lazy dog. " * 9)
+    assert main([f"model={tmp_path}", "context=8", "data=text", f"data.path={small}"]) == 0, capsys.readouterr().err
     # Refused as model=hf refuses it in the prediction, not ignored (the prediction would be unchanged).
     assert main([f"model={tmp_path}", "context=8", "model.activation_checkpointing=true"]) == 2
     err = capsys.readouterr().err
@@ -527,13 +531,18 @@ def test_zero3_rows_multiply_in_deepspeeds_order():
             int(2851e6 * k * (1 / n) * 1.5) for k in (18, 16)] + [int(32e6 * 4 * 8 * 1.5)]
 
 
-def test_world_from_gpus_or_nproc_not_both(capsys):
+def test_world_from_gpus_or_nproc_not_both(tmp_path, capsys):
     assert main(["model=gpt-nano", "gpus_per_node=2", "dist.nproc=4"]) == 2
     err = capsys.readouterr().err
     assert "estimate: dist.nproc=4 conflicts with gpus_per_node=/nodes=" in err and err.count("\n") == 1, err
     # the same world both ways (the hf_gpt2_zero3 recipe's estimate) is no conflict
     assert main(["model=gpt-nano", "gpus_per_node=2", "dist.nproc=2"]) == 0
-    assert main(["model=gpt-nano", "gpus_per_node=2", "dist.nproc=02"]) == 0   # the composed value, not its text
+    assert main(["model=gpt-nano", "gpus_per_node=2", "dist.nproc=02"]) == 0   # the value, not its text
+    # The conflict is said before anything the conflicting world would refuse (a ds_config batch at world 3)
+    ds = tmp_path / "tb.json"
+    ds.write_text('{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 16}')
+    assert main(["model=gpt-mini", f"ds_config={ds}", "gpus_per_node=2", "dist.nproc=3"]) == 2
+    assert "estimate: dist.nproc=3 conflicts with gpus_per_node=/nodes=" in capsys.readouterr().err
 
 
 def test_gpus_per_node_and_nodes_size_the_ds_config_batch(tmp_path, capsys):

@@ -70,7 +70,8 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
     extra = []
     if group == "data" and name in ("text", "tokens"):
         path = tmp_path / "d.bin"
-        path.write_bytes(b"hello world, some text " * 200)
+        ids = b"".join(bytes((i, 0)) for i in range(256)) * 9   # uint16 token ids 0..255
+        path.write_bytes(b"hello world, some text " * 200 if name == "text" else ids)
         extra = [f"data.path={path}"] + (["data.vocab_size=256"] if name == "tokens" else [])
     if group == "model" and name == "hf":   # a model from a config.json the test writes (no download)
         from tests._hf import write_config

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -234,6 +235,14 @@ def test_tokens_out_of_vocab_and_bad_files(token_file, tmp_path, monkeypatch):
     monkeypatch.setattr(tokens, "_top_id", lambda data: pytest.fail("read for its largest id"))
     for vocab_size in (None, 300):
         tokens.TokensSource(tokens.TokensConfig(path=str(tmp_path / "a.bin"), vocab_size=vocab_size), seed=0, context=8)
+    # ... so a recorded file edited in place since (its stat kept) is still caught where a crop reads the id
+    ids = np.fromfile(tmp_path / "a.bin", dtype="<u2")
+    st = (tmp_path / "a.bin").stat()
+    np.full_like(ids, 250).tofile(tmp_path / "a.bin")
+    os.utime(tmp_path / "a.bin", ns=(st.st_atime_ns, st.st_mtime_ns))
+    source = tokens.TokensSource(tokens.TokensConfig(path=str(tmp_path / "a.bin"), vocab_size=None), seed=0, context=8)
+    with pytest.raises(DataError, match=r"token id 250 >= vocab_size \d+; set data.vocab_size"):
+        source.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1)
 
 
 def test_tokens_vocab_from_the_meta_json_prepare_writes(tmp_path):
