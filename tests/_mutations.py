@@ -18,6 +18,7 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 | sync-in-hook | a host sync inside a backward hook | a zero2 bucket hook checks its partition with bool(tensor) | the hook (HostSync) |
 | unbound-thread | a worker thread that never set its device | the host-step thread's bind_thread is a no-op | the worker's first device work |
 | pageable-async | a non_blocking copy from pageable host memory | host buffers are allocated unpinned | the copy |
+| blocking-h2d-in-hook | a blocking host-to-device copy inside a hook (torch waits for the stream after it) | zero3 host shard loads copy blocking | the hook (HostSync) |
 | collective-on-host | a collective on host memory (NCCL takes device memory only) | zero3 gathers through a pinned host staging buffer | the gather's collective |
 | state-in-device-compute | device compute on a host piece's optimizer state (made by ``zeros_like`` of a host master: host memory) | the host step declares its state as the compute stream's operands | the host step |
 | unwaited-d2h-source | a device buffer overwritten by compute while a device-to-host copy may still read it | speculated pieces' gradients copied a second time, waited for by nobody | the next backward's write of the gradient |
@@ -163,6 +164,18 @@ def _sync_in_zero2_hook(setattr_: Callable) -> None:
     setattr_(Zero2Stage, "_launch", _launch_checking_partition)
 
 
+def _blocking_shard_loads(setattr_: Callable) -> None:
+    from framework.offload.cpu import HostShards
+
+    def _copy_in_blocking(self, dst, shard):
+        self.p.acc.copy(dst, shard)   # the bug: blocking, inside the gather's hook
+        return self.p.acc.event()
+
+    posing = os.path.join(os.path.dirname(framework.__file__), "(mutation in tests/_mutations.py)")
+    _copy_in_blocking.__code__ = _copy_in_blocking.__code__.replace(co_filename=posing)
+    setattr_(HostShards, "_copy_in", _copy_in_blocking)
+
+
 def _gather_through_host(setattr_: Callable) -> None:
     from framework.comm.collectives import Local
 
@@ -248,10 +261,17 @@ MUTATIONS: tuple[Mutation, ...] = (
              patch=_state_in_device_compute),
     Mutation("pageable-async", ZERO2_OFFLOAD, DeviceMismatch, r"needs a pinned host buffer .* in copy_grad",
              PageableHostBuffers),
+    Mutation("blocking-h2d-in-hook", ZERO3_HOST_SHARDS, HostSync,
+             r"host sync \(blocking copy_ of a .* host buffer into device memory\) inside zero3's pre-forward hook, "
+             r"at .* in _copy_in_blocking <- framework/offload/cpu\.py:\d+ in load", patch=_blocking_shard_loads),
 )
 
 # Correct variants of mutations: the check must let them pass.
 CORRECT: tuple[tuple[str, tuple[str, ...], Callable], ...] = (
     ("recorded-temporary", ZERO2_OFFLOAD, partial(TemporaryCopySource, record=True)),
     ("world-1-without-collectives", ZERO3_HOST_SHARDS, NoCollectiveTokens),
+    # the shards the hooks load are pinned whatever offload.pin_memory says: their loads stay asynchronous
+    ("unpinned-offload-shard-loads", (*ZERO3_HOST_SHARDS, "offload.pin_memory=false"), CheckingCpuAccelerator),
+    ("unpinned-nvme-shard-loads", ("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "offload=nvme",
+                                   "offload.params=nvme", "offload.pin_memory=false"), CheckingCpuAccelerator),
 )

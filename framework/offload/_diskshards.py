@@ -35,8 +35,9 @@ class DiskShards(HostShards):
 
     def bind(self, placement: NVMePlacement) -> None:
         super().bind(placement)
-        # read ahead in zero3's gather order of last time; the slot count is settled at pre-flight
-        self.store = DiskStore(placement.acc, pin=placement.pin, buffer_count=self.spec.param_buffer_count,
+        # read ahead in zero3's gather order of last time; the slot count is settled at pre-flight. Pinned whatever
+        # pin_memory says, as HostShards: the hooks load from the slots
+        self.store = DiskStore(placement.acc, pin=True, buffer_count=self.spec.param_buffer_count,
                                read_ahead=True, write_behind=True, name="parameter", learn_order=True)
 
     @property

@@ -69,9 +69,10 @@ class HostStore:
         arena = self._arena(offsets[-1] + nbytes[-1])
         self._reserved = deque((arena[o:o + n * dt.itemsize].view(dt), n, dt) for o, (n, dt) in zip(offsets, sizes))
 
-    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer: pinned (when the store pins) from the reserved arena, else an arena of its own."""
-        if not self.pin:
+    def allocate(self, numel: int, dtype: torch.dtype, pin: bool | None = None) -> torch.Tensor:
+        """A host buffer: pinned (``pin``; None: when the store pins) from the reserved arena, else an arena of its
+        own."""
+        if not (self.pin if pin is None else pin):
             return self.acc.empty_host(numel, dtype, pinned=False)
         if self._reserved and self._reserved[0][1:] == (numel, dtype):
             return self._reserved.popleft()[0]

@@ -58,7 +58,8 @@ class HostPlacement(Placement):
 
 class HostShards(Shards):
     """zero3 parameter shards in pinned host memory (``offload.params=cpu``): loaded on the H2D stream,
-    written by host copies once the loads that read them are done."""
+    written by host copies once the loads that read them are done. Pinned whatever ``offload.pin_memory``
+    says: the hooks load them, and a copy from pageable memory would make the host wait for the device."""
 
     params_on_host = True
 
@@ -66,7 +67,7 @@ class HostShards(Shards):
         self.reads: dict[int, Event] = {}   # host shard storage address -> its last load's copy
 
     def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.p.stores[Tier.HOST].allocate(numel, dtype).zero_()
+        return self.p.stores[Tier.HOST].allocate(numel, dtype, pin=True).zero_()
 
     @contextmanager
     def loading(self):
@@ -86,7 +87,7 @@ class HostShards(Shards):
     def _copy_in(self, dst: torch.Tensor, shard: torch.Tensor) -> Event:
         acc = self.p.acc
         acc.on_host(shard, what="zero3 host shard")
-        acc.copy(dst, shard, non_blocking=self.p.pin)   # the gather reads it on this stream next
+        acc.copy(dst, shard, non_blocking=True)   # the gather reads it on this stream next
         return recorded(acc)
 
     def write(self, shard: torch.Tensor, values: torch.Tensor) -> None:
@@ -105,7 +106,9 @@ class HostShards(Shards):
 class CPUOffloadConfig:
     params: str = "none"        # zero3 parameter shards: none (device) | cpu (host memory between gathers)
     ratio: float = 1.0          # fraction of each partition whose optimizer step runs on the host
-    pin_memory: bool = True     # page-locked host buffers (CUDA; without them copies cannot be asynchronous)
+    # page-locked optimizer buffers (CUDA; without them their copies cannot be asynchronous); the zero3 parameter
+    # shards the hooks load (params=cpu) are pinned either way
+    pin_memory: bool = True
     # also start each piece's host step during backward, speculatively (identical results), for undo
     # copies of those pieces in host memory (master + optimizer state: 12 bytes/param with Adam)
     overlap_step: bool = False

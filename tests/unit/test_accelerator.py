@@ -270,7 +270,8 @@ def test_pinned_memory_is_rounded_and_cached_as_cudas_host_allocator_does(acc):
     del b
 
 
-def test_a_blocking_device_to_host_copy_in_a_hook_is_a_host_sync(acc):
+def test_a_blocking_copy_between_host_and_device_in_a_hook_is_a_host_sync(acc):
+    """Either way: torch waits for the stream after a blocking copy (from pageable memory it could not queue it)."""
     import os
 
     import framework
@@ -279,18 +280,21 @@ def test_a_blocking_device_to_host_copy_in_a_hook_is_a_host_sync(acc):
     src = ("def interface(): acc.copy(host, dev)\n"                     # the framework's interface, blocking
            "def plain(): host.copy_(dev)\n"                             # torch's own, blocking
            "def queued(): acc.copy(host, dev, non_blocking=True)\n"     # fine: ordered by an event later
-           "def to_device(): acc.copy(dev, host)\n")                    # host-to-device: no wait for the device
+           "def to_device(): acc.copy(dev, host)\n"                     # host-to-device, blocking
+           "def queued_in(): acc.copy(dev, host, non_blocking=True)\n")
     ns = {"acc": acc, "host": host, "dev": dev}
     exec(compile(src, os.path.join(os.path.dirname(framework.__file__), "stages", "hook.py"), "exec"), ns)
-    for name in ("interface", "plain"):
-        with pytest.raises(HostSync, match=r"host sync \(copy_ of a \(8,\) torch.float32 device tensor\) inside "
-                                           r"a hook, at framework/stages/hook.py"):
+    for name, what in (("interface", "device tensor"), ("plain", "device tensor"),
+                       ("to_device", "host buffer into device memory")):
+        with pytest.raises(HostSync, match=rf"host sync \((blocking )?copy_ of a \(8,\) torch.float32 {what}\) "
+                                           r"inside a hook, at framework/stages/hook.py"):
             with acc.hot("a hook"):
                 ns[name]()
     with acc.hot("a hook"):
         ns["queued"]()
-        ns["to_device"]()
+        ns["queued_in"]()
     ns["interface"]()   # outside a hook: fine
+    ns["to_device"]()
 
 
 def test_every_kind_of_host_sync_in_a_hook_is_caught(acc):
@@ -307,21 +311,27 @@ def test_every_kind_of_host_sync_in_a_hook_is_caught(acc):
              "__setitem__": "host.__setitem__(slice(None), t)", "cat": "torch.cat([t], out=host)",
              "__array__": "np.asarray(t)", "__format__": "f'{t}'", "__repr__": "repr(t)",
              "as_tensor": "torch.as_tensor(t, device='cpu')"}
+    # blocking copies of a host buffer into device memory (torch waits for the stream after them)
+    into = {"copy_": "t.copy_(host)", "__setitem__": "t.__setitem__(slice(None), host)", "to": "host.to(t)"}
     # (no wait: sizes known, asynchronous copies, no host buffer written, host memory only, device to device)
     fine = ["t[t.long() - 1]", "t.repeat_interleave(2)", "t.repeat_interleave(t.long(), output_size=10)",
-            "torch.where(t > 0, t, 0)", "host.copy_(t, non_blocking=True)", "t.__setitem__(slice(None), host)",
+            "torch.where(t > 0, t, 0)", "host.copy_(t, non_blocking=True)", "t.copy_(host, non_blocking=True)",
+            "host.to(t, non_blocking=True)", "host.to(torch.bfloat16)", "t.__setitem__(slice(None), t * 2)",
             "host.__setitem__(slice(None), host * 2)", "torch.cat([t], out=torch.empty(4, device='cpu'))",
             "f'{t.shape}'", "host.clone().sum().item()", "host[host > 0]", "t.to(t)", "np.asarray(host)"]
     path = os.path.join(os.path.dirname(framework.__file__), "stages", "hook.py")
-    for name, expr in [*syncs.items(), *((None, e) for e in fine)]:
+    cases = [*((rf"{n} of a .* device tensor", e) for n, e in syncs.items()),
+             *((rf"blocking {n} of a \(4,\) torch.float32 host buffer into device memory", e) for n, e in into.items()),
+             *((None, e) for e in fine)]
+    for what, expr in cases:
         ns = {"torch": torch, "np": np}
         exec(compile(f"def f(t, host):\n    return {expr}\n", path, "exec"), ns)
         t = torch.arange(4.0) + 1
         with acc.hot("a hook"):
-            if name is None:
+            if what is None:
                 ns["f"](t, host)
             else:
-                with pytest.raises(HostSync, match=rf"host sync \({name} of a .* device tensor\) inside a hook"):
+                with pytest.raises(HostSync, match=rf"host sync \({what}\) inside a hook"):
                     ns["f"](t, host)
         ns["f"](t, host)   # outside a hot region: not checked
 

@@ -21,6 +21,10 @@ device memory (the checking accelerator takes everything but ``empty_host`` buff
 names and what torch makes of them in hot regions for device memory).
 A deliberate host tensor says so: ``device="cpu"``, a host device variable, or a ``# host: <why>``
 comment on its line. ``*_like`` and ``new_*`` calls inherit their source's device and are not read.
+
+Threads, over all of framework/: each thread pool binds its device (``initializer=<acc>.bind_thread``) and each
+thread's target calls ``bind_thread`` (CUDA's current device is per thread: GPU 0 in a new one), or the thread is
+listed as host-only.
 """
 import ast
 import io
@@ -283,5 +287,81 @@ def test_the_lint_sees_each_kind_and_honours_the_mark():
 def test_each_exception_names_a_function_that_exists():
     """A renamed or removed function must leave the list, not silently stop meaning anything."""
     for path, name in NOT_HOT:
+        tree = ast.parse((ROOT / path).read_text())
+        assert any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.walk(tree)), (path, name)
+
+
+# Threads that never touch the device (no stream, event, pinned memory or CUDA call), each with why.
+HOST_ONLY_THREADS = {
+    ("framework/offload/_aio.py", "_worker"): "file IO between host bounce buffers and the swap file",
+    ("framework/cli/launch.py", "watch"): "the launcher watch: polls the parent process, sends signals",
+    ("framework/cli/launch.py", "soon"): "sends a signal again to the main thread",
+}
+# what starts a thread -> (keyword, position) of what it runs first
+_STARTERS = {"ThreadPoolExecutor": ("initializer", 2), "Thread": ("target", 1), "Timer": ("function", 1),
+             "start_new_thread": ("function", 0)}
+
+
+def _unbound_threads(source: str, path: str = "") -> list[tuple[int, str]]:
+    """(line, what) of every thread started without binding its device: a pool without
+    ``initializer=<acc>.bind_thread``, a thread whose target calls no ``bind_thread`` and is not host-only."""
+    tree = ast.parse(source)
+    binds = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+             and any(isinstance(c, ast.Call) and ast.unparse(c.func).endswith("bind_thread") for c in ast.walk(n))}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        fn = ast.unparse(node.func).rsplit(".", 1)[-1]
+        if fn == "partial" and node.args:   # partial(ThreadPoolExecutor, ...)
+            fn = ast.unparse(node.args[0]).rsplit(".", 1)[-1]
+        if fn not in _STARTERS:
+            continue
+        key, at = _STARTERS[fn]
+        args = node.args[1:] if ast.unparse(node.func).endswith("partial") else node.args
+        arg = args[at] if len(args) > at else next((k.value for k in node.keywords if k.arg == key), None)
+        name = ast.unparse(arg).rsplit(".", 1)[-1] if arg is not None else ""
+        if fn == "ThreadPoolExecutor":
+            if name != "bind_thread":
+                found.append((node.lineno, "thread pool without initializer=<accelerator>.bind_thread"))
+        elif name not in binds and (path, name) not in HOST_ONLY_THREADS:
+            found.append((node.lineno, f"thread running {name or '?'}, which calls no bind_thread"))
+    return sorted(found)
+
+
+def test_every_thread_binds_its_device():
+    problems = [f"{path.relative_to(ROOT)}:{line}: {what}" for path in sorted((ROOT / "framework").rglob("*.py"))
+                for line, what in _unbound_threads(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not problems, ("threads that do not set their device (on CUDA their first stream, event or pinned "
+                          "buffer opens a context on GPU 0, hundreds of MB per rank): pass initializer=acc.bind_thread "
+                          "or call acc.bind_thread() first in the target, or list a host-only thread in "
+                          "HOST_ONLY_THREADS:\n  " + "\n  ".join(problems))
+
+
+def test_the_thread_lint_sees_each_kind():
+    source = "\n".join([
+        "def bound(acc):",
+        "    acc.bind_thread()",
+        "def loose():",
+        "    pass",
+        "def f(acc):",
+        "    concurrent.futures.ThreadPoolExecutor(1)",                          # 6
+        "    ThreadPoolExecutor(max_workers=1, initializer=acc.bind_thread)",
+        "    partial(ThreadPoolExecutor, max_workers=1)",                         # 8
+        "    partial(ThreadPoolExecutor, max_workers=1, initializer=self.acc.bind_thread)",
+        "    threading.Thread(target=loose)",                                     # 10
+        "    threading.Thread(target=self.bound, daemon=True)",
+        "    _thread.start_new_thread(loose, ())",                                # 12
+        "    threading.Timer(1.0, loose)",                                        # 13
+        "    ThreadPoolExecutor(1, initializer=setup)",                           # 14
+        "    threading.Timer(1.0, bound)",
+        "    threading.Thread(None, loose)",                                      # 16
+        "    ThreadPoolExecutor(1, 'x', acc.bind_thread)",
+    ])
+    assert [line for line, _ in _unbound_threads(source)] == [6, 8, 10, 12, 13, 14, 16]
+
+
+def test_each_host_only_thread_names_a_function_that_exists():
+    for path, name in HOST_ONLY_THREADS:
         tree = ast.parse((ROOT / path).read_text())
         assert any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.walk(tree)), (path, name)

@@ -17,9 +17,9 @@ and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves eac
   (no event, no ``record_stream``) is reported at the next checked call;
 - per-thread devices: a thread other than the creator must ``bind_thread`` before device work;
 - host syncs: in ``hot(...)`` and hooks wrapped by ``hook(...)``, framework code (not model code)
-  reading device memory on the host (``item``, a boolean-mask index, ``bincount``, formatting it...), or
-  copying it into a host buffer blocking (``copy_``, ``host[...] = t``, ``out=host``, ``.to(host)``), raises
-  ``HostSync``;
+  reading device memory on the host (``item``, a boolean-mask index, ``bincount``, formatting it...),
+  copying it into a host buffer blocking (``copy_``, ``host[...] = t``, ``out=host``, ``.to(host)``), or a host
+  buffer into it blocking (``copy(dev, host)``, ``t[...] = host``, ``host.to(t)``), raises ``HostSync``;
 - pinned memory as CUDA's caching host allocator holds it (``pinned_stats``).
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The checking accelerator's watch inside ``hot(...)`` regions and ``hook(...)`` hooks (nowhere else: a torch
-function mode costs every call): framework code making the host wait for device memory raises ``HostSync``,
-and what torch makes there of host buffers alone is host memory (``host.clone()``, ``host > 0``)."""
+function mode costs every call): framework code making the host wait for device memory (a read, or a blocking
+copy either way between a host buffer and device memory) raises ``HostSync``, and what torch makes there of
+host buffers alone is host memory (``host.clone()``, ``host > 0``)."""
 from __future__ import annotations
 
 import os
@@ -57,7 +58,9 @@ class NoHostSync(TorchFunctionMode):
                 while caller is not None and caller.f_code.co_filename.startswith((_TORCH, _HERE)):
                     caller = caller.f_back
                 if caller is not None and _ours(caller.f_code.co_filename):
-                    raise HostSync(f"host sync ({name} of a {tuple(t.shape)} {t.dtype} device tensor) inside "
+                    what = f"blocking {name} of a {tuple(t.shape)} {t.dtype} host buffer into device memory" \
+                        if self.acc._is_host(t) else f"{name} of a {tuple(t.shape)} {t.dtype} device tensor"
+                    raise HostSync(f"host sync ({what}) inside "
                                    f"{self.where}, at {place()}: on CUDA the host stalls until the device catches "
                                    f"up; move it out of the hook, or keep the value on the device")
         out = func(*args, **kwargs)
@@ -94,15 +97,21 @@ def _synced(acc, name: str, args, kwargs) -> Tensor | None:
     elif name == "repeat_interleave" and kwargs.get("output_size") is None:   # the size is the repeats' sum
         t = kwargs.get("repeats", args[1] if len(args) > 1 else first)
     elif name in ("copy_", "__setitem__") or kwargs.get("out") is not None:
-        return _copied_to_host(acc, name, args, kwargs)
+        return _copied(acc, name, args, kwargs)
+    elif name == "to" and isinstance(first, Tensor) and acc._is_host(first):   # ``host.to(device_tensor)``
+        target = kwargs.get("other", args[1] if len(args) > 1 else None)
+        blocking = not kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+        return first if blocking and isinstance(target, Tensor) and not acc._is_host(target) else None
     else:
         return None
     return t if isinstance(t, Tensor) and not acc._is_host(t) else None
 
 
-def _copied_to_host(acc, name: str, args, kwargs) -> Tensor | None:
-    """The device tensor a blocking copy into a host buffer waits for (``host.copy_(dev)``, ``host[:] = dev``,
-    ``torch.cat([dev], out=host)``); an asynchronous one (``non_blocking``) is ordered by an event later."""
+def _copied(acc, name: str, args, kwargs) -> Tensor | None:
+    """The tensor a blocking copy makes the host wait for: the device source of one into a host buffer
+    (``host.copy_(dev)``, ``host[:] = dev``, ``torch.cat([dev], out=host)``), or the host buffer of one into
+    device memory (``dev.copy_(host)``, ``dev[:] = host``: torch waits for the stream after it). An
+    asynchronous one (``non_blocking``) is ordered by an event later."""
     if name == "copy_":
         blocking = not kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
         dst, srcs = args[0], args[1:2] if blocking else ()
@@ -110,9 +119,12 @@ def _copied_to_host(acc, name: str, args, kwargs) -> Tensor | None:
         dst, srcs = args[0], args[2:3]
     else:
         dst, srcs = kwargs["out"], tensors_of(args, kwargs)
-    if not all(isinstance(d, Tensor) and acc._is_host(d) for d in (dst if isinstance(dst, (tuple, list)) else (dst,))):
+    dsts = dst if isinstance(dst, (tuple, list)) else (dst,)
+    if all(isinstance(d, Tensor) and acc._is_host(d) for d in dsts):
+        return next((t for t in srcs if isinstance(t, Tensor) and t.numel() and not acc._is_host(t)), None)
+    if name not in ("copy_", "__setitem__") or acc._is_host(dst):
         return None
-    return next((t for t in srcs if isinstance(t, Tensor) and t.numel() and not acc._is_host(t)), None)
+    return next((t for t in srcs if isinstance(t, Tensor) and t.numel() and acc._is_host(t)), None)
 
 
 def _to_host(acc, args, kwargs) -> bool:

@@ -49,7 +49,9 @@ class Checkpointer:
         self.on_nonfinite, self.on_point = cfg.train.on_nonfinite, on_point
         self.group = Group(engine.components.dist, self.cfg.timeout_s)
         self.rank = self.group.rank
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") \
+        # DCP's writer queries the current CUDA stream on this thread: bound, or it opens a context on GPU 0
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="checkpoint", initializer=engine.components.dist.acc.bind_thread) \
             if self.cfg.async_ else None
         self._pending: concurrent.futures.Future | None = None
         self.writer = None   # DCP's storage writer, None: FileSystemWriter (tests put one that fails on purpose here)
