@@ -174,7 +174,7 @@ def _count(own: dict[str, str], key: str, default: int | None = None) -> int | N
 
 
 def _number(override: str) -> float | None:
-    """An override's value as a number (dist.nproc=02 is 2), None where it is not one (composing names it)."""
+    """An override's value as a number (dist.nproc=02 is 2), None where it is not a plain one."""
     try:
         return float(override.split("=", 1)[-1])
     except ValueError:
@@ -198,10 +198,14 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if not nproc and ("gpus_per_node" in own or "nodes" in own):
             # The world sizes a ds_config's batch triple (and its checks) as dist.nproc does for training.
             overrides = [*overrides, f"dist.nproc={gpus * nodes}"]
-        elif nproc and ("gpus_per_node" in own or "nodes" in own) and _number(nproc[-1]) not in (None, gpus * nodes):
-            raise ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of {gpus * nodes}); "
-                              "give one of them")
+        both = bool(nproc) and ("gpus_per_node" in own or "nodes" in own)
+        conflict = ConfigError(f"estimate: {nproc[-1] if nproc else ''} conflicts with gpus_per_node=/nodes= (a world "
+                               f"of {gpus * nodes}); give one of them")
+        if both and _number(nproc[-1]) not in (None, gpus * nodes):   # before what that world would refuse
+            raise conflict
         module, cfg, hf, source = resolve_model(own["model"], overrides, _count(own, "context", HFConfig.context))
+        if both and cfg.dist.nproc != gpus * nodes:   # (its value composed: quoted, interpolated or deleted)
+            raise conflict
         if "gpus_per_node" not in own and "nodes" not in own:
             gpus = cfg.dist.nproc   # the tables for the world the prediction below is for (one node)
         if "context" in own and not hf:

@@ -543,6 +543,8 @@ def test_world_from_gpus_or_nproc_not_both(tmp_path, capsys):
     ds.write_text('{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 16}')
     assert main(["model=gpt-mini", f"ds_config={ds}", "gpus_per_node=2", "dist.nproc=3"]) == 2
     assert "estimate: dist.nproc=3 conflicts with gpus_per_node=/nodes=" in capsys.readouterr().err
+    assert main(["model=gpt-nano", "gpus_per_node=4", "dist.nproc='2'"]) == 2   # a composed value compared too
+    assert "estimate: dist.nproc='2' conflicts with gpus_per_node=/nodes=" in capsys.readouterr().err
 
 
 def test_gpus_per_node_and_nodes_size_the_ds_config_batch(tmp_path, capsys):
