@@ -101,6 +101,14 @@ def test_missing_data_file(forkrun, tmp_path):
     assert not (tmp_path / "run").exists()   # the run folder made for the refused run is gone again
 
 
+def test_help_shows_how_to_compose_a_job(forkrun, tmp_path):
+    # stage has no default: Hydra's generic "group=option" would send a user to stage=zero3, which fails
+    p = cli(forkrun, tmp_path, "--help")
+    assert p.returncode == 0, p.stderr
+    assert all(s in p.stdout for s in ("+stage=zero3", "dist.nproc=2", "--cfg job", " -m ", "stage: ddp, zero1")), p.stdout
+    assert "group=option" not in p.stdout and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("env", [{"WORLD_SIZE": "2x"}, {"LOCAL_WORLD_SIZE": "x"},
                                  {"SLURM_NTASKS": "two", "SLURM_STEP_ID": "0"}])
 def test_a_malformed_launcher_variable_is_one_line_and_no_folder(forkrun, tmp_path, env):
