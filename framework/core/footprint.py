@@ -1,7 +1,7 @@
 """Per-rank bytes of model states and persistent buffers, by item and by where they live.
 
 A built engine reports one (``Engine.memory``: the bytes of the tensors it holds) and the estimator
-predicts one (``framework.memory.predict``) with the same item names, so the two compare item by
+predicts one (``framework.memory.model.predict``) with the same item names, so the two compare item by
 item. Items: params, frozen_params, grads, grad_accumulator, master_params, optimizer_state,
 host_grad_buffers, host_staging, overlap_undo, bucket_buffers, gathered_persistent, buffers (the
 module's), nvme_optimizer_pool, nvme_grad_staging (zero3's swapped gradients on their way to the swap

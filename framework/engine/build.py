@@ -298,7 +298,7 @@ class Engine(contextlib.AbstractContextManager):
         return offload if offload is not None and offload.swaps else None
 
     def memory(self, state: TrainState) -> Footprint:
-        """This rank's model states and persistent buffers by item and place (as ``framework.memory.predict``)."""
+        """This rank's model states and persistent buffers by item and place (as ``framework.memory.model.predict``)."""
         self._check_current(state, "memory")
         fp = self.components.stage.memory(state.opt_state)
         self.components.update.memory(fp)
