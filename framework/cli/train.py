@@ -291,14 +291,14 @@ def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
 
 
 def _checkpoint_key(config: Config, key: str, older: str) -> str:
-    """``key``, or ``older`` (all its overrides, as earlier versions named the job) where only that folder exists."""
+    """``key``, or ``older`` (all its overrides, Hydra's ``override_dirname``) where only that folder exists."""
     if config.checkpoint.dir is None or older == key:
         return key
     new, old = checkpoint_root(config, None, key), checkpoint_root(config, None, older)
     if new.exists() or not old.is_dir():
         return key
-    print(f"checkpoint: using {old} (this job's folder named by all its overrides, as earlier versions named it); "
-          f"move it to {new} to resume it under the job's current name", flush=True)
+    print(f"checkpoint: using {old} (this job's folder named by all its overrides, those that do not name a job "
+          f"included); move it to {new} to resume it under the job's current name", flush=True)
     return older
 
 

@@ -1,4 +1,4 @@
-"""Small helpers shared across rooms."""
+"""Small helpers shared across layers."""
 from __future__ import annotations
 
 import dataclasses

@@ -65,7 +65,7 @@ class Console:
 
 
 def summary_line(s: dict) -> str:
-    window = s.get("train_loss_steps")   # absent from a summary an older version wrote (a kept one)
+    window = s.get("train_loss_steps")   # a kept summary.json need not have it (only its losses are required)
     loss = s["train_loss"]
     line = (f"done: {s['steps']} steps | "
             + (f"train loss {loss:.4f}" if loss is not None else "no step trained")

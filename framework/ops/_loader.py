@@ -98,7 +98,7 @@ def _finished(directory: Path) -> bool:
     try:
         recorded = (directory / "BUILT").read_text().splitlines()
         return len(recorded) >= 2 and recorded[1] == _fingerprint(directory / f"{NAME}.so")
-    except PermissionError as exc:   # another user's build, made owner-only (by an older version)
+    except PermissionError as exc:   # another user's build, made under an owner-only umask (such as 077)
         raise BuildUnavailable(f"cannot read the build in {directory} ({exc.filename}: {exc.strerror}); have "
                                "the cache's owner run `python -m framework.ops build`, or set FRAMEWORK_OPS_CACHE "
                                "to a folder of yours") from None

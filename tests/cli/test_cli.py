@@ -248,8 +248,8 @@ def test_multirun_two_optimizers(forkrun, tmp_path):
     assert all(r["step"] == 2 for r in first)
 
     # A relaunch (another sweep folder) with more steps is the same jobs: each resumes its own
-    # checkpoints; a job folder named by all the job's overrides (as earlier versions named it for this
-    # same command line) is used.
+    # checkpoints; a job folder named by all the job's overrides (train.steps included) for this same
+    # command line is used.
     longer = [o for o in SHORT if not o.startswith("train.steps=")] + ["train.steps=8"]
     ckpt = type("C", (), {"checkpoint": type("D", (), {"dir": str(tmp_path / "ck")})})
     folder = {o: checkpoint_root(ckpt, None, job_key([*SHORT, *saves, f"optimizer={o}"], frozenset({"optimizer"})))
@@ -260,7 +260,8 @@ def test_multirun_two_optimizers(forkrun, tmp_path):
                                             f"hydra.sweep.dir={tmp_path / 'again'}"], cwd=tmp_path, env=ENV)
     assert again.returncode == 0, again.stderr
     assert f"resumed from {folder['adamw'] / 'step-6'} (step 6" in again.stdout, again.stdout
-    assert f"checkpoint: using {older} (this job's folder named by all its overrides" in again.stdout, again.stdout
+    assert f"checkpoint: using {older} (this job's folder named by all its overrides, those that do not name a job " \
+           f"included); move it to {folder['lion']} " in again.stdout, again.stdout
     assert f"resumed from {older / 'step-6'} (step 6" in again.stdout, again.stdout
 
 
