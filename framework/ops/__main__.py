@@ -14,7 +14,8 @@ from framework import ops
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m framework.ops", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m framework.ops", description=__doc__.replace("``", ""),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="status", choices=["status", "build"])
     parser.add_argument("--if-needed", action="store_true",
                         help="build: keep a finished build (import it), compile only where there is none")

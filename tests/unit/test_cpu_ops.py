@@ -680,6 +680,16 @@ def test_ops_build_if_needed_compiles_once_and_then_imports(fresh_loader, monkey
     assert "framework.ops: ready in" in capsys.readouterr().out
 
 
+def test_ops_help_says_what_status_and_build_do_in_plain_text(capsys):
+    from framework.ops.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "status (the default) never compiles" in out and "--if-needed only" in out, out
+    assert "``" not in out
+
+
 def _built_under_umask_022(monkeypatch) -> Path:
     """A fake finished build made under umask 022 (a usual shell's); its folder."""
     directory = _loader.build_dir()
