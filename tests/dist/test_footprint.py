@@ -2,7 +2,7 @@
 
 ``Engine.memory`` adds up the bytes of the tensors the engine holds after a step (working
 parameters, gradients, masters, optimizer state, host buffers, swap pools, swap files), by item
-and by where they live; ``framework.memory.predict`` computes the same items from the model's
+and by where they live; ``framework.memory.model.predict`` computes the same items from the model's
 shapes with the functions the stages and tiers lay themselves out with (``make_layout``,
 ``plan_units``, ``Zero2Stage.plan``, ``Placement.ranges`` and ``Placement.predict``). Every
 stage x offload x precision on one rank, the settings that change the layout (partial offload,

@@ -714,7 +714,7 @@ _NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-ca
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv (util-linux)")
 def test_another_users_build_is_used_and_a_needed_build_says_why_not(fresh_loader, monkeypatch):
     """As root without the capability to override file modes, a cache owned by uid 1234: its finished
-    build is found; an owner-only BUILT (as an older version wrote) or a missing one gives a reason
+    build is found; an owner-only BUILT (made under a umask such as 077) or a missing one gives a reason
     saying what to do, not a failure to open the lock file."""
     _built_under_umask_022(monkeypatch)
     caches = {}
