@@ -178,8 +178,9 @@ class Engine(contextlib.AbstractContextManager):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            if _owner(self.components.module) is self:   # another initialize may take the module now
-                del self.components.module._framework_owner
+            for _, p, trains in self._trainable:   # another initialize may take its parameters now
+                if trains and _owner(p) is self:
+                    del p._framework_owner
             try:
                 self.components.update.close()   # the offload worker thread, if any
             finally:   # (a swap read failure it raises leaves no hook behind)
@@ -318,16 +319,17 @@ def _buffer_copies(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class _Owner(weakref.ref):
-    """The open engine training a module, held weakly in an attribute of the module (no registry
-    outside it); a copy or a pickle of the module is owned by nobody (its tensors are its own)."""
+    """The open engine training a parameter, held weakly in an attribute of the parameter (no registry
+    outside it: a module sharing a submodule or a tied weight with the engine's sees it too); a copy or a
+    pickle of the parameter is owned by nobody (its tensors are its own)."""
 
     def __reduce__(self):
         return type(None), ()
 
 
-def _owner(module: nn.Module) -> Engine | None:
-    """The open engine that trains ``module``, or None."""
-    owner = getattr(module, "_framework_owner", None)
+def _owner(param: nn.Parameter) -> Engine | None:
+    """The open engine that trains ``param``, or None."""
+    owner = getattr(param, "_framework_owner", None)
     engine = owner() if isinstance(owner, _Owner) else None
     return engine if engine is not None and not engine.closed else None
 
@@ -353,10 +355,13 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
         raise FrameworkError("initialize: this module was sharded by a zero3 engine (its parameters are empty "
                              "shards, also after close() or a failed initialize); build a fresh module (or load "
                              "its weights into one: engine.consolidated_state_dict() before closing)")
-    if _owner(module) is not None:   # its parameters are views of that engine's buffers: a second one would
-        # rebind them, and the first would go on stepping buffers the module no longer reads
-        raise FrameworkError("initialize: this module is trained by another open engine; close that one first "
-                             "(engine.close() or end its with block), or build a fresh module")
+    owned = [n for n, p in module.named_parameters() if _owner(p) is not None]
+    if owned:   # they are views of that engine's buffers: a second one would rebind them, and the first would go
+        # on stepping buffers the module no longer reads (a shared submodule: one engine's updates lost)
+        raise FrameworkError(f"initialize: {len(owned)} parameter{'s' if len(owned) != 1 else ''} of this module "
+                             f"({few(owned, 3, str)}) {'are' if len(owned) != 1 else 'is'} trained by another open "
+                             f"engine; close that one first (engine.close() or end its with block), or build a fresh "
+                             f"module (one sharing no submodule or parameter with that engine's)")
     if not any(p.requires_grad for p in module.parameters()):
         raise FrameworkError("initialize: the module has no parameters with requires_grad=True: nothing to "
                              "train; unfreeze at least one (p.requires_grad_(True))")
@@ -418,7 +423,9 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
                            precision=policy.init_state(), rng=capture_rng(dist.device), data=position)
         unowned.pop_all()
     engine = Engine(c, state, cfg, hooks)
-    module._framework_owner = _Owner(engine)
+    for _, p, trains in engine._trainable:
+        if trains:
+            p._framework_owner = _Owner(engine)
     return engine
 
 

@@ -265,9 +265,15 @@ def test_a_second_engine_on_an_open_engines_module_is_refused_until_it_closes(st
     cfg = tiny_config("train.micro_batch=2", f"+stage={stage}")
     module, data = build_gpt(cfg)
     first = framework.initialize(module, gpt_loss, cfg)
-    with pytest.raises(framework.FrameworkError, match=r"^initialize: this module is trained by another open "
-                                                       r"engine; close that one first \(engine.close\(\)"):
+    with pytest.raises(framework.FrameworkError, match=r"^initialize: \d+ parameters of this module \(.*\) are "
+                                                       r"trained by another open engine; close that one first "
+                                                       r"\(engine.close\(\)"):
         framework.initialize(module, gpt_loss, cfg)
+    # a module sharing a submodule with it (a second head on the same body) would lose one engine's updates
+    body = next(m for m in module.modules() if isinstance(m, torch.nn.Linear))
+    with pytest.raises(framework.FrameworkError, match=r"^initialize: \d parameters? of this module \(0.weight"):
+        framework.initialize(torch.nn.Sequential(body, torch.nn.Linear(body.out_features, 2)),
+                             lambda m, mb: m(mb).sum(), cfg)
     before = [p.detach().clone() for p in module.parameters()]
     first.train_step(first.state, _batch(data, first.state))   # the first engine still trains the module
     assert any(not torch.equal(a, p) for a, p in zip(before, module.parameters()))
