@@ -63,6 +63,7 @@ class Zero3Stage(PartitionedStage):
 
     def setup(self, module: nn.Module, policy: Policy, *, grad_accum: int = 1) -> Setup:
         refuse_sparse_grads(module, "zero3")
+        _refuse_compiled(module)
         self.module, self.policy = module, policy
         self._init = initializer(module)   # materialises meta parameters, one at a time
         plans, persistent_named = plan_units(module, self.cfg.gather_unit, self.cfg.split_root,
@@ -235,6 +236,17 @@ class Zero3Stage(PartitionedStage):
                         value = p.detach().to("cpu", copy=True)   # host sync: consolidation, between steps
                         out.update(dict.fromkeys(p.zero3_names, value))
         return out if self.dist.is_main else None
+
+
+def _refuse_compiled(module: nn.Module) -> None:
+    """Refuse a torch.compile'd module, root or child (its wrapper holds the original as ``_orig_mod``), before
+    anything is sharded: the gather hooks would run against a graph compiled for whole parameters (torch's own
+    errors, or wrong gradients)."""
+    for name, sub in module.named_modules():
+        if hasattr(sub, "_orig_mod"):
+            raise FrameworkError(f"zero3: module {name or '<root>'!r} is torch.compile'd, and zero3 cannot train a "
+                                 f"compiled module (its hooks gather parameters outside the compiled graph): pass "
+                                 f"it uncompiled, or use ddp, zero1 or zero2")
 
 
 @contextmanager

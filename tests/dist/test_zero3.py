@@ -1544,6 +1544,22 @@ def test_unit_whose_parameters_get_no_gradient_is_warned_about_once(caplog):
     assert all(u.state.value == "sharded" for u in engine.components.stage.gatherer.units)
 
 
+@pytest.mark.parametrize("where", ["root", "child"])
+def test_a_torch_compiled_module_is_refused_in_one_line_before_sharding(where):
+    # zero3's hooks gather outside the compiled graph: torch's own errors or wrong gradients otherwise.
+    cfg = framework.compose(["+stage=zero3", "scheduler=constant"])
+    loss_fn = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    plain = nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
+    compiled = torch.compile(plain, backend="eager")
+    model = compiled if where == "root" else nn.Sequential(compiled)
+    name = "<root>" if where == "root" else "0"
+    with pytest.raises(framework.FrameworkError, match=f"^zero3: module '{name}' is torch.compile'd.*use ddp, zero1 "
+                                                       f"or zero2$"):
+        framework.initialize(model, loss_fn, cfg, _local())
+    with framework.initialize(plain, loss_fn, cfg, _local()) as engine:   # nothing was sharded
+        engine.train_step(engine.state, Batch((_micro(0),)))
+
+
 class _SparseEmbedding(nn.Module):
     def __init__(self):
         super().__init__()
