@@ -253,9 +253,11 @@ def _refuse_compiled(module: nn.Module) -> None:
 def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     """The full values of ``params`` on every rank inside the block (collective), like DeepSpeed's
     GatheredParameters: with ``modifier_rank`` that rank's values are broadcast on exit into every shard
-    and master copy (ZeRO-3 parameters only). A train_step inside the block is refused."""
+    and master copy, and into the whole (frozen) parameters among them on every rank. A train_step inside the
+    block is refused."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     sharded = [p for p in params if isinstance(p, ShardedParameter)]
+    whole = [p for p in params if not isinstance(p, ShardedParameter)]   # frozen ones: the same on every rank
     for p in sharded:   # (before any collective: every rank of the pass is at the same point)
         g = p.zero3_unit.gatherer
         # (an always-gathered parameter is not released at the block's exit: its gradient arrives as usual)
@@ -265,8 +267,10 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                 f"the block releases it on exit, before the backward pass needs it and its gradient arrives; "
                 f"read it in its own module's forward (call that module, or compute the term inside a module's "
                 f"forward), or enter the block under torch.no_grad() for a value that is not trained")
-    if modifier_rank is not None and len(sharded) != len(params):
-        raise FrameworkError("framework.gathered(modifier_rank=...) needs ZeRO-3 sharded parameters")
+    if modifier_rank is not None and whole and not sharded:
+        raise FrameworkError("framework.gathered(modifier_rank=...) needs ZeRO-3 sharded parameters (none of those "
+                             "given is one): under ddp, zero1 and zero2 every rank holds whole parameters; load "
+                             "weights into the engine with framework.load_weights or engine.load_state_dict")
     units = list({id(p.zero3_unit): p.zero3_unit for p in sharded}.values())
     # Held: forwards inside the block (and nested blocks) leave the units gathered; a train_step is refused.
     held, written = [], False
@@ -298,6 +302,8 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                     changed = asked & (g.full[lo:hi] != old)
                     unit.gatherer.offload.write_partition(g.pieces, g.shard, torch.where(changed, g.full[lo:hi], old),
                                                           changed)
+            for p in whole:   # (a load on modifier_rank alone would leave the ranks' frozen weights differing)
+                units[0].gatherer.dist.broadcast(p.detach(), src=modifier_rank, what="framework.gathered broadcast")
             written = True
     finally:
         for unit, started in held:   # (after an error on this rank, no collective: its peers may be elsewhere)

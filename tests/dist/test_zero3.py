@@ -1476,6 +1476,16 @@ def _modifier_exits(dist):
                 model.b.weight.mul_(2.0)
     with framework.gathered([model.b.weight, model.b.bias]):
         out["outer"] = (torch.equal(model.b.bias, bias), torch.equal(model.b.weight, 2 * weight))
+    # Frozen parameters (whole on every rank) among those asked for: modifier_rank's values reach every rank.
+    model = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
+    model[0].requires_grad_(False)
+    with framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, dist):
+        with torch.no_grad(), framework.gathered(model.parameters(), modifier_rank=0):
+            if dist.rank == 0:
+                for p in model.parameters():
+                    p.fill_(0.5)
+        with framework.gathered(model.parameters()):
+            out["frozen"] = all(bool((p == 0.5).all()) for p in model.parameters())
     return out
 
 
@@ -1484,7 +1494,7 @@ def test_gathered_with_modifier_rank_keeps_loads_and_discards_outer_edits(pools,
     # The exit writes what the block changed against what the shards hold now: a load inside the block
     # equals a plain load exactly, and an outer block's edit without modifier_rank is still discarded.
     for out in [_modifier_exits(_local())] if world == 1 else pools(2).run(_modifier_exits, timeout=120):
-        assert out == {"fp32": (True, True), "bf16": (True, True), "outer": (True, True)}
+        assert out == {"fp32": (True, True), "bf16": (True, True), "outer": (True, True), "frozen": True}
 
 
 def test_an_error_inside_gathered_leaves_it_without_a_collective():
