@@ -71,6 +71,9 @@ class Engine(contextlib.AbstractContextManager):
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """``state, metrics = engine.train_step(state, batch)``; also remembered as ``engine.state``."""
         self._check_open(state, "train_step")
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():   # (else loss_fn would be blamed)
+            raise TrainingError("train_step: called under torch.no_grad() or torch.inference_mode(), where its "
+                                "backward pass has no graph: call it outside those blocks")
         self.check_trainable("train_step")
         self.check_unedited("train_step")
         try:
@@ -372,7 +375,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
                           f"torch.view_as_complex(p) in forward (or freeze it: requires_grad=False)")
     if cfg is None:
         world = dist.world if dist is not None else rank_and_world()[1]
-        cfg = compose(list(overrides), ds_config=ds_config, world=world, hidden_size=hidden_size_of(module),
+        cfg = compose(overrides, ds_config=ds_config, world=world, hidden_size=hidden_size_of(module),
                       hidden_from_model=False)
     if dist is None:
         joined = torch.distributed.is_initialized()

@@ -411,6 +411,10 @@ def test_initialize_refuses_arguments_of_the_wrong_type_in_one_line(args, needle
     with pytest.raises(framework.ConfigError, match="^initialize: " + needle) as e:
         framework.initialize(module, loss_fn, cfg if cfg is not None else tiny_config())
     assert "\n" not in str(e.value)
+    # overrides as one string (not a list of them): compose's own line, not a parse error of its first character
+    with pytest.raises(framework.ConfigError, match=r"overrides must be a list of strings, not the string "
+                                                    r"'optimizer\.lr=0\.1'; pass \['optimizer\.lr=0\.1'\]$"):
+        framework.initialize(torch.nn.Linear(3, 1), lambda m, mb: m(mb[0]).sum(), overrides="optimizer.lr=0.1")
 
 
 def test_eval_step_takes_any_iterable_of_micro_batches():

@@ -483,6 +483,10 @@ def test_a_loss_fn_returning_anything_but_a_0_dim_floating_tensor_is_refused_in_
             engine.train_step(engine.state, Batch(((x, y),)))
         assert engine.eval_step(engine.state, [(x, y)]) == pytest.approx(ref_loss.item(), rel=RTOL)
         choice["fn"] = mse
+        for mode in (torch.no_grad, torch.inference_mode):   # the caller's, not loss_fn's: said so
+            with pytest.raises(framework.TrainingError, match=r"^train_step: called under torch\.no_grad\(\) or "
+                                                              r"torch\.inference_mode\(\)"), mode():
+                engine.train_step(engine.state, Batch(((x, y),)))
         assert engine.state.step == 0
         state, m = engine.train_step(engine.state, Batch(((x, y),)))   # nothing of the refused steps is left
         assert state.step == 1 and m["loss"] == pytest.approx(ref_loss.item(), rel=RTOL)
