@@ -64,6 +64,17 @@ def _one_thread():
 
 
 @pytest.fixture(autouse=True)
+def _threads_kept():
+    # torch's intra-op thread count changes the bits of bf16 kernels (a sum split otherwise): a test that left
+    # it changed would make a later bitwise comparison in the same worker fail by the order the files ran in.
+    import torch
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
 def _sigint_kept():
     # A test that changes SIGINT's handler and leaves it so (ignored, as a rank's signal block leaves it, or
     # Python's own where the suite was started in the background with SIGINT ignored) makes a later Ctrl-C

@@ -11,6 +11,8 @@
   gradient norms.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -45,10 +47,13 @@ HOOKS = {"ddp": ["stage.bucket_size=700"],
          "zero3": ["stage.stage3_param_persistence_threshold=0"]}
 
 
+@functools.lru_cache(maxsize=None)
 def _reference_masters(world):
-    """Plain PyTorch: bf16 parameters, each micro batch's bf16 gradients summed in fp32 over the
-    global batch, SGD on fp32 masters, masters cast back to bf16. The same for every stage and
-    accumulation dtype (none of their overrides touches the model, data, batch or SGD)."""
+    """Plain PyTorch: bf16 parameters, each micro batch's bf16 gradients summed in fp32 over the global batch,
+    SGD on fp32 masters, masters cast back to bf16. The same for every stage and accumulation dtype (none of
+    their overrides touches the model, data, batch or SGD). Made once per world in the process that compares
+    with it (a rank of the engine): bitwise equality needs the same process settings for both, and the test
+    process's depend on which test files shared it before (1.4e-4 apart once)."""
     cfg = tiny_config(*ACCUM)
     ref, data = build_gpt(cfg)
     named = dict(ref.named_parameters())
@@ -72,22 +77,10 @@ def _reference_masters(world):
     return master
 
 
-@pytest.fixture(scope="module")
-def reference_masters():
-    """``_reference_masters(world)``, computed once per world in this process (a rank would repeat it for
-    every stage, dtype and rank: most of these tests' work)."""
-    made = {}
-
-    def get(world):
-        if world not in made:
-            made[world] = _reference_masters(world)
-        return made[world]
-    return get
-
-
-def _accumulate(dist, stage, accum_dtype, extra, ref):
-    """(squared error against the reference masters ``ref``, squared size of the reference's update) over the
-    master elements this rank holds."""
+def _accumulate(dist, stage, accum_dtype, extra):
+    """(squared error against the reference masters, squared size of the reference's update) over the master
+    elements this rank holds."""
+    ref = _reference_masters(dist.world)
     cfg = tiny_config(*ACCUM, f"+stage={stage}", f"precision.grad_accum_dtype={accum_dtype}", *extra)
     module, data = build_gpt(cfg)
     initial = {k: p.detach().to(torch.bfloat16).float() for k, p in module.named_parameters()}
@@ -109,14 +102,14 @@ def _accumulate(dist, stage, accum_dtype, extra, ref):
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("stage", STAGES)
-def test_fp32_grad_accumulation_matches_fp32_reference(pools, reference_masters, world, stage):
+def test_fp32_grad_accumulation_matches_fp32_reference(pools, world, stage):
     extra = ["precision.reduce_fp32=true", *HOOKS[stage]] if world == 2 else []
     runs = {"fp32": ("fp32", extra), "bf16": ("bf16", extra)}
     if world == 2:   # the default: the fp32 sums cast to bf16 for the reduction
         runs["fp32 bf16-wire"] = ("fp32", HOOKS[stage])
     rel = {}
     for name, (dtype, overrides) in runs.items():
-        per_rank = _on(pools, world, _accumulate, stage, dtype, overrides, reference_masters(world))
+        per_rank = _on(pools, world, _accumulate, stage, dtype, overrides)
         rel[name] = (sum(e for e, _ in per_rank) / sum(s for _, s in per_rank)) ** 0.5
     # Relative error of the masters' total update after 2 steps of 8 micro batches (the second step
     # starts from sums the first left: an accumulator not cleared shows there). Measured: fp32 0
