@@ -198,13 +198,14 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if not nproc and ("gpus_per_node" in own or "nodes" in own):
             # The world sizes a ds_config's batch triple (and its checks) as dist.nproc does for training.
             overrides = [*overrides, f"dist.nproc={gpus * nodes}"]
-        both = bool(nproc) and ("gpus_per_node" in own or "nodes" in own)
-        conflict = ConfigError(f"estimate: {nproc[-1] if nproc else ''} conflicts with gpus_per_node=/nodes= (a world "
-                               f"of {gpus * nodes}); give one of them")
-        if both and _number(nproc[-1]) not in (None, gpus * nodes):   # before what that world would refuse
+        conflict = ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of "
+                               f"{gpus * nodes}); give one of them") if nproc and ("gpus_per_node" in own or "nodes" in own) \
+            else None
+        if conflict and _number(nproc[-1]) not in (None, gpus * nodes):   # before what that world would refuse
             raise conflict
-        module, cfg, hf, source = resolve_model(own["model"], overrides, _count(own, "context", HFConfig.context))
-        if both and cfg.dist.nproc != gpus * nodes:   # (its value composed: quoted, interpolated or deleted)
+        hf_context = _count(own, "context", HFConfig.context)   # a Hugging Face model's: by default training's
+        module, cfg, hf, source = resolve_model(own["model"], overrides, hf_context)
+        if conflict and cfg.dist.nproc != gpus * nodes:   # (its value composed: quoted, interpolated or deleted)
             raise conflict
         if "gpus_per_node" not in own and "nodes" not in own:
             gpus = cfg.dist.nproc   # the tables for the world the prediction below is for (one node)
@@ -283,7 +284,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if hf:
             conf = getattr(module, "config", None)
             limit = getattr(conf, "n_positions", None) or getattr(conf, "max_position_embeddings", None)
-            context = _count(own, "context", HFConfig.context)   # by default training's model.context
+            context = hf_context
             if limit is not None and context > limit:   # as framework.train refuses it
                 default = "" if "context" in own else " (training's default model.context)"
                 raise ConfigError(f"estimate: context={context}{default} exceeds the model's max_position_embeddings "
