@@ -58,6 +58,7 @@ if __package__ in (None, ""):  # run as a file path: make ``bench`` importable
 import torch  # noqa: E402
 
 from bench._common import time_steps  # noqa: E402
+from framework.core.utils import plain_text  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 LIST_LEN = 100
@@ -290,7 +291,7 @@ def table(results: list[dict], sizes: list[int]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=plain_text(__doc__.splitlines()[0]))
     parser.add_argument("--sizes", default="10e6,100e6", help="params per step, comma separated")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),

@@ -8,6 +8,7 @@ from typing import Callable
 from framework.config import GROUPS, ROOT_KEYS
 from framework.core.errors import ConfigError, FrameworkError, say
 from framework.core.registry import closest_hint
+from framework.core.utils import plain_text
 
 
 def fail(error: object, code: int) -> int:
@@ -23,13 +24,13 @@ def override_key(override: str) -> str:
 
 def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: dict,
                 body: Callable[[dict[str, str], list[str], dict], None]) -> int:
-    """A ``key=value`` command's frame: ``-h``/``--help`` prints ``doc``; ``body(own, overrides, flags)``
+    """A ``key=value`` command's frame: ``-h``/``--help`` prints ``doc`` as plain text; ``body(own, overrides, flags)``
     gets the arguments whose key is in ``own_keys``, the rest as Hydra overrides, and the ``--name``
     flags (a flag whose default is an int takes a whole number >= 1); a ``FrameworkError`` is one
     ``error:`` line on stderr and exit code 2; otherwise 0."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
-        print(doc)
+        print(plain_text(doc))
         return 0
     try:
         own, overrides, flags = {}, [], dict(flags)

@@ -15,12 +15,13 @@ import argparse
 
 from framework.cli import fail
 from framework.core.errors import FrameworkError
+from framework.core.utils import plain_text
 from framework.persist.export import export
 from framework.precision import DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framework.export", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m framework.export", description=plain_text(__doc__.split("\n\n")[0]))
     p.add_argument("checkpoint", help="a checkpoint step folder, or the checkpoint directory (its 'latest')")
     p.add_argument("--to", required=True, dest="out", help="output folder")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")

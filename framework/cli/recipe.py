@@ -31,6 +31,7 @@ from framework.core import files
 from framework.core.errors import DataError, FrameworkError
 from framework.core.paths import PACKAGE_DIR, REPO_ROOT
 from framework.core.registry import closest_hint
+from framework.core.utils import plain_text
 from framework.cli import fail, override_key, report
 from framework.cli.checks import RecipeError, evaluate, validate_checks
 from framework.config.schema import get_key
@@ -325,7 +326,7 @@ def finish(recipe: Recipe, out: Path, *, quick: bool | None, elapsed_s: float | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m framework.recipe", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m framework.recipe", description=plain_text(__doc__.split("\n\n")[0]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", nargs="?", help="recipe name (recipes/<name>) or folder")
     ap.add_argument("args", nargs="*", help="[prepare|check DIR] then key=value overrides")

@@ -28,6 +28,11 @@ def few(items, n: int = 5, show=repr) -> str:
     return ", ".join(map(show, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
+def plain_text(doc: str) -> str:
+    """A docstring as a terminal prints it (``--help``): without reST's double backticks around literals."""
+    return doc.replace("``", "")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``float32`` for ``torch.float32``: a dtype as files and messages name it."""
     return str(dtype).removeprefix("torch.")

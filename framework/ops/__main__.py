@@ -11,10 +11,11 @@ import sys
 import time
 
 from framework import ops
+from framework.core.utils import plain_text
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m framework.ops", description=__doc__.replace("``", ""),
+    parser = argparse.ArgumentParser(prog="python -m framework.ops", description=plain_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="status", choices=["status", "build"])
     parser.add_argument("--if-needed", action="store_true",

@@ -107,6 +107,11 @@ def test_help_shows_how_to_compose_a_job(forkrun, tmp_path):
     assert p.returncode == 0, p.stderr
     assert all(s in p.stdout for s in ("+stage=zero3", "dist.nproc=2", "--cfg job", " -m ", "stage: ddp, zero1")), p.stdout
     assert "group=option" not in p.stdout and not (tmp_path / "run").exists()
+    # every command's help is terminal text: its docstring's reST literal marks are not printed
+    assert "``" not in p.stdout
+    for module in ("estimate", "plan", "recipe", "export", "report", "ops"):
+        p = forkrun.run(f"framework.{module}", ["--help"], cwd=tmp_path, timeout=60)
+        assert p.returncode == 0 and "python -m framework." in p.stdout and "``" not in p.stdout, (module, p.stdout)
 
 
 @pytest.mark.parametrize("env", [{"WORLD_SIZE": "2x"}, {"LOCAL_WORLD_SIZE": "x"},
