@@ -107,7 +107,7 @@ class Engine(contextlib.AbstractContextManager):
         self.check_unedited("eval_step")
         if (bare := one_micro_batch(batches, kinds=(tuple,))) is not None:   # (a list of tensors: tensor micro batches)
             raise DataError(f"eval_step: batches is one micro batch ({bare}), not micro batches: pass a list of "
-                            f"them ([(x, y)] for one)")
+                            f"them ([(x, y)] for one, [x] for one tensor x)")
         batches = [batches] if isinstance(batches, Batch) else list(batches)   # a generator: read once, counted
         if any(isinstance(b, Batch) for b in batches):
             raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")

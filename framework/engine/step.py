@@ -50,11 +50,12 @@ def build_train_step(c: Components, applying: Callable[[int], None]
     warned = False   # about a float16 loss under loss scaling: once per engine
 
     def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
-        if (bare := one_micro_batch(batch)) is not None:   # iterated, each of its tensors or keys would be a micro batch
-            raise DataError(f"train_step: the batch is one micro batch ({bare}), not an iterable of micro batches: "
-                            f"pass Batch(((x, y),)) for one (x, y) micro batch (Batch((x1, x2)) when each tensor "
-                            f"is a micro batch)")
         micro, position = (batch.micro, batch.position) if isinstance(batch, Batch) else (batch, None)
+        # iterated, each of its tensors, keys or rows would be a micro batch (in a Batch: a tensor's rows, a dict's keys)
+        if (bare := one_micro_batch(micro, () if isinstance(batch, Batch) else (tuple, list))) is not None:
+            raise DataError(f"train_step: the batch is one micro batch ({bare}), not an iterable of micro batches: "
+                            f"pass Batch(((x, y),)) for one (x, y) micro batch, Batch((x,)) for one tensor x "
+                            f"(Batch((x1, x2)) when each tensor is a micro batch)")
         if not isinstance(batch, Batch) or not isinstance(micro, tuple):   # any iterable (a generator: read once)
             try:
                 batch = Batch(tuple(micro), position)
@@ -132,8 +133,10 @@ def build_train_step(c: Components, applying: Callable[[int], None]
 
 
 def one_micro_batch(batch: Any, kinds: tuple[type, ...] = (tuple, list)) -> str | None:
-    """What ``batch`` is when it looks like one micro batch where micro batches go (a dict, or one of ``kinds``
-    holding two or more tensors only), else None."""
+    """What ``batch`` is when it looks like one micro batch where micro batches go (a tensor, a dict, or one of
+    ``kinds`` holding two or more tensors only), else None."""
+    if isinstance(batch, torch.Tensor):
+        return f"a tensor of shape {list(batch.shape)}"
     if isinstance(batch, Mapping):
         return "a dict"
     if isinstance(batch, kinds) and len(batch) > 1 and all(isinstance(t, torch.Tensor) for t in batch):

@@ -247,8 +247,9 @@ def test_sq_norm_small_cases_and_device_path():
 
 def test_batch_of_another_length_than_grad_accum_or_empty_is_refused_before_any_work():
     # A DeepSpeed config's accumulation (train_batch_size 32 = micro 8 x accum 4) must not be dropped
-    # by a one-micro-batch Batch; empty input divides by 0. A bare (x, y) (or a dict) is one micro batch,
-    # whatever its length: iterated, each tensor (or key) would be a loss_fn call.
+    # by a one-micro-batch Batch; empty input divides by 0. A bare (x, y) (or a dict, or a tensor) is one micro
+    # batch, whatever its length: iterated, each tensor (or key, or row) would be a loss_fn call; so are a
+    # tensor and a dict given to Batch (a tuple of tensors there is that many tensor micro batches).
     ds = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW"}}
     torch.manual_seed(0)
     engine = framework.initialize(TwoLayer(), mse, ds_config=ds)
@@ -259,13 +260,15 @@ def test_batch_of_another_length_than_grad_accum_or_empty_is_refused_before_any_
         with pytest.raises(framework.DataError, match=rf"{n} micro batches but train.grad_accum=4"):
             engine.train_step(state, batch)
     for bare, what in (((x, y, x, y), r"a tuple of 4 tensors"), ([x, y], "a list of 2 tensors"),
-                       ({"x": x, "y": y, "a": x, "b": y}, "a dict")):
+                       ({"x": x, "y": y, "a": x, "b": y}, "a dict"), (torch.ones(4, 5), r"a tensor of shape \[4, 5\]"),
+                       (Batch(torch.ones(4, 5)), r"a tensor of shape \[4, 5\]"), (Batch(dict.fromkeys("abcd", x)), "a dict")):
         with pytest.raises(framework.DataError, match=rf"^train_step: the batch is one micro batch \({what}\), .*"
-                                                      rf"pass Batch\(\(\(x, y\),\)\)"):
+                                                      rf"pass Batch\(\(\(x, y\),\)\) .*, Batch\(\(x,\)\) for one tensor x"):
             engine.train_step(state, bare)
-    for bare, what in (((x, y), "a tuple of 2 tensors"), ({"x": x, "y": y}, "a dict")):
+    for bare, what in (((x, y), "a tuple of 2 tensors"), ({"x": x, "y": y}, "a dict"),
+                       (x, r"a tensor of shape \[8, 5\]")):
         with pytest.raises(framework.DataError, match=rf"^eval_step: batches is one micro batch \({what}\), .*"
-                                                      rf"\[\(x, y\)\] for one"):
+                                                      rf"\[\(x, y\)\] for one, \[x\] for one tensor x"):
             engine.eval_step(state, bare)
     assert engine.state is state and state.step == 0 and engine.device == torch.device("cpu")
     with pytest.raises(framework.DataError, match="eval_step: no batches"):
