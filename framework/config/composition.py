@@ -221,7 +221,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
             set_by_yaml = "warmup_num_steps" in (composer(kept)[0].get("scheduler") or {})
         warmup = (int(node.get("warmup_num_steps", node.get("warmup_steps")) or 0), set_by_yaml)
     facts = dsconfig.RunFacts(world=world, hidden_size=hidden_size, value=values.__getitem__,
-                              cli_keys=frozenset(cli.keys), cli_choices=dict(cli.choices), warmup=warmup)
+                              cli_keys=frozenset(cli.keys), cli_choices=dict(cli.choices), warmup=warmup,
+                              cli_deleted=cli.deleted)
     resolved = dsconfig.resolve(t, facts)
     # The DeepSpeed layer goes under the command line: set wherever the command line does not set or delete.
     for key, value in resolved.values.items():

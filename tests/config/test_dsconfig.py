@@ -645,10 +645,11 @@ def test_a_static_loss_scale_leaves_the_dynamic_keys_inert():
     # leaves them inert
     ds = {"fp16": {"enabled": True, "loss_scale": 128, "initial_scale_power": 8, "loss_scale_window": 50,
                    "hysteresis": 4}}
-    cfg = framework.compose(["precision.loss_scale=0"], ds_config=ds)
-    p = cfg.precision
-    assert (p.loss_scale, p.initial_scale_power, p.loss_scale_window, p.hysteresis) == (0, 8, 50, 4)
-    assert not any("static" in n for n in cfg.notices), cfg.notices
+    for dynamic in ("precision.loss_scale=0", "~precision.loss_scale"):   # deleted: the run's own (dynamic) scale
+        cfg = framework.compose([dynamic], ds_config=ds)
+        p = cfg.precision
+        assert (p.loss_scale, p.initial_scale_power, p.loss_scale_window, p.hysteresis) == (0, 8, 50, 4), dynamic
+        assert not any("static" in n for n in cfg.notices), (dynamic, cfg.notices)
     ds["fp16"]["loss_scale"] = 0
     cfg = framework.compose(["precision.loss_scale=64"], ds_config=ds)
     assert (cfg.precision.loss_scale, cfg.precision.hysteresis) == (64, 2)

@@ -22,6 +22,7 @@ class RunFacts:
     # (the run's own warm-up steps, whether its YAML sets them for the file's scheduler: then a stated
     # warmup_num_steps must match); None: not needed
     warmup: tuple[int, bool] | None = None
+    cli_deleted: frozenset[str] = frozenset()   # keys the command line deletes (~key): the file does not set them
 
 
 @dataclass
@@ -61,8 +62,8 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     fp16_keys = {k.removeprefix("_fp16."): settings.pop(k) for k in [k for k in settings if k.startswith("_fp16.")]}
     inert = [] if precision == "fp16" else [f"{s.ds_key} (the run is {precision})" for s in fp16_keys.values()]
     if precision == "fp16":
-        # the scale the run will have: the command line's over the file's
-        scale = run.value("precision.loss_scale") if "precision.loss_scale" in run.cli_keys else \
+        # the scale the run will have: the command line's (or, deleted there, the run config's) over the file's
+        scale = run.value("precision.loss_scale") if "precision.loss_scale" in run.cli_keys | run.cli_deleted else \
             getattr(fp16_keys.get("loss_scale"), "value", None)
         if isinstance(scale, (int, float)) and scale > 0:
             # a static scale: the dynamic scaler's keys change nothing (their defaults pass as they are)
