@@ -150,11 +150,18 @@ class Gloo(Collectives):
 class Nccl(Collectives):
     """NCCL: tensor all-gather and reduce-scatter on aligned buffers, per-owner reduce otherwise."""
 
+    def __init__(self, dist, ops=tdist):
+        super().__init__(dist, ops)
+        # torch 2.13 renamed the tensor collectives and deprecates the old names (a FutureWarning per call);
+        # older torch has only the old ones.
+        self._all_gather = getattr(ops, "all_gather_single", None) or ops.all_gather_into_tensor
+        self._reduce_scatter = getattr(ops, "reduce_scatter_single", None) or ops.reduce_scatter_tensor
+
     def all_gather_into(self, full, shard, what, chunk=None):
         # In place (the input is this rank's chunk of the output): one call, no staging buffer. The
         # chunk bound is not needed here: an in-place all-gather allocates nothing.
         mine = full[self.rank * shard:(self.rank + 1) * shard]
-        return Pending([self._go(what, self.ops.all_gather_into_tensor, full, mine)])
+        return Pending([self._go(what, self._all_gather, full, mine)])
 
     def reduce_scatter(self, chunks, what):
         c, n = chunks[0], chunks[0].numel()
@@ -170,7 +177,7 @@ class Nccl(Collectives):
     def _reduce_scatter_in_place(self, buf: Tensor, what: str) -> Pending:
         n = buf.numel() // self.world
         # In place: NCCL reduce-scatters in place when the output is the input's chunk ``rank``.
-        return Pending([self._go(what, self.ops.reduce_scatter_tensor, buf[self.rank * n:(self.rank + 1) * n], buf,
+        return Pending([self._go(what, self._reduce_scatter, buf[self.rank * n:(self.rank + 1) * n], buf,
                                  op=SUM)])
 
     def reduce_to_owners(self, buf, start, shard, what):

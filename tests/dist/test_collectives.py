@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -167,6 +168,9 @@ class FakeOps:
         output.copy_(self._sum([p[self.rank * n:(self.rank + 1) * n] for p in parts], op))
         return _Done()
 
+    if hasattr(torch.distributed, "all_gather_single"):   # torch 2.13's names for the same two (Nccl prefers them)
+        all_gather_single, reduce_scatter_single = all_gather_into_tensor, reduce_scatter_tensor
+
     def reduce(self, tensor, dst, op=torch.distributed.ReduceOp.SUM, async_op=False):
         assert tensor.is_contiguous()
         self._log("reduce", tensor.numel(), dst)
@@ -251,6 +255,20 @@ def test_gloo_paths_by_world():
     assert rec[0] == [("reduce", 7, 1), ("reduce", 3, 2)]
     _, rec, _ = _threads(2, lambda c: c.all_gather_into(torch.zeros(16), 8, "g", chunk=5), "gloo")
     assert rec[0] == [("broadcast", 5, 0), ("broadcast", 3, 0), ("broadcast", 5, 1), ("broadcast", 3, 1)]
+
+
+def test_nccl_calls_no_deprecated_collective(tmp_path):
+    # The Nccl object over a real world-1 gloo group: on torch 2.13 the old tensor collectives warn on every
+    # call (twice per rank and step in a zero run) and are going away.
+    tdist = torch.distributed
+    assert not tdist.is_initialized()
+    tdist.init_process_group("gloo", store=tdist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            assert contract(Nccl(Dist(0, 1, 0, torch.device("cpu"), "nccl", 5.0))) == []
+    finally:
+        tdist.destroy_process_group()
 
 
 def test_world_one_is_local_and_free():
