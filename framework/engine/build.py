@@ -51,6 +51,7 @@ class Engine(contextlib.AbstractContextManager):
         self._half_applied: int | None = None   # the step whose update did not finish, if any
         self._loading: str | None = None   # the load writing into the state (``start_load``) until ``finish_load``
         self._before: str | None = None    # the mark that load replaced (an earlier one that failed)
+        self._stepping: str | None = None  # the step running user code (loss_fn), which close() must not end
         me = weakref.ref(self)   # (a strong one would be a cycle: a dropped engine kept alive until the GC runs)
         self._train_step = build_train_step(components, applying=lambda step: setattr(me(), "_half_applied", step))
         self.closed = False
@@ -76,9 +77,11 @@ class Engine(contextlib.AbstractContextManager):
                                 "backward pass has no graph: call it outside those blocks")
         self.check_trainable("train_step")
         self.check_unedited("train_step")
+        self._stepping = "train_step"
         try:
             state, metrics = self._train_step(state, batch)
         finally:
+            self._stepping = None
             self.components.stage.settle()
         self._state = state
         self._half_applied = None   # (set once the update began: an exception before here keeps it)
@@ -119,11 +122,13 @@ class Engine(contextlib.AbstractContextManager):
         c.module.eval()
         # [loss sum, batch count], all-reduced together: ranks with different numbers of batches agree on the mean
         total = torch.tensor([0.0, len(batches)], dtype=torch.float32, device=c.dist.device)
+        self._stepping = "eval_step"
         try:
             for b in batches:
                 with torch.no_grad(), c.stage.forward_pass(train=False):
                     total[0] += checked_loss(c.loss_fn(c.module, b)).float()
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
+            self._stepping = None
             c.module.train(was_training)
             c.stage.settle()
         c.stage.read_errors()   # a failed shard read gave zeros: every rank raises, none reports that loss
@@ -179,6 +184,8 @@ class Engine(contextlib.AbstractContextManager):
                                  f"may hold the half-applied update)")
 
     def close(self) -> None:
+        if self._stepping is not None:   # (its hooks, worker and buffers are in use until it returns)
+            raise FrameworkError(f"close() called inside {self._stepping}; close after it returns")
         if not self.closed:
             self.closed = True
             for _, p, trains in self._trainable:   # another initialize may take its parameters now

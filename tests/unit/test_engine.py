@@ -112,6 +112,34 @@ def test_close_stops_the_worker_and_removes_hooks(overrides):
                 module.state_dict()   # (its values would be views of reused gather buffers)
 
 
+@pytest.mark.parametrize("overrides", [["+stage=zero1"], ["+stage=zero2", "offload=cpu"]])
+def test_close_inside_a_step_is_refused_in_one_line_and_the_engine_trains_on(overrides):
+    # Every tier alike: under offload=cpu it used to end in the worker pool's raw "cannot schedule new futures
+    # after shutdown"; without offload the step finished on a closed engine.
+    before, closing = _ours(), []
+
+    def loss(m, mb):
+        if closing:
+            closing.pop()()   # on the 2nd micro batch of the step, or in eval_step
+        return gpt_loss(m, mb)
+
+    cfg = tiny_config("train.steps=2", "train.micro_batch=2", "train.grad_accum=2", *overrides)
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, loss, cfg) as engine:
+        batch = data.train_batch(engine.state.data, micro_batch=2, grad_accum=2, rank=0, world=1)
+        closing.append(lambda: closing.append(engine.close))
+        with pytest.raises(framework.FrameworkError, match=r"^close\(\) called inside train_step; close after it "
+                                                            r"returns$"):
+            engine.train_step(engine.state, batch)
+        closing.append(engine.close)
+        with pytest.raises(framework.FrameworkError, match=r"^close\(\) called inside eval_step; close after"):
+            engine.eval_step(engine.state, batch.micro)
+        assert not engine.closed
+        state, _ = engine.train_step(engine.state, batch)
+        assert state.step == 1
+    assert engine.closed and _ours() == before
+
+
 def test_zero_init_takes_a_module_with_an_initialiser_and_refuses_a_plain_one_in_one_line():
     # As framework's docstring says: not any module; a plain one built on meta names the fix.
     assert "refuses any other module" in " ".join(framework.__doc__.split())
