@@ -304,6 +304,6 @@ def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, 
     lines += [f"{i + 1:3d}  {p.cand.label():52s} {p.time['total']:8.3f} {p.device_peak / GiB:9.2f}Gi "
               f"{p.host / GiB:8.2f}Gi" for i, p in enumerate(fitting[:top])]
     lines.append(f"({len(fitting)} of {len(planned)} setups fit"
-                 + (f"; e.g. not: {planned[-1].cand.label().split('  ')[0]} ({planned[-1].why})"
+                 + (f"; e.g. not: {' '.join(planned[-1].cand.label().split())} ({planned[-1].why})"
                     if len(fitting) < len(planned) else "") + ")")
     return "\n".join(lines)

@@ -77,12 +77,14 @@ def detect(own: dict[str, str], disk: str | os.PathLike | None = None) -> Hardwa
         cpu = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     nvme = parse_bytes(own["nvme"]) if "nvme" in own else free_bytes(disk or os.getcwd())
     for key, value, least in (("gpu_mem", gpu, 1), ("cpu_mem", cpu, 1), ("nvme", nvme, 0)):   # nvme=0: no disk
-        if key in own and value < least:
-            raise ConfigError(f"plan: {key}={own[key]} must be {'> 0' if least else '>= 0'}")
-        # A plain number is bytes; one too small for any setup is a size whose unit was left out.
-        if key in own and 0 < value < units.MiB and not any(c.isalpha() and c not in "eE" for c in own[key]):
-            n = own[key].strip()
+        if key not in own:
+            continue
+        # A plain number is bytes; one too small for any setup (0.5 too: 0 bytes) is a size whose unit was left out.
+        n = own[key].strip()
+        if not any(c.isalpha() and c not in "eE" for c in n) and 0 < float(n) < units.MiB:
             raise ConfigError(f"plan: {key}={n} is {value} bytes; write {n}G (GiB) or {n}GB")
+        if value < least:
+            raise ConfigError(f"plan: {key}={own[key]} must be {'> 0' if least else '>= 0'}")
     ranks = parse_count(own["ranks"], "ranks") if "ranks" in own else (torch.cuda.device_count() if cuda else 1)
     if ranks < 1:
         raise ConfigError("plan: ranks must be >= 1")

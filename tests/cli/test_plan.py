@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -285,6 +286,8 @@ def test_steps_is_checked_and_needs_verify(capsys):
     (["gpu_mem=80"], "plan: gpu_mem=80 is 80 bytes; write 80G (GiB) or 80GB"),
     (["cpu_mem=512"], "plan: cpu_mem=512 is 512 bytes; write 512G (GiB) or 512GB"),
     (["nvme=2"], "plan: nvme=2 is 2 bytes; write 2G (GiB) or 2GB"),
+    (["nvme=0.5"], "plan: nvme=0.5 is 0 bytes; write 0.5G (GiB) or 0.5GB"),   # a fraction too, not "no disk"
+    (["gpu_mem=0.5"], "plan: gpu_mem=0.5 is 0 bytes; write 0.5G (GiB) or 0.5GB"),
     (["--top", "-1"], "plan: --top needs a whole number >= 1, got -1"),
     (["--top", "0"], "plan: --top needs a whole number >= 1, got 0"),
     (["--verify", "0"], "plan: --verify needs a whole number >= 1, got 0"),
@@ -516,3 +519,13 @@ def test_when_nothing_fits_the_closest_setup_is_one_line(capsys, monkeypatch):
     assert cli.main(["model=gpt-nano", "gpu_mem=80G", "cpu_mem=2M", "ranks=1", "stages=ddp,zero3",
                      "micro_batches=1"]) == 2   # every rank's process
     assert "> 2.00 MiB (2097152 bytes)" in capsys.readouterr().err
+
+
+def test_the_summary_names_a_setup_that_does_not_fit_whole(capsys, monkeypatch):
+    """The "(N of M setups fit; e.g. not: ...)" line names one whole setup: its stage, offload, batch and
+    checkpointing (a cut at a padding space left "zero3 cpu+params micro" or "ddp")."""
+    cli = _quiet_probe(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["model=gpt-nano", "micro_batches=1,16", "stages=ddp,zero3", "ranks=1", "cpu_mem=40M"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"setups fit; e\.g\. not: \w+ [\w+]+ micro \d+ x accum \d+ ckpt (yes|no) \(", out), out
