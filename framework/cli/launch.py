@@ -9,14 +9,11 @@ from __future__ import annotations
 import _thread
 import atexit
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -199,29 +196,12 @@ def own_checkpoint_dir(root: Path) -> int:
 
 
 def _own(lock: Path, busy: Callable[[str], str], undetected: str) -> int:
-    """A descriptor holding an exclusive ``flock`` on ``lock`` (this process's id written in it) while open;
-    FrameworkError ``busy(" (pid N on host H)")`` where another holds it; a note where locks are unsupported."""
+    """``files.lock``, a lock file it cannot open or write as one line."""
     try:
-        fd = files.open_nofollow(lock, os.O_RDWR | os.O_CREAT)
+        return files.lock(lock, busy, undetected)
     except OSError as e:   # a folder in its place, another user's lock file
         raise ConfigError(f"cannot open {lock} to lock its folder ({e.strerror or e}): remove it, or give this run "
                           "another folder") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 200).decode(errors="replace").strip()
-        os.close(fd)
-        raise FrameworkError(busy(f" ({holder})" if holder.isprintable() and holder else "")) from None
-    except OSError as e:   # a file system without flock (Lustre without -o flock, NFS without lockd): run unlocked
-        if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
-            os.close(fd)
-            raise
-        print(f"note: {lock.parent}'s file system cannot lock {lock.name} ({os.strerror(e.errno)}): {undetected} "
-              f"is not detected", file=sys.stderr, flush=True)
-        return fd
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    return fd
 
 
 def _remove_stray_sweep(sweep_dir: Path | None, rank0_run: Path) -> None:

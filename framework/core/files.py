@@ -5,6 +5,7 @@
     make_dirs(folder)                              # missing folders made 0700 (parents too)
     fd = open_nofollow(folder / "x", os.O_RDONLY)  # an existing file, never through a link
     write_at(fd, values, offset)                   # a host tensor's bytes at a byte offset (read_into: back)
+    fd = lock(folder / "x.lock", busy, what)       # an exclusive flock, held while fd is open
 
 In a folder others may write to (a shared scratch disk) a planted link would make a plain ``open``
 overwrite its target: every open here refuses a link in the final component (``UnsafePathError``).
@@ -14,14 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import socket
 import stat
+import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from framework.core.errors import UnsafePathError
+from framework.core.errors import FrameworkError, UnsafePathError
 
 PRIVATE_FILE = 0o600
 PRIVATE_DIR = 0o700
@@ -142,6 +147,37 @@ def make_dirs(path: os.PathLike | str) -> None:
         if path.parent != path:
             make_dirs(path.parent)
         make_dir(path)
+
+
+def lock(path: os.PathLike | str, busy: Callable[[str], str], undetected: str) -> int:
+    """A descriptor holding an exclusive ``flock`` on ``path`` (made if missing, this process's id written in it)
+    while open; FrameworkError ``busy(" (pid N on host H)")`` where another process holds it; a note where the
+    file system cannot lock (``undetected``: what then goes unnoticed). A holder may remove the file before it
+    closes the descriptor: a lock taken on a file so removed is taken again on the one now there."""
+    while True:
+        fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip()
+            os.close(fd)
+            raise FrameworkError(busy(f" ({holder})" if holder.isprintable() and holder else "")) from None
+        except OSError as e:   # a file system without flock (Lustre without -o flock, NFS without lockd): unlocked
+            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                os.close(fd)
+                raise
+            print(f"note: {Path(path).parent}'s file system cannot lock {Path(path).name} "
+                  f"({os.strerror(e.errno)}): {undetected} is not detected", file=sys.stderr, flush=True)
+            return fd
+        try:
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    return fd
 
 
 def probe_writable(folder: os.PathLike | str) -> None:

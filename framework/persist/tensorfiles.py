@@ -242,6 +242,7 @@ def output_dir(out_dir: str | os.PathLike, dtype: torch.dtype | None, what: str)
 
 
 _OUTPUT = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+LOCK = ".save.lock"   # a save's while it writes the folder (no output name: passed over by scans and clean-up)
 
 
 def is_output(name: str) -> bool:
@@ -249,29 +250,38 @@ def is_output(name: str) -> bool:
     return name == INDEX or _OUTPUT.fullmatch(name) is not None
 
 
-def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_weights") -> None:
-    """Each planned file as ``<name>.tmp`` at its final size with its header (the data a hole the writers fill);
-    an earlier save's outputs stay until ``finish_files``. Refused: a folder in a committed checkpoint step, and
-    (OSError ENOSPC) a file system without room. On any error the ``.tmp`` files made are removed."""
+@contextlib.contextmanager
+def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_weights"):
+    """While held: each planned file as ``<name>.tmp`` at its final size with its header (the data a hole the
+    writers fill), the folder locked (``LOCK``) against another save, which would remove or rename these files; an
+    earlier save's outputs stay until ``finish_files``. Refused: a folder in a committed checkpoint step, one another
+    save is writing, and (OSError ENOSPC) a file system without room. On leaving, the ``.tmp`` files still there (a
+    failed save's) and the lock file are removed."""
     with _writing(out_dir, plans, what):
         step = stepfolders.committed_step(out_dir)
         if step is not None:
             raise ConfigError(f"{what}: {out_dir} is in the committed checkpoint {step}: writing there would make it "
                               f"differ from its {stepfolders.MANIFEST}; choose a folder outside the checkpoint")
         files.make_dirs(out_dir)
-        remove_tmp(out_dir)   # an interrupted save's
-        need, free = sum(p.size for p in plans), free_bytes(out_dir)
-        if need > free:
-            raise OSError(errno.ENOSPC, f"no room: the files need {size(need)} but the file system has "
-                                        f"{size(free)} free", str(out_dir))
-        try:
+        fd = files.lock(out_dir / LOCK, lambda holder: f"{what}: {out_dir} is being written by another save{holder}: "
+                        "wait for it to end or choose another output folder", "a second save into this folder")
+    try:
+        with _writing(out_dir, plans, what):
+            remove_tmp(out_dir)   # an interrupted save's
+            need, free = sum(p.size for p in plans), free_bytes(out_dir)
+            if need > free:
+                raise OSError(errno.ENOSPC, f"no room: the files need {size(need)} but the file system has "
+                                            f"{size(free)} free", str(out_dir))
             for plan in plans:
                 with os.fdopen(files.create_new(out_dir / (plan.name + ".tmp")), "wb") as f:
                     f.write(plan.header)
                     f.truncate(plan.size)
-        except BaseException:
-            remove_tmp(out_dir)
-            raise
+        yield
+    finally:
+        remove_tmp(out_dir)
+        with contextlib.suppress(OSError):   # (removed while locked: the next save locks a file of its own)
+            os.unlink(out_dir / LOCK)
+        os.close(fd)
 
 
 def remove_tmp(out_dir: Path) -> None:
@@ -323,14 +333,11 @@ def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype
             write(writer)
             return writer.finish()
 
-    try:
-        phase(lambda: create_files(out_dir, plans, what) if main else None, "create files")
+    # rank 0's .tmp files and lock, removed on leaving (every rank is past its writes: ``agree`` exchanged the outcomes)
+    with contextlib.ExitStack() as held:
+        phase(lambda: held.enter_context(create_files(out_dir, plans, what)) if main else None, "create files")
         counts = phase(fill, "write")
         phase(lambda: finish_files(out_dir, plans, what) if main else None, "finish files")
-    except BaseException:
-        if main:   # (every rank is past its writes: ``agree`` exchanged the outcomes)
-            remove_tmp(out_dir)
-        raise
     everyone = [counts] if dist is None else dist.all_gather_object(
         counts, what=f"{what}: overflow count, non-finite names")
     if main:

@@ -230,6 +230,35 @@ def test_a_failed_export_keeps_the_earlier_one_and_names_to(tmp_path, capsys):
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_an_export_into_a_folder_another_export_is_writing_is_refused(tmp_path, capsys):
+    """Two exports into one --to would remove and rename each other's .tmp files, one reporting success over the
+    other's weights: the second is refused in one line naming the holder, the first's files as they were. A lock
+    file a killed export left is no export file (no --overwrite needed) and is taken over."""
+    import socket
+
+    from framework.core import files
+    from framework.persist.tensorfiles import LOCK
+    _checkpoint(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK).write_text("pid 1 on host gone\n")   # a killed export's: held by nobody
+    assert main([str(tmp_path / "ckpt"), "--to", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert list(before) == ["model.safetensors"]
+    fd = files.lock(out / LOCK, str, "")   # another export writing there, its .tmp file beside
+    (out / "model.safetensors.tmp").write_bytes(b"theirs")
+    try:
+        capsys.readouterr()
+        assert main([str(tmp_path / "ckpt"), "--to", str(out), "--overwrite"]) == 1
+        assert capsys.readouterr().err == (f"error: export: {out} is being written by another save (pid {os.getpid()} "
+                                           f"on host {socket.gethostname()}): wait for it to end or choose another "
+                                           "output folder\n")
+        after = {p.name: p.read_bytes() for p in out.iterdir() if p.name != LOCK}
+        assert after == {**before, "model.safetensors.tmp": b"theirs"}
+    finally:
+        os.close(fd)
+
+
 def test_a_read_error_naming_no_file_is_a_read_error(tmp_path, capsys, monkeypatch):
     """A checkpoint read failing with an errno alone (EIO from a dying disk) is said to be a read, never blamed
     on --to (every write error names --to itself)."""

@@ -110,8 +110,8 @@ def test_run_outputs_and_exports_refuse_planted_links(tmp_path):
     out.mkdir()
     plans = plan_files([("w", (2, 2), torch.float32)], "5GB")
     (out / f"{plans[0].name}.tmp").symlink_to(victim)   # removed (a link, never followed) and made anew
-    create_files(out, plans)
-    assert victim.read_text() == "precious" and not (out / f"{plans[0].name}.tmp").is_symlink()
+    with create_files(out, plans):
+        assert victim.read_text() == "precious" and not (out / f"{plans[0].name}.tmp").is_symlink()
 
 
 def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path):

@@ -188,13 +188,14 @@ def test_a_file_system_without_flock_runs_unlocked_with_a_note(tmp_path, monkeyp
     """Lustre without -o flock answers ENOSYS, NFS without lockd ENOLCK: the run goes on (a note says
     a second run is not detected there) instead of every run stopping on a traceback."""
     import errno
+    import fcntl
 
     from framework.cli import launch
 
     def no_flock(fd, op):
         raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
 
-    monkeypatch.setattr(launch.fcntl, "flock", no_flock)
+    monkeypatch.setattr(fcntl, "flock", no_flock)
     os.close(launch.own_run_folder(RunInfo(tmp_path / "run", group=None, name=None)))
     err = capsys.readouterr().err
     assert err.startswith("note: ") and "cannot lock run.lock" in err and err.count("\n") == 1, err

@@ -348,6 +348,30 @@ def test_a_full_disk_names_the_folder_and_keeps_the_earlier_save(tmp_path):
     assert os.listdir(tmp_path / "end") == []
 
 
+def test_a_save_into_a_folder_another_save_is_writing_is_refused(tmp_path):
+    """Two saves (or exports) into one folder would remove and rename each other's .tmp files, leaving one's weights
+    under the other's report: the second is refused in one line naming the holder, the first's files untouched.
+    The lock file goes with the save that made it."""
+    from framework.core import files
+    from framework.persist.tensorfiles import LOCK
+    engine = _engine()
+    out = tmp_path / "out"
+    out.mkdir()
+    fd = files.lock(out / LOCK, str, "")   # another save writing there, its .tmp file beside
+    (out / "model.safetensors.tmp").write_bytes(b"theirs")
+    try:
+        with pytest.raises(framework.FrameworkError, match=rf"^save_weights: {re.escape(str(out))} is being written by "
+                           rf"another save \(pid {os.getpid()} on host .+\): wait for it to end or choose another "
+                           r"output folder$"):
+            save_weights(engine, out)
+        assert sorted(os.listdir(out)) == [LOCK, "model.safetensors.tmp"]
+        assert (out / "model.safetensors.tmp").read_bytes() == b"theirs"
+    finally:
+        os.close(fd)
+    save_weights(engine, out)   # (the .tmp file: an interrupted save's now)
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+
+
 def test_a_folder_in_a_committed_checkpoint_step_is_refused(tmp_path):
     """Writing into a committed step folder (a manifest in it) or a folder in it would make it differ from its
     manifest: refused before anything is written."""
