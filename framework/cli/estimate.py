@@ -74,8 +74,8 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
 
 
 def resolve_model(value: str, overrides: list[str], context: int = HFConfig.context):
-    """(module on meta, composed Config, whether it is a Hugging Face model, where its vocabulary comes
-    from: ``memory.model.build_vocab``) for ``model=value``."""
+    """(module on meta, composed Config, whether it is a Hugging Face model, its vocabulary: {"size", "from"}
+    (``memory.model.build_vocab``)) for ``model=value``."""
     path, models = Path(value), registry("model")
     yaml = path.suffix in (".yaml", ".yml")
     # Not one of conf/'s models, a path (or a Hub name, org/model) is a Hugging Face config.json: one that is not
@@ -101,7 +101,7 @@ def resolve_model(value: str, overrides: list[str], context: int = HFConfig.cont
         cfg = compose(overrides, hidden_size=hidden if isinstance(hidden, int) else None, hidden_from_model=False)
         if hf_causal_lm_class(module.config) is not None:   # one model=hf trains: the data's ids must fit it
             hf_check_vocab(data_vocab(cfg, context), module.config, value)   # (its data at its context)
-        return module, cfg, True, "model"
+        return module, cfg, True, {"size": _vocab_size(module), "from": "model"}
     if yaml:   # a GPT model config in a YAML file (as conf/model/*.yaml), then the model.* overrides
         model = _yaml_model(path, model_keys)
         rest = [o for o in overrides if o not in model_keys]
@@ -110,8 +110,11 @@ def resolve_model(value: str, overrides: list[str], context: int = HFConfig.cont
         models.get(value)   # an unknown name: one line, with how to name a Hugging Face model
         cfg = compose([f"model={value}", *overrides])
     vocab, source = build_vocab(cfg, overrides)
+    if vocab is None and (vocab := getattr(cfg.model, "vocab_size", None)) is None:
+        # A model config that states no vocabulary: the data's, as training builds it.
+        vocab, source = data_vocab(cfg), f"data={cfg.choices['data']}"
     with torch.device("meta"):
-        return component(cfg, "model").build(cfg.model, vocab_size=vocab), cfg, False, source
+        return component(cfg, "model").build(cfg.model, vocab_size=vocab), cfg, False, {"size": vocab, "from": source}
 
 
 def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
@@ -156,12 +159,9 @@ def _text_config(conf):
 
 
 def _vocab_size(module: torch.nn.Module) -> int | None:
-    """Our models' ``cfg.vocab_size``, a Hugging Face config's own or its text part's; None when it states none."""
-    conf = getattr(module, "config", None)
-    if conf is None:
-        return module.cfg.vocab_size
-    size = getattr(conf, "vocab_size", None)
-    return getattr(_text_config(conf), "vocab_size", None) if size is None else size
+    """A Hugging Face model config's ``vocab_size`` or its text part's; None when it states none."""
+    size = getattr(module.config, "vocab_size", None)
+    return getattr(_text_config(module.config), "vocab_size", None) if size is None else size
 
 
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:
@@ -204,7 +204,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if conflict and _number(nproc[-1]) not in (None, gpus * nodes):   # before what that world would refuse
             raise conflict
         hf_context = _count(own, "context", HFConfig.context)   # a Hugging Face model's: by default training's
-        module, cfg, hf, source = resolve_model(own["model"], overrides, hf_context)
+        module, cfg, hf, vocab = resolve_model(own["model"], overrides, hf_context)
         if conflict and cfg.dist.nproc != gpus * nodes:   # (its value composed: quoted, interpolated or deleted)
             raise conflict
         if "gpus_per_node" not in own and "nodes" not in own:
@@ -213,7 +213,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             raise ConfigError(f"estimate: context= sets a Hugging Face model's sequence length; for "
                               f"model={own['model']} use model.context=N")
         params, largest = dataclasses.astuple(count_module(module))
-        out["vocab"] = {"size": _vocab_size(module), "from": source}
+        out["vocab"] = vocab
     elif "params" in own:
         if overrides:
             raise ConfigError(f"estimate: {overrides[0]!r} needs model=... (a per-rank prediction is for a model)")
@@ -314,7 +314,8 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
 
 def format_prediction(cfg, pred, context: int | None = None) -> str:
     c = cfg.choices
-    ckpt = "" if context else f" activation_checkpointing={cfg.model.activation_checkpointing}"
+    ckpt = getattr(cfg.model, "activation_checkpointing", None)   # (a model of its own may have no such key)
+    ckpt = "" if context or ckpt is None else f" activation_checkpointing={ckpt}"
     head = (f"Per rank, ours: stage={c['stage']} offload={c['offload']} precision={c['precision']} "
             f"optimizer={c['optimizer']} world={pred.world} micro_batch={cfg.train.micro_batch} "
             f"context={context or cfg.model.context}{ckpt}")

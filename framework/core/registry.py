@@ -4,7 +4,9 @@ A component is a public module (no leading underscore, not base.py) of the group
 ``COMPONENT = Component(config=<dataclass>, build=<callable>)``, named by its file name (also the YAML
 file name in ``conf/<group>/``); or ``COMPONENTS = {name: Component, ...}`` for several (the model
 sizes, zero1 and zero2). Discovery is read-only: nothing registers itself at import time. A group's package
-may define ``UNKNOWN_HINT``: what an unknown name's error adds (another way to name what was meant).
+may define ``UNKNOWN_HINT``: what an unknown name's error adds (another way to name what was meant), and
+``check_entry(module_name, name, component)``: what its entries need beyond a ``Component`` (the models' loss),
+refused in one line when discovered.
 """
 from __future__ import annotations
 
@@ -94,14 +96,19 @@ def registry(group: str) -> Registry:
         raise ConfigError(f"unknown config group {group!r}{closest_hint(group, GROUPS)}")
     package = importlib.import_module(GROUPS[group])
     entries: dict[str, Component] = {}
+    check = getattr(package, "check_entry", None)
     for info in pkgutil.iter_modules(package.__path__):
         if info.name.startswith("_") or info.name == "base":  # protocols, not components
             continue
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         if hasattr(module, "COMPONENTS"):
-            entries.update(module.COMPONENTS)
+            found = dict(module.COMPONENTS)
         elif hasattr(module, "COMPONENT"):
-            entries[info.name] = module.COMPONENT
+            found = {info.name: module.COMPONENT}
         else:
             raise TypeError(f"{module.__name__} is in a registry package but defines no COMPONENT")
+        for name, component in found.items():
+            if check is not None:
+                check(module.__name__, name, component)
+        entries.update(found)
     return Registry(group, MappingProxyType(entries), getattr(package, "UNKNOWN_HINT", ""))

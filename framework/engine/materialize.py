@@ -37,8 +37,9 @@ class ModuleInit:
         if isinstance(self.module, ParameterInit):
             return self.module.init_parameter(name, t)
         raise ConfigError(f"parameter {name!r} is on the meta device but {self.kind} has no "
-                          f"init_parameter(name, tensor) method to initialise it; build the model on a real "
-                          f"device or add that method")
+                          f"init_parameter(name, tensor) method to initialise it; add that method (the training "
+                          f"command always builds its model on the meta device) or, calling framework.initialize "
+                          f"yourself, build the model on a real device")
 
     def init_buffer(self, name: str, t: torch.Tensor) -> None:
         raise ConfigError(f"buffer {name!r} of {self.kind} is on the meta device; build the model on a real "

@@ -1,5 +1,25 @@
 """Model components (conf group ``model``): ``gpt.py`` registers the GPT presets (sizes in
-``conf/model/<name>.yaml``), ``hf.py`` registers ``hf`` (any Hugging Face causal LM from local files)."""
+``conf/model/<name>.yaml``), ``hf.py`` registers ``hf`` (any Hugging Face causal LM from local files).
+Another model is a module here defining ``COMPONENT = ModelComponent(config=..., build=..., loss=...)``
+(``_base.py``) whose config has a ``context`` field, plus its YAML file: ``check_entry`` refuses any other."""
+import dataclasses
+
+from framework.core.errors import ConfigError
+from framework.models._base import ModelComponent
 
 UNKNOWN_HINT = ("a Hugging Face model is model=hf model.config=path/to/config.json (or its folder; local files: "
                 "nothing is downloaded)")
+
+
+def check_entry(module_name: str, name: str, component) -> None:
+    """What training needs of a model entry beyond a registry ``Component``: its loss, and the sequence length
+    it feeds the model (``model.context``)."""
+    if not isinstance(component, ModelComponent):
+        raise ConfigError(f"model {name!r} ({module_name}) is a {type(component).__name__}, not a ModelComponent, "
+                          f"so training has no loss for it; define it as ModelComponent(config=..., build=..., "
+                          f"loss=loss_fn) (from framework.models._base import ModelComponent)")
+    if not dataclasses.is_dataclass(component.config) or \
+            "context" not in {f.name for f in dataclasses.fields(component.config)}:
+        raise ConfigError(f"model {name!r} ({module_name}): its config {component.config.__name__} has no field "
+                          f"context (the sequence length training feeds the model); add a field context: int to "
+                          f"it (its YAML file may set it)")

@@ -1,5 +1,6 @@
 """Bad input is one ``error:`` line naming the key to fix and a non-zero exit, never a traceback:
 the functions behind each command called directly where they can be."""
+import math
 import os
 import shutil
 import subprocess
@@ -362,3 +363,99 @@ def test_compose_refuses_a_string_and_a_world_below_one():
         with pytest.raises(framework.ConfigError) as e:
             framework.compose(["train.steps=5"], world=world, ds_config={"train_batch_size": 16})
         assert str(e.value) == f"config: world={world}: the number of ranks must be >= 1"
+
+
+OWN_MODEL = '''
+from dataclasses import dataclass
+
+from torch import nn
+
+from framework.core.registry import Component
+from framework.models._base import ModelComponent, next_token_loss
+
+
+@dataclass(kw_only=True)
+class TinyConfig:   # (no vocab_size: the data's)
+    d_model: int = 8
+    {context}
+
+
+class Tiny(nn.Module):
+    def __init__(self, vocab: int, d: int):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+{init}
+
+def loss(module, batch):
+    x, y = batch
+    return next_token_loss(module(x), y)
+
+
+COMPONENT = {kind}(config=TinyConfig, build=lambda cfg, vocab_size=None: Tiny(vocab_size, cfg.d_model){loss})
+'''
+INIT = '''
+    def init_parameter(self, name, t):
+        nn.init.normal_(t, std=0.02)
+'''
+
+
+@pytest.fixture
+def own_model(tmp_path, monkeypatch):
+    """``use(**parts)``: a model ``tiny`` in framework/models/ (a folder of its own added to the package's path)
+    with conf/model/tiny.yaml in a folder on Hydra's search path (returned)."""
+    import framework.models
+    from framework.core.registry import registry
+
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "model" / "tiny.yaml").write_text("d_model: 8\n")
+
+    def use(kind="ModelComponent", context="context: int = 8", init=INIT, loss=", loss=loss"):
+        code = tmp_path / f"models{len(list(tmp_path.glob('models*')))}"
+        code.mkdir()
+        (code / "tiny.py").write_text(OWN_MODEL.format(kind=kind, context=context, init=init, loss=loss))
+        monkeypatch.setattr(framework.models, "__path__", [*framework.models.__path__[:1], str(code)])
+        sys.modules.pop("framework.models.tiny", None)
+        registry.cache_clear()
+        return f"hydra.searchpath=[file://{conf}]"
+
+    yield use
+    sys.modules.pop("framework.models.tiny", None)
+    vars(framework.models).pop("tiny", None)
+    registry.cache_clear()
+
+
+def test_a_model_of_ones_own_is_refused_in_one_line_until_it_has_what_training_needs(own_model, tmp_path, capsys):
+    """A module in framework/models/ plus its YAML file (docs/architecture.md): a plain Component (no loss), a
+    config without context and a module without init_parameter (training builds on meta) are one line each;
+    with all three it trains, and estimate counts it at the data's vocabulary where its config states none."""
+    from framework.cli.estimate import main as estimate
+    from framework.cli.launch import launch
+    from framework.core.registry import registry
+    from framework.loggers import RunInfo
+
+    for parts, says in (({"kind": "Component", "loss": ""}, "model 'tiny' (framework.models.tiny) is a Component, "
+                                                            "not a ModelComponent, so training has no loss for it"),
+                        ({"context": ""}, "model 'tiny' (framework.models.tiny): its config TinyConfig has no field "
+                                          "context (the sequence length training feeds the model)")):
+        own_model(**parts)
+        with pytest.raises(framework.ConfigError) as e:
+            registry("model")
+        assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
+    run = ["model=tiny", "train.steps=2", "train.micro_batch=2", "train.eval_batches=1", "logger=none"]
+    search = own_model(init="")
+    with pytest.raises(framework.ConfigError) as e:
+        launch(framework.compose([*run, search]), RunInfo(tmp_path / "run", None, None))
+    assert str(e.value).startswith("parameter 'emb.weight' is on the meta device but Tiny has no init_parameter(name, "
+                                   "tensor) method to initialise it; add that method (the training command always "
+                                   "builds its model on the meta device)") and "\n" not in str(e.value), str(e.value)
+    search = own_model()
+    summary = launch(framework.compose([*run, search]), RunInfo(tmp_path / "run2", None, None))
+    assert summary["steps"] == 2 and math.isfinite(summary["val_loss"])
+    estimate(["model=tiny", search])
+    assert "; vocab 64 (from data=synthetic)." in capsys.readouterr().out
+    estimate(["model=tiny", own_model(context="context: int = 8\n    vocab_size: int = 50")])   # (its module: no cfg)
+    assert "; vocab 50 (from model)." in capsys.readouterr().out
