@@ -28,7 +28,7 @@ def zero_init() -> Iterator[None]:
 
 
 class ModuleInit:
-    """A module's own ``init_parameter`` (our GPT's); without one, and for meta buffers, fails naming the fix."""
+    """A module's own ``init_parameter`` (our GPT's) and ``init_buffer``; without one, fails naming the fix."""
 
     def __init__(self, module: nn.Module):
         self.module, self.kind = module, type(module).__name__
@@ -42,8 +42,12 @@ class ModuleInit:
                           f"yourself, build the model on a real device")
 
     def init_buffer(self, name: str, t: torch.Tensor) -> None:
-        raise ConfigError(f"buffer {name!r} of {self.kind} is on the meta device; build the model on a real "
-                          f"device or register the buffer after construction")
+        own = getattr(self.module, "init_buffer", None)
+        if callable(own):
+            return own(name, t)
+        raise ConfigError(f"buffer {name!r} of {self.kind} is on the meta device; add an init_buffer(name, tensor) "
+                          f"method (the training command always builds its model on the meta device) or, calling "
+                          f"framework.initialize yourself, build the model on a real device")
 
 
 def initializer(module: nn.Module):

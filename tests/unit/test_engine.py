@@ -151,6 +151,36 @@ def test_zero_init_takes_a_module_with_an_initialiser_and_refuses_a_plain_one_in
         framework.initialize(plain, lambda m, b: m(b).sum(), framework.compose(["+stage=zero3"]))
 
 
+class _Scaled(torch.nn.Module):   # a buffer made in __init__: on meta under zero_init
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.empty(4))
+
+    def init_parameter(self, name, t):
+        torch.nn.init.constant_(t, 0.5)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_zero_init_fills_a_meta_buffer_by_the_modules_init_buffer_or_names_the_fix():
+    with framework.zero_init():
+        bare = _Scaled()
+    with pytest.raises(framework.ConfigError, match=r"^buffer 'scale' of _Scaled is on the meta device; add an "
+                                                    r"init_buffer\(name, tensor\) method"):
+        framework.initialize(bare, lambda m, b: m(b).sum(), framework.compose(["+stage=zero3"]))
+    _Scaled.init_buffer = lambda self, name, t: t.fill_(2.0)
+    try:
+        with framework.zero_init():
+            module = _Scaled()
+        with framework.initialize(module, lambda m, b: m(b).sum(), framework.compose(["+stage=zero3"])) as engine:
+            loss = engine.eval_step(engine.state, [torch.ones(1, 4)])
+        assert loss == 4 * 2.0 * (0.5 * 4 + 0.5)   # 4 outputs of (weights 0.5 . ones + bias 0.5), scaled by 2
+    finally:
+        del _Scaled.init_buffer
+
+
 def test_a_failed_initialize_leaves_no_hooks_and_a_zero3_module_is_refused_in_one_line():
     def loss(m, mb):
         return m(mb).square().mean()
