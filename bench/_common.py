@@ -55,16 +55,10 @@ def _rank(rank: int, world: int, store: str, fn, args, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args) -> tuple[float, list[int]]:
-    """Run ``fn(dist, *args) -> step times`` on ``world`` fresh gloo ranks.
-    Returns (max over ranks of the median step time, peak RSS per rank)."""
-    t, rss, _ = run_ranks_detail(world, fn, *args)
-    return t, rss
-
-
 def run_ranks_detail(world: int, fn, *args) -> tuple[float, list[int], list[dict]]:
-    """As ``run_ranks``; ``fn`` may also return a dict with "times" and other picklable
-    entries, which come back per rank as the third element (an empty dict otherwise)."""
+    """Run ``fn(dist, *args)`` on ``world`` fresh gloo ranks; it returns its step times, or a dict
+    with "times" and other picklable entries. Returns (max over ranks of the median step time, peak
+    RSS per rank, each rank's other entries: an empty dict when ``fn`` returned only times)."""
     tmp = tempfile.mkdtemp(prefix="bench-")
     try:
         mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), fn, args, tmp), nprocs=world,

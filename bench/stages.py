@@ -111,7 +111,7 @@ def _ours(dist, name, cfg, model, data):
     return step
 
 
-def _plain_step(dist, data, model, opt, loss_fn, after_backward=None, set_to_none=True):
+def _plain_step(dist, data, model, opt, loss_fn, set_to_none=True):
     """forward, backward, clip, step, zero_grad, global loss: the loop every torch peer shares.
     ``set_to_none``: zero_grad's, torch's default (gradients freed between steps)."""
 

@@ -38,7 +38,7 @@ from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, form
                                      zero2_rows, zero3_rows)
 from framework.cli import override_key, run_command
 from framework.config import compose
-from framework.core.errors import ConfigError, FrameworkError, first_line
+from framework.core.errors import ConfigError, FrameworkError, typed_line
 from framework.core.registry import closest_hint, registry
 from framework.core.units import GiB, MiB
 from framework.models.gpt import GPTConfig
@@ -69,8 +69,7 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
             except ValueError:
                 return transformers.AutoModel.from_config(config)
     except (ValueError, TypeError, AttributeError, KeyError, IndexError, RuntimeError) as e:
-        why = type(e).__name__ if str(e).strip() == "" else f"{type(e).__name__}: {first_line(e)}"
-        raise ConfigError(f"estimate: cannot build a model from {config_path}: {why}") from None
+        raise ConfigError(f"estimate: cannot build a model from {config_path}: {typed_line(e)}") from None
 
 
 def resolve_model(value: str, overrides: list[str], context: int = HFConfig.context):

@@ -210,7 +210,7 @@ def _check_data(recipe: Recipe, runs: list[list[str]]) -> None:
         if getattr(cfg.data, "path", None) is None:
             continue
         try:
-            path = resolve_path(cfg.data.path, key="data.path")
+            path = resolve_path(cfg.data.path)
         except DataError as e:
             raise DataError(f"{e}; build it with {hint}" if recipe.spec.get("prepare") else str(e)) from None
         meta_file, meta = read_meta(path)

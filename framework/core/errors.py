@@ -37,6 +37,17 @@ def first_line(error: BaseException) -> str:
     return next(iter(str(error).strip().splitlines()), type(error).__name__)
 
 
+def typed_line(error: BaseException) -> str:
+    """``Type: first line`` of ``error``, or only the type's name when its message is empty."""
+    return f"{type(error).__name__}: {first_line(error)}" if str(error).strip() else type(error).__name__
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s whole message on one line (validators spread theirs over several), or its type's name when it
+    has none."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 class FrameworkError(Exception):
     """Base class for user-facing errors: the message says what is wrong and how to fix it. ``every_rank``: raised
     alike on every rank of the group (an outcome the ranks exchanged), so that all may go on to a sweep's next job."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import re
 
-KiB = 2 ** 10
 MiB = 2 ** 20
 GiB = 2 ** 30
 GB = 10 ** 9   # decimal: only for rates printed as GB/s

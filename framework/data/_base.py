@@ -48,8 +48,8 @@ def rank_rows(*, micro_batch: int, grad_accum: int, rank: int, world: int) -> Te
     return ((steps * world + rank) * micro_batch + torch.arange(micro_batch, device="cpu")).flatten()
 
 
-def resolve_path(path: str, *, key: str) -> Path:
-    """A data file: absolute, or relative to the working directory, else to the repo root."""
+def resolve_path(path: str) -> Path:
+    """A data file (``data.path``): absolute, or relative to the working directory, else to the repo root."""
     p = Path(path).expanduser()
     candidates = [p] if p.is_absolute() else list(dict.fromkeys([Path.cwd() / p, REPO_ROOT / p]))
     for c in candidates:
@@ -57,7 +57,7 @@ def resolve_path(path: str, *, key: str) -> Path:
             return c.resolve()
     looked = ", ".join(str(c) for c in candidates)
     raise DataError(f"data file {path!r} not found (looked at {looked}); "
-                    f"point {key} at an existing file, e.g. {key}=/abs/path/to/file")
+                    "point data.path at an existing file, e.g. data.path=/abs/path/to/file")
 
 
 class DataSource:

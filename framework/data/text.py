@@ -28,7 +28,7 @@ class TextConfig:
 
 def encode_file(source: str) -> tuple[Path, np.ndarray, str, int]:
     """The UTF-8 file ``source`` -> (its path, int32 ids, vocabulary, length of the training split)."""
-    path = resolve_path(source, key="data.path")
+    path = resolve_path(source)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -30,7 +30,7 @@ class TokensConfig:
 
 class TokensSource(CropSource):
     def __init__(self, cfg: TokensConfig, *, seed: int, context: int) -> None:
-        path = resolve_path(cfg.path, key="data.path")
+        path = resolve_path(cfg.path)
         if path.stat().st_size % 2:
             raise DataError(f"{path} has an odd number of bytes, so it is not a uint16 token "
                             f"file; point data.path at a .bin of uint16 token ids")
@@ -101,9 +101,12 @@ def check_pair(path: Path, data: np.ndarray) -> bool:
     return isinstance(digest, str)
 
 
-def _top_id(data: np.ndarray, chunk: int = 1 << 24) -> int:
+_CHUNK = 1 << 24   # tokens _top_id reads at a time
+
+
+def _top_id(data: np.ndarray) -> int:
     """The largest token id, a chunk at a time (any file size in bounded memory)."""
-    return max(int(data[i:i + chunk].max()) for i in range(0, len(data), chunk))
+    return max(int(data[i:i + _CHUNK].max()) for i in range(0, len(data), _CHUNK))
 
 
 def read_meta(path: Path) -> tuple[Path, dict]:
@@ -139,7 +142,7 @@ def _notes(cfg: TokensConfig, run) -> list[str]:
     text) read with an assumed vocabulary."""
 
     try:
-        path = resolve_path(cfg.path, key="data.path")
+        path = resolve_path(cfg.path)
         meta, own, found, bad = _meta_vocab(path)
         with open(path, "rb") as f:
             head = f.read(4096)

@@ -12,6 +12,7 @@ from torch import nn
 
 from framework.core.errors import ConfigError
 from framework.core.units import GiB
+from framework.stages import param_count
 
 BUFFER_FACTOR = 1.5   # DeepSpeed's additional_buffer_factor (host memory only)
 
@@ -41,10 +42,7 @@ class Counts:
 
 def count_module(module: nn.Module) -> Counts:
     """P and L of ``module``, parameters deduplicated by identity (DeepSpeed's ``data_ptr()`` is 0 on meta)."""
-    def numel(params) -> int:   # at the logical shape (a ZeRO-3 shard's full size)
-        return sum(getattr(p, "logical_shape", p.shape).numel() for p in params)
-    return Counts(numel(module.parameters()),
-                  max((numel(m.parameters(recurse=False)) for m in module.modules()), default=0))
+    return Counts(param_count(module), max((param_count(m, recurse=False) for m in module.modules()), default=0))
 
 
 # --- DeepSpeed's tables ----------------------------------------------------------------------

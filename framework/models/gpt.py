@@ -130,14 +130,6 @@ class GPT(nn.Module):
             if host is not t:
                 t.copy_(host)
 
-    @property
-    def output_weight(self) -> Tensor:
-        """The [vocab, d_model] output projection: the token embedding itself when tied."""
-        return self.wte.weight if self.lm_head is None else self.lm_head.weight
-
-    def num_params(self) -> int:   # a tied matrix counts once
-        return sum(p.numel() for p in self.parameters())
-
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids [B, T] -> fp32 logits [B, T, vocab]."""
         t = idx.shape[1]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError, FrameworkError, one_line
 from framework.core.paths import WEIGHTS_READ, weights_file
 from framework.core.registry import registry
 from framework.models._base import ModelComponent, name_seed, next_token_loss
@@ -161,7 +161,7 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
     try:
         config = transformers.AutoConfig.for_model(model_type, **raw)
     except Exception as e:  # noqa: BLE001 - the config classes raise their own types (strict dataclass validators)
-        raise ConfigError(f"{key}: {file} is not a valid {model_type} config: {_one_line(e)}") from None
+        raise ConfigError(f"{key}: {file} is not a valid {model_type} config: {one_line(e)}") from None
     # transformers accepts a layer count below 1 (range() of it is empty): a model of embeddings only would
     # train. (A multimodal config keeps its text model's sizes in text_config.)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -214,7 +214,7 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     except FrameworkError:
         raise
     except Exception as e:  # noqa: BLE001 - a config the model's constructor rejects (asserts, shape errors)
-        raise ConfigError(f"{key}: {cls.__name__} cannot be built from {file}: {_one_line(e)}") from None
+        raise ConfigError(f"{key}: {cls.__name__} cannot be built from {file}: {one_line(e)}") from None
     if cfg.pretrained is not None:
         # Our loader reads tensors under the model's own names only: refuse checkpoints whose keys
         # transformers renames or fuses on load (e.g. Mixtral's experts).
@@ -231,11 +231,6 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
         what = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
         getattr(model, f"{what}_checkpointing_enable")(**{f"{what}_checkpointing_kwargs": {"use_reentrant": False}})
     return model
-
-
-def _one_line(e: BaseException) -> str:
-    """``e``'s message on one line (validators spread theirs over several), or its type when it has none."""
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[str]) -> dict[str, str | None]:
@@ -339,7 +334,7 @@ class HFInit:
         except Exception as e:  # noqa: BLE001 - e.g. an init that reads a sibling tensor, still on meta here
             raise ConfigError(f"{kind} {name!r} of {type(self.shadow).__name__} cannot be materialised from the meta "
                               f"device: its _init_weights failed on {type(owner).__name__} with only this tensor real "
-                              f"({_one_line(e)}); build the model on a real device instead") from None
+                              f"({one_line(e)}); build the model on a real device instead") from None
         finally:
             slots[key] = old
         if written is not tensor:  # an init that assigned a new tensor instead of writing in place

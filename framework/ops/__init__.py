@@ -20,7 +20,7 @@ from framework.ops._loader import BuildUnavailable
 
 KERNELS = ("adam_step", "lion_step", "adagrad_step")
 
-__all__ = ["OFF", "BuildUnavailable", "KERNELS", "adagrad_step", "adam_step", "available", "build", "cpu_optim",
+__all__ = ["BuildUnavailable", "KERNELS", "adagrad_step", "adam_step", "available", "build", "cpu_optim",
            "lion_step", "status", "unavailable_reason", "usable"]
 
 

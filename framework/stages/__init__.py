@@ -4,10 +4,10 @@
 # the stages, so that they allocate and describe the same layout.
 from framework.stages._flat import (ALIGN, ParameterInit, PieceSpec, buffer_dtypes, check_shape, cover, make_layout,
                                     param_count, param_groups, unit_groups, whole_memory)
-from framework.stages._units import UnitPlan, plan_units
+from framework.stages._units import plan_units
 from framework.stages._grads import bucket_buffers
 from framework.stages._shards import zero3_sharded
 
-__all__ = ["ALIGN", "ParameterInit", "PieceSpec", "UnitPlan", "bucket_buffers", "buffer_dtypes", "check_shape", "cover", "make_layout",
+__all__ = ["ALIGN", "ParameterInit", "PieceSpec", "bucket_buffers", "buffer_dtypes", "check_shape", "cover", "make_layout",
            "param_count", "param_groups", "plan_units", "unit_groups", "whole_memory",
            "zero3_sharded"]

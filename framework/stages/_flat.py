@@ -92,9 +92,10 @@ def unit_groups(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, list[t
             if members]
 
 
-def param_count(module: nn.Module) -> int:
-    """Elements of the module's distinct parameters, a ZeRO-3 one (empty between uses) at its full shape."""
-    return sum(getattr(p, "logical_shape", p.shape).numel() for p in module.parameters())
+def param_count(module: nn.Module, recurse: bool = True) -> int:
+    """Elements of the module's distinct parameters (``recurse=False``: only those it registers itself, not its
+    children's), a ZeRO-3 one (empty between uses) at its full shape."""
+    return sum(getattr(p, "logical_shape", p.shape).numel() for p in module.parameters(recurse=recurse))
 
 
 @runtime_checkable

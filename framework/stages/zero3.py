@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from framework.comm.distributed import Dist
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError, FrameworkError, first_line, typed_line
 from framework.engine.materialize import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
@@ -345,8 +345,7 @@ def _empty_size_error(error: BaseException) -> bool:
     backward through a parameter read as an empty shard raises (not a kernel's size mismatch naming a 0)."""
     if not isinstance(error, RuntimeError) or isinstance(error, FrameworkError):
         return False
-    first = str(error).splitlines()[0] if str(error) else ""
-    return re.search(r"invalid gradient.*got \[0\]", first) is not None
+    return re.search(r"invalid gradient.*got \[0\]", first_line(error)) is not None
 
 
 def _read_while_sharded(loss: torch.Tensor) -> str | None:
@@ -406,12 +405,11 @@ def _ungathered_call(error: BaseException, split_root: bool) -> str | None:
                     if isinstance(p, ShardedParameter) and p.shape != p.logical_shape]
             if idle:
                 found = (type(owner).__name__, idle[0].unit_name)
-    first = str(error).splitlines()[0] if str(error) else ""
     if found is None:
         read = _read_in_line(error)
-        return None if read is None else read_hint(read, f"{type(error).__name__}: {first}")
+        return None if read is None else read_hint(read, typed_line(error))
     cls, unit = found
-    head = f"zero3: loss_fn called a module ({cls}) whose parameters were not gathered ({type(error).__name__}: {first}): "
+    head = f"zero3: loss_fn called a module ({cls}) whose parameters were not gathered ({typed_line(error)}): "
     if unit != "<root>":   # (outermost units win: naming the part's class as a unit too changes nothing)
         return head + (f"it is part of gather unit {unit!r}, gathered only when that unit's own forward runs; "
                        f"call module.{unit}(...) (or the whole module) in loss_fn, not its parts")

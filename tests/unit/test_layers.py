@@ -7,10 +7,12 @@ layer and the ones below, never from above. On top of that:
   ``if TYPE_CHECKING:`` count too: a type the other module needs goes below both of them, or the
   lower module states what it needs as a ``Protocol``);
 * no private names across packages: ``framework.a._b`` and ``_name`` are for ``framework.a``
-  itself; other packages use what a package's ``__init__`` exports, or a public module's public
-  names (the package root's own modules, the command shims, form one package);
+  itself, whether imported or reached through attributes (``framework.a._b.f``, ``Cls._m``); other
+  packages use what a package's ``__init__`` exports, or a public module's public names (the
+  package root's own modules, the command shims, form one package);
 * no imports by name at run time (``importlib.import_module``, ``__import__``, loading a module
-  from a file) outside ``DYNAMIC``: they are invisible to the checks above.
+  from a file, ``sys.modules["framework..."]``) outside ``DYNAMIC``: they are invisible to the
+  checks above.
 
 A new module goes into the layer where it belongs (``LAYERS`` below and docs/architecture.md).
 """
@@ -59,11 +61,17 @@ def _package(mod: str) -> str:
 
 def _imports(mod: str, source: str | None = None) -> list[tuple[str, str | None, int]]:
     """(target module, imported name or None, line) for every framework import of ``mod`` (of
-    ``source`` if given), wherever it is: lazy, or under ``if TYPE_CHECKING:``."""
-    tree, out = ast.parse(MODULES[mod].read_text() if source is None else source), []
+    ``source`` if given), wherever it is: lazy, or under ``if TYPE_CHECKING:``. A name an import
+    binds is followed through attribute access too: after ``import framework.stages``,
+    ``framework.stages._flat.make_layout`` reaches (framework.stages._flat, "make_layout"), and after
+    ``from framework.stages import Zero3``, ``Zero3._gather`` reaches (framework.stages, "Zero3._gather")."""
+    tree, out, bound = ast.parse(MODULES[mod].read_text() if source is None else source), [], {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out += [(a.name, None, node.lineno) for a in node.names if a.name in MODULES]
+            for a in node.names:
+                if a.name in MODULES:
+                    out.append((a.name, None, node.lineno))
+                    bound[a.asname or a.name.split(".")[0]] = (a.name if a.asname else "framework", None)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -73,8 +81,24 @@ def _imports(mod: str, source: str | None = None) -> list[tuple[str, str | None,
                 full = f"{base}.{a.name}"
                 if full in MODULES:
                     out.append((full, None, node.lineno))
+                    bound[a.asname or a.name] = (full, None)
                 elif base in MODULES:
                     out.append((base, a.name, node.lineno))
+                    bound[a.asname or a.name] = (base, a.name)
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or id(node) in inner:
+            continue
+        chain = []
+        while isinstance(node, ast.Attribute):
+            chain.insert(0, node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name) or node.id not in bound:
+            continue
+        target, name = bound[node.id]
+        while name is None and chain and f"{target}.{chain[0]}" in MODULES:
+            target = f"{target}.{chain.pop(0)}"
+        out.append((target, ".".join(([name] if name else []) + chain) or None, node.lineno))
     return out
 
 
@@ -103,7 +127,7 @@ def _private(edges) -> list[str]:
     for m, es in edges.items():
         for t, name, line in es:
             private = any(p.startswith("_") and not p.startswith("__") for p in t.split(".")[1:])
-            private = private or (name or "").startswith("_")
+            private = private or any(p.startswith("_") and not p.startswith("__") for p in (name or "").split("."))
             if private and _package(t) != _package(m):
                 bad.append(f"{m}:{line} imports {t}{'.' + name if name else ''}")
     return bad
@@ -172,13 +196,27 @@ DYNAMIC = {
     # the compiled C++ extension, loaded from its build folder: not a module of the package.
     "framework.ops._loader",
 }
-_BY_NAME = {"import_module", "__import__", "spec_from_file_location", "module_from_spec"}
+_BY_NAME = {"import_module", "__import__", "spec_from_file_location", "module_from_spec", "load_module"}
+
+
+def _by_name(node: ast.AST) -> bool:
+    """A call that imports by name, or a framework module looked up in ``sys.modules``."""
+    if isinstance(node, ast.Call):
+        f = node.func
+        if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")) in _BY_NAME:
+            return True
+        table, key = (f.value, node.args[0]) if isinstance(f, ast.Attribute) and node.args else (None, None)
+    elif isinstance(node, ast.Subscript):
+        table, key = node.value, node.slice
+    else:
+        return False
+    return (isinstance(table, ast.Attribute) and table.attr == "modules"
+            and isinstance(key, ast.Constant) and str(key.value).startswith("framework"))
 
 
 def _dynamic(mod: str, source: str) -> list[str]:
-    return [f"{mod}:{node.lineno} {ast.unparse(node.func)}(...)" for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Call) and mod not in DYNAMIC
-            and (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")) in _BY_NAME]
+    return [f"{mod}:{node.lineno} {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
+            if mod not in DYNAMIC and _by_name(node)]
 
 
 def test_no_imports_by_name():
@@ -202,9 +240,19 @@ def test_each_check_finds_its_violation():
     assert _private({"framework.cli.loop": [("framework.stages", "_hidden", 1)]})
     assert _private({"framework.cli.train": [("framework.comm.accelerator", "_Clocked", 1)]})
     assert not _private({"framework.stages.zero3": [("framework.stages._flat", None, 1)]})
+    for source in ("import framework.stages.zero3 as z\nz._refuse_state_dict(None)\n",
+                   "import framework.stages\nframework.stages._flat.make_layout\n",
+                   "from framework import stages\nstages._flat.make_layout\n",
+                   "from framework.stages import zero3\nzero3.Zero3._gather\n"):
+        assert _private({"framework.engine.step": _imports("framework.engine.step", source=source)}), source
+    assert not _private({"framework.engine.step": _imports("framework.engine.step", source=(
+        "import framework.stages\nframework.stages.param_count\nframework.stages.Zero3.__name__\n"))})
     assert _circles({"framework.core.errors": [("framework.core.utils", None, 1)],
                      "framework.core.utils": [("framework.core.errors", None, 2)]})
     for call in ("importlib.import_module('framework.stages')", "__import__('framework.stages')",
-                 "import_module('framework.stages')"):
+                 "import_module('framework.stages')", "sys.modules['framework.cli.train']",
+                 "sys.modules.get('framework.cli.train')",
+                 "importlib.util.find_spec('framework.cli').loader.load_module('framework.cli.train')"):
         assert _dynamic("framework.config.checks", f"def _z():\n    {call}\n")
     assert not _dynamic("framework.core.registry", "importlib.import_module('framework.stages')")
+    assert not _dynamic("framework.models.hf", "sys.modules.get('transformers')")

@@ -20,8 +20,8 @@ import os
 
 import torch
 
-from framework.comm.accelerator._base import (Accelerator, AcceleratorError, CpuAccelerator, CudaAccelerator,
-                                              DeviceMismatch, Event, HostSync, OrderError)
+from framework.comm.accelerator._base import (Accelerator, CpuAccelerator, CudaAccelerator, DeviceMismatch, Event,
+                                              HostSync, OrderError)
 from framework.comm.accelerator._checking import CheckingCpuAccelerator, CheckingEvent, Clocked
 from framework.core.errors import ConfigError
 
@@ -40,5 +40,5 @@ def for_device(device: torch.device, mode: str | None = None) -> Accelerator:
     return CheckingCpuAccelerator() if mode == "check" else CpuAccelerator()
 
 
-__all__ = ["ENV", "Accelerator", "AcceleratorError", "CheckingCpuAccelerator", "CheckingEvent", "Clocked",
+__all__ = ["ENV", "Accelerator", "CheckingCpuAccelerator", "CheckingEvent", "Clocked",
            "CpuAccelerator", "CudaAccelerator", "DeviceMismatch", "Event", "HostSync", "OrderError", "for_device"]

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from framework.core.errors import CheckpointError, FrameworkError
+from framework.core.errors import CheckpointError, FrameworkError, one_line
 
 
 def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -237,7 +237,7 @@ def _unpicklable(folder, metadata) -> str | None:
 def describe(e: BaseException) -> str:
     """One line for an error, DCP's per-rank wrapping unpacked: its first real cause."""
     first = next((c for c in causes(e) if not isinstance(c, CheckpointException)), e)
-    text = " ".join(str(first).split()) or type(first).__name__
+    text = one_line(first)
     if isinstance(first, FrameworkError):
         return text[:500]
     where = f" ({first.filename})" if isinstance(first, OSError) and first.filename else ""
