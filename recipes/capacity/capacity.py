@@ -5,7 +5,8 @@
     python recipes/capacity/capacity.py gpt   --nvme /tmp/x --quick         # the tiny twin (tests/cli/test_recipes.py)
 
 Each run, in one process: measures the disk's sequential write and read bandwidth in ``--nvme``
-(O_DIRECT, 8 MiB requests), builds the model under ``framework.zero_init()`` and trains ``--steps``
+through the swap stores' own IO engine at the run's ``offload.aio`` settings (O_DIRECT, 1 MiB requests,
+8 in flight by default), builds the model under ``framework.zero_init()`` and trains ``--steps``
 steps of bf16 zero3 with parameters and optimizer on NVMe, then prints one JSON line (also written
 to ``--out``): parameters, model-state bytes (2 + 4 + 8 + 2 bytes per parameter: bf16 weights, fp32
 master, Adam moments, bf16 gradients, as the ZeRO paper counts them) beside the machine's RAM, peak
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import resource
 import sys
@@ -61,27 +61,34 @@ UNREAD = {"train.steps": "use --steps N", "train.eval_batches": "use --eval-batc
           "hydra": "it writes no run folder (its result goes to --out FILE)"}
 
 
-def disk_bandwidth(folder: str, nbytes: int) -> tuple[float, float]:
-    """(write, read) bytes per second of one file of ``nbytes`` in ``folder``, O_DIRECT, 8 MiB requests."""
-    block = 8 << 20
-    buf = mmap.mmap(-1, block)   # page-aligned
-    buf.write(os.urandom(block))
-    path = os.path.join(folder, f".bandwidth-{os.getpid()}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
-    try:
-        t = time.perf_counter()
-        for off in range(0, nbytes, block):
-            os.pwritev(fd, [buf], off)
-        os.fsync(fd)
-        write = nbytes / (time.perf_counter() - t)
-        t = time.perf_counter()
-        for off in range(0, nbytes, block):
-            os.preadv(fd, [buf], off)
-        read = nbytes / (time.perf_counter() - t)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return write, read
+def disk_bandwidth(folder: str, nbytes: int, aio) -> tuple[float, float]:
+    """(write, read) bytes per second of ``nbytes`` in one swap file in ``folder``, moved by the swap stores'
+    own IO engine at the run's ``offload.aio`` settings (block size; queue_depth x intra_op_parallelism
+    requests in flight, O_DIRECT, checksums on): the rate a step's swap IO can reach, so a step is not
+    held to a floor measured with fewer requests in flight than it keeps."""
+    import torch
+
+    from framework.comm.accelerator import for_device
+    from framework.offload._aio import AsyncIO, aligned_empty
+    from framework.offload._swapfile import SwapFile
+
+    tensor = 64 << 20
+    names = [f"t{i}" for i in range(max(1, nbytes // tensor))]
+    # one page-aligned buffer (as the stores' pools) behind every extent, the same bytes in each: the probe
+    # adds 64 MiB, not nbytes, to the run's peak
+    buf = aligned_empty(tensor // 4, torch.int32, pin=False, acc=for_device(torch.device("cpu"), "plain"))
+    buf.copy_(torch.randint(-2**31, 2**31 - 1, buf.shape, dtype=torch.int32))
+    path = os.path.join(folder, f".bandwidth-{os.getpid()}.swap")
+    rates = {}
+    with SwapFile.create(path, {n: tensor for n in names}, layout_hash="bandwidth", world_size=1, rank=0,
+                         dtype=torch.int32) as swap, \
+            AsyncIO(aio.block_size, aio.queue_depth, aio.intra_op_parallelism) as io:
+        for op, call in (("write", io.pwrite), ("read", io.pread)):
+            t = time.perf_counter()
+            for h in [call(swap, swap.extent(n)[0], buf, n) for n in names]:
+                h.wait()
+            rates[op] = len(names) * tensor / (time.perf_counter() - t)
+    return rates["write"], rates["read"]
 
 
 def status_bytes(key: str) -> int:
@@ -161,7 +168,7 @@ def run(argv: list[str] | None = None) -> None:
     cfg = framework.compose([f"model={kind}", *COMMON, *model, f"train.steps={args.steps}",
                              f"offload.nvme_path={os.path.join(args.nvme, 'swap')}", *args.overrides])
     os.makedirs(args.nvme, exist_ok=True)
-    bw_write, bw_read = disk_bandwidth(args.nvme, (64 << 20) if args.quick else (4 << 30))
+    bw_write, bw_read = disk_bandwidth(args.nvme, (64 << 20) if args.quick else (4 << 30), cfg.offload.aio)
     dist = connect("gloo")
     torch.manual_seed(cfg.seed)   # the same initial weights on every run
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
@@ -208,6 +215,7 @@ def run(argv: list[str] | None = None) -> None:
            "estimated_peak_bytes": predicted + runtime, "estimate_vs_measured": (predicted + runtime) / hwm,
            "disk_bytes": disk,
            "disk_write_Bps": bw_write, "disk_read_Bps": bw_read,
+           "disk_aio": {k: getattr(cfg.offload.aio, k) for k in ("block_size", "queue_depth", "intra_op_parallelism")},
            "setup_s": setup_s, "s_per_step": sum(s["s"] for s in steps[1:] or steps) / len(steps[1:] or steps),
            "losses": losses, "held_out_losses": evals, "steps": steps, "torch": torch.__version__, "cpus": os.cpu_count()}
     line = json.dumps(out)

@@ -382,6 +382,7 @@ def test_capacity_quick(model, tmp_path):
     assert len(held) == 6 and min(held[1:]) < held[0], held
     assert r["peak_rss_bytes"] > 0 and r["vm_hwm_bytes"] > 0 and r["disk_bytes"] >= 16 * r["params"]
     assert all(s["floor_s"] > 0 and s["read_bytes"] > 0 and s["written_bytes"] > 0 for s in r["steps"])
+    assert r["disk_aio"] == {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1}, r["disk_aio"]
     # the estimator's prediction for the same configuration, beside the kernel's number (at this size the
     # runtime's fixed costs dominate; the full runs are compared in BENCHMARKS.md)
     assert r["runtime_rss_bytes"] < r["estimated_peak_bytes"] and 0.3 < r["estimate_vs_measured"] < 2, r
@@ -676,6 +677,28 @@ def test_capacity_refuses_bad_input_in_one_line_before_the_disk_test(given, says
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
     assert not nvme.exists()
+
+
+def test_capacity_disk_floor_moves_through_the_engine_at_the_runs_queue_depth(tmp_path, monkeypatch):
+    """The disk floor's bandwidth is measured as the steps move their bytes: through the swap stores' IO
+    engine with the run's offload.aio settings (was one 8 MiB request at a time while the engine keeps 8
+    in flight: about half the read rate, so a step could beat its floor)."""
+    from types import SimpleNamespace
+
+    import framework.offload._aio as aio_module
+
+    made = []
+
+    class Spy(aio_module.AsyncIO):
+        def __init__(self, *args, **kw):
+            made.append(args)
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(aio_module, "AsyncIO", Spy)
+    aio = SimpleNamespace(block_size=256 << 10, queue_depth=3, intra_op_parallelism=2)
+    write, read = _capacity().disk_bandwidth(str(tmp_path), 128 << 20, aio)
+    assert made == [(256 << 10, 3, 2)] and write > 0 and read > 0
+    assert list(tmp_path.iterdir()) == []   # the probe's swap file and manifest went
 
 
 def test_before_and_after_commands_take_the_jobs_config(tmp_path):
