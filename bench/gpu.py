@@ -3,7 +3,8 @@ and (where installed) DeepSpeed, on the anchor config.
 
     python -m bench.gpu                       # every system below, on cuda:0
     python -m bench.gpu --systems plain,zero2-offload,zero2-offload-overlap --steps 10
-    python -m bench.gpu --tiny                # smoke test: a small GPT, a few steps, CPU is fine
+    python -m bench.gpu --tiny                # smoke test: a small GPT, a few steps, CPU is fine (GPU-only
+                                              # peers left out there, saying so)
     python -m bench.gpu --systems zero3-offload,zero3-nvme --nvme-dir /local/nvme   # NVMe rows
 
 The anchor config: GPT d_model 2048, 24 layers, 16 heads, vocab 50304, context 1024 (``model=gpt-1b``,
@@ -45,6 +46,9 @@ SYSTEMS = {  # name -> overrides of ours (None: plain PyTorch)
 }
 # Peers (not our code): FSDP2 with and without CPU offload, DeepSpeed ZeRO-2 with CPU offload.
 PEERS = ("fsdp2", "fsdp2-offload", "deepspeed-zero2-offload")
+# Peers that cannot run without a GPU (left out there, saying so): FSDP2's CPUOffloadPolicy moves its
+# parameters to and from the accelerator.
+GPU_ONLY = {"fsdp2-offload": "FSDP2's CPUOffloadPolicy needs an accelerator"}
 # Reference numbers from another run on one H200 with another harness (16 host cores, torch 2.11,
 # DeepSpeed 0.19.8), not measured beside ours: s/step, peak GPU GiB.
 ANCHORS = {"plain": (0.297, 54.8), "fsdp2": (0.283, 49.7), "fsdp2-offload": (0.818, 33.8),
@@ -283,6 +287,9 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [s for s in names if s not in SYSTEMS and s not in PEERS]
     if unknown:
         ap.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join([*SYSTEMS, *PEERS])}")
+    if not torch.cuda.is_available() and (left := [s for s in names if s in GPU_ONLY]):
+        print(f"no GPU: left out {', '.join(f'{s} ({GPU_ONLY[s]})' for s in left)}", flush=True)
+        names = [s for s in names if s not in GPU_ONLY]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     print(f"{gpu}; torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     rows = []

@@ -613,13 +613,24 @@ def write(out: Path, info: dict, rows: list[dict], logs: Path | None = None) -> 
         _bundle(out, logs)
 
 
+def _seconds(text: str) -> float:
+    """--budget: a number of seconds above 0 (argparse's type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:   # (NaN too)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0 (e.g. --budget 450)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="the same code paths on the CPU checking accelerator")
     ap.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.md, .json and .tgz")
     ap.add_argument("--logs", help="folder for each check's log and records (default: OUT/logs; on a tool that "
                                    "returns few files from OUT, one outside it)")
-    ap.add_argument("--budget", type=float, default=450, help="seconds for all checks (the script stops starting "
+    ap.add_argument("--budget", type=_seconds, default=450, help="seconds for all checks (the script stops starting "
                                                                "checks that would not fit)")
     ap.add_argument("--skip", default="", help=f"comma-separated checks to skip: {', '.join(ORDER)}")
     ap.add_argument("--one", help=argparse.SUPPRESS)

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cpu = next((r["s_per_step"] for r in rows if r["system"] == "zero3 offload=cpu" and "s_per_step" in r), None)
     # (no peak RSS column: bench.nvme_memory measures memory, in fresh processes)
     print(f"\n| gpt-mini, {args.world} ranks, zero3 | s/step | IO wait | bytes/step (all ranks) | disk floor s | "
-          f"vs max(floor, cpu) | loss after {WARMUP + args.steps} steps |")
+          f"vs max(floor, cpu) | loss at step {WARMUP + args.steps} |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "s_per_step" not in r:

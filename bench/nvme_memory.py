@@ -1,4 +1,4 @@
-"""Measured host memory of offload=nvme against offload=cpu: peak RSS (getrusage) of one rank.
+"""Measured host memory of offload=nvme against offload=cpu: peak RSS (the kernel's VmHWM) of one rank.
 
     .venv/bin/python -m bench.nvme_memory     # gpt2-small, zero2, 2 steps (about 2 min here; the test suite runs it)
     .venv/bin/python -m bench.nvme_memory --model gpt-mini --sub-group-size 1000000   # quicker (about 40 s)

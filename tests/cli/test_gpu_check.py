@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -360,6 +362,19 @@ def test_gpu_check_with_a_python_without_torch_is_one_line(tmp_path):
     assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
     assert p.stderr.splitlines() == [f"gpu_check: {sys.executable} cannot import torch (No module named 'torch'); "
                                      "activate the environment (. .venv/bin/activate) or set PYTHON=.venv/bin/python"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("budget", ["0", "-5", "nan", "soon"])
+def test_gpu_check_refuses_a_budget_that_is_no_time(budget, tmp_path, capsys):
+    """--budget 0 or below is a bad argument (exit 2, one line, nothing written), not a run that checks
+    nothing and says INCOMPLETE (exit 3)."""
+    from bench import gpu_check
+
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--dry-run", "--out", str(tmp_path / "out"), "--budget", budget])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "is not a number of seconds above 0" in err, err
     assert not (tmp_path / "out").exists()
 
 

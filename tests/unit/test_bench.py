@@ -1,5 +1,7 @@
 """Quick twins of the benchmark scripts: they run end to end on a small config (numbers not checked)."""
+import json
 import math
+import time
 
 import pytest
 
@@ -17,6 +19,35 @@ def test_gpu_bench_runs_tiny(system, tmp_path):
             assert r["swap"]["read"] > 0 and r["swap"]["written"] > 0 and list(tmp_path.iterdir()) == []
         else:
             assert r["speculated_kept"] + r["rolled_back"] > 0  # the overlapped host step was exercised
+
+
+def test_gpu_bench_without_a_gpu_leaves_out_the_gpu_only_peers(monkeypatch, capsys):
+    """bench.gpu without CUDA (--tiny: "CPU is fine") leaves out FSDP2 + CPUOffloadPolicy, which cannot run
+    there, in one line, and runs the rest (was: a failed row with a RuntimeError). Subprocesses faked."""
+    import subprocess
+    import types
+
+    import torch
+
+    import bench.gpu
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    ran = []
+
+    def fake_run(cmd, **kw):
+        name = cmd[cmd.index("--one") + 1]
+        ran.append(name)
+        row = {"system": name, "s_per_step": 0.5, "tokens_per_s": 512, "peak_gpu_gib": None, "phases_ms": {},
+               "predicted_gib": None}
+        return types.SimpleNamespace(returncode=0, stdout=json.dumps(row) + "\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    bench.gpu.main(["--tiny", "--systems", "plain,fsdp2-offload,fsdp2"])
+    out = capsys.readouterr().out
+    assert ran == ["plain", "fsdp2"], ran
+    assert "no GPU: left out fsdp2-offload (FSDP2's CPUOffloadPolicy needs an accelerator)" in out, out
+    assert "| fsdp2 | 0.500 |" in out and "| fsdp2-offload |" not in out, out
 
 
 def test_plain_baseline_frees_its_gradients_after_the_step():
@@ -44,19 +75,38 @@ def test_nvme_io_bench_runs_tiny(tmp_path):
     assert list(tmp_path.iterdir()) == []   # the swap file went
 
 
-def test_checkpoint_bench_runs_tiny(tmp_path):
-    """bench.checkpoint's rank function on one process with gpt-nano (ours and torch.save rows)."""
+def test_checkpoint_bench_runs_tiny(tmp_path, monkeypatch):
+    """bench.checkpoint's rank function on one process with gpt-nano (ours and torch.save rows). The async
+    save's "until commit" is when the commit landed, not the end of the steps timed while it was in flight
+    (here one step made 2 s long: the save of gpt-nano commits well before it ends)."""
+    import framework
     from bench.checkpoint import ours
     from framework.comm.distributed import connect
 
+    build, calls = framework.initialize, []
+
+    def slow_last_step(*args, **kw):
+        engine = build(*args, **kw)
+        step = engine.train_step
+
+        def train_step(*a):
+            calls.append(1)
+            if len(calls) == 4:   # (2 to start, 1 timed alone, then the one timed with the save in flight)
+                time.sleep(2.0)
+            return step(*a)
+        engine.train_step = train_step
+        return engine
+
+    monkeypatch.setattr(framework, "initialize", slow_last_step)
     r = ours(connect("gloo"), "gpt-nano", str(tmp_path), 1)
     assert r["sync_total"] > 0 and r["load"] > 0 and r["async_blocked"] > 0 and r["torch_save"] > 0
     assert r["bytes_ours"] > 0 and r["bytes_torch"] > 0
+    assert r["steps_with_save"] >= 2.0 and r["async_blocked"] < r["async_total"] < 2.0, r
 
 
 def test_nvme_memory_gpt2_small_one_gb_below_cpu(tmp_path):
     """The NVMe memory claim, measured: gpt2-small (124 M parameters), zero2, one rank,
-    ``offload=nvme`` with its defaults peaks (ru_maxrss of each run's own process) at least 1 GB below
+    ``offload=nvme`` with its defaults peaks (VmHWM of each run's own process) at least 1 GB below
     ``offload=cpu``, with the same loss and no swap file left behind. The fp32 master + Adam moments
     are 1.49 GB; measured drop 1.13 GB on a quiet machine (BENCHMARKS.md). Two fresh processes at
     once, about 30-40 s."""
