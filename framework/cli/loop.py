@@ -140,6 +140,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             "config": cfg.to_dict(),
             "config_sources": dict(cfg.sources),   # default, YAML, DeepSpeed file/default, auto, command line
         }
+        if cfg.resume_given:   # (the config has where latest led: the report shows the run's overrides as typed)
+            summary["resume_given"] = cfg.resume_given
         if cfg.notices:
             summary["ds_config_notices"] = list(cfg.notices)
         # stage3_gather_16bit_weights_on_model_save: consolidated safetensors (collective; nothing when off)

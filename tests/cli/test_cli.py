@@ -286,8 +286,22 @@ def test_resume_latest_in_a_sweep_never_takes_another_jobs_checkpoint(forkrun, t
             assert not resumed, p.stdout
         else:
             assert [str(sweep / str(i) / "checkpoints" / "step-2") in line for i, line in enumerate(resumed)] == [True] * 2, resumed
-    assert [json.loads((sweep / str(i) / "summary.json").read_text())["config"]["optimizer"]["lr"] for i in (0, 1)] \
-        == [1e-3, 3e-4]
+    summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [s["config"]["optimizer"]["lr"] for s in summaries] == [1e-3, 3e-4]
+    assert [s["resume_given"] for s in summaries] == ["latest"] * 2   # (the config has where it led)
+    # The sweep again with its values in another order: job 0 (3e-4) would take on job 0's (1e-3) state and
+    # report its numbers as its own: each job refused before it trains, nothing changed.
+    def files():   # (but the locks' holders, and multirun.yaml: the record of the last sweep started there)
+        return {p: p.read_bytes() for p in sweep.rglob("*") if p.name not in ("run.lock", ".lock", "multirun.yaml")
+                and p.is_file()}
+    before = files()
+    p = forkrun.run("framework.train", ["-m", "optimizer.lr=3e-4,1e-3", *base, "train.steps=3", "checkpoint.every=2",
+                                        "hydra.sweep.dir=multirun/s"], cwd=tmp_path, env=ENV)
+    assert p.returncode == 1 and "resumed" not in p.stdout, p.stdout
+    assert [line.split(" holds ")[1].split(")")[0] for line in error_lines(p)[:2]] == [
+        "the checkpoint of another job (optimizer.lr=0.001; this job: optimizer.lr=0.0003",
+        "the checkpoint of another job (optimizer.lr=0.0003; this job: optimizer.lr=0.001"], p.stderr
+    assert files() == before
 
 
 def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
@@ -795,7 +809,8 @@ def _sweep_with_a_bar_in_an_override(root: Path) -> None:
     for i in (0, 1):
         (root / str(i) / ".hydra").mkdir(parents=True)
         (root / str(i) / ".hydra" / "overrides.yaml").write_text(f"- optimizer.lr=0.00{i + 1}\n- data.path=/d/a|b{i}.txt\n")
-        (root / str(i) / "summary.json").write_text('{"steps": 6, "train_loss": 4.1, "val_loss": 4.2}')
+        (root / str(i) / "summary.json").write_text(json.dumps({"steps": 6, "train_loss": 4.1, "val_loss": 4.2,
+                                                                "steps_run": 6 - 6 * i}))
         (root / str(i) / "metrics.jsonl").write_text('{"step": 2, "loss": 4.1}\n{"step": 6, "val_loss": 4.2}\n')
 
 
@@ -809,6 +824,8 @@ def test_a_bar_in_an_override_keeps_the_reports_columns(tmp_path):
     rows = report.markdown_table(report.load_jobs(tmp_path), tmp_path).splitlines()
     assert len({len(re.split(r"(?<!\\)\|", row)) for row in rows}) == 1, rows
     assert "`data.path=/d/a\\|b0.txt`" in rows[2], rows
+    # a job resumed at its last step trained nothing: its numbers are those of the state it loaded
+    assert [" 6 (resumed, no step trained) " in row for row in rows[2:]] == [False, True], rows
 
 
 def test_a_report_whose_reader_left_ends_quietly(tmp_path, monkeypatch):
