@@ -57,6 +57,10 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} differs from the {data.vocab_size} token ids of the "
                           f"data, which set the model's vocabulary; drop model.vocab_size (set data.vocab_size "
                           f"where the data source has it)")
+    # The config as the model is built (W&B's and summary.json's): the data's vocabulary, not the YAML's. (The
+    # checkpoints keep the composed one, which a resume is compared with.)
+    built = cfg if getattr(cfg.model, "vocab_size", None) in (None, data.vocab_size) else \
+        replace(cfg, model=replace(cfg.model, vocab_size=data.vocab_size))
     model = component(cfg, "model")
     with zero_init():  # on the meta device: the stage materialises parameters (only its shard under zero3)
         module = model.build(cfg.model, vocab_size=data.vocab_size)
@@ -90,7 +94,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=replace(run, resumed=mine)),
                                start=state.step if mine else 0)
         # The W&B config: the resolved values and where each came from.
-        logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
+        logger.start({**built.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
         if on_ready is not None:   # (rank 0's)
             on_ready(run.run_dir)
         t_start = t_window = time.perf_counter()
@@ -137,7 +141,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             "memory_per_rank": dist.all_gather_object(engine.memory(state).as_dict(), what="memory ledger gather"),
             "peak_memory_per_rank": dist.all_gather_object(peak_memory(dist.device, rss_start),
                                                           what="peak memory gather"),
-            "config": cfg.to_dict(),
+            "config": built.to_dict(),
             "config_sources": dict(cfg.sources),   # default, YAML, DeepSpeed file/default, auto, command line
         }
         if cfg.resume_given:   # (the config has where latest led: the report shows the run's overrides as typed)

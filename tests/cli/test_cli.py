@@ -44,6 +44,8 @@ def test_default_job_shortened(forkrun, tmp_path):
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["config"]["train"]["on_nonfinite"] == "warn"
+    # the model as built: the data's vocabulary (the synthetic data's 64 ids), not the YAML's 65
+    assert summary["config"]["model"]["vocab_size"] == summary["data"]["vocab_size"] == 64
     mem = {k: v["device"] + v["host"] for k, v in summary["memory_per_rank"][0]["items"].items()}
     assert {"params", "grads", "optimizer_state"} <= mem.keys()
     assert mem["optimizer_state"] == 2 * mem["params"]  # AdamW m and v in fp32
