@@ -82,6 +82,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point)  # collective
     try:
         state = ckpt.resume(state)
+        # The summary's train loss is the mean of the last log_every steps: those before the checkpoint too
+        carried = ckpt.recent_losses[-t.log_every:]
         if state.step > t.steps and dist.is_main:
             print(f"checkpoint: the checkpoint's step {state.step} is already past train.steps={t.steps}: nothing is "
                   f"trained; set train.steps above {state.step} to train on from it, or give this run another "
@@ -120,15 +122,17 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                 eval_s += time.perf_counter() - t_eval
                 logger.log({"step": state.step, "val_loss": evals[-1]})
             if cfg.checkpoint.every:   # (else the run's header said none are saved)
-                ckpt.maybe_save(state, last=state.step == t.steps, metrics=m)
+                ckpt.maybe_save(state, last=state.step == t.steps, metrics=m,
+                                losses=[*carried, *losses[-t.log_every:]][-t.log_every:])
         if state.step == first:   # resumed at train.steps: the loaded state's numbers, not NaN
             evals.append(engine.eval_step(state, val))
         ckpt.wait()
         elapsed = time.perf_counter() - t_start
         summary = {
             "steps": state.step,
-            # The mean of the last log_every trained steps' losses (metrics.jsonl has single steps' losses).
-            **train_loss(losses, t.log_every),
+            # The mean of the last log_every trained steps' losses (metrics.jsonl has single steps' losses); none
+            # where this process trained none.
+            **train_loss([*carried, *losses] if losses else [], t.log_every),
             "val_loss": evals[-1] if evals else math.nan,
             "tokens_per_s": tokens_per_step * (state.step - first) / elapsed if state.step > first else 0.0,
             "steps_run": state.step - first,   # by this process (fewer than steps after a resume)

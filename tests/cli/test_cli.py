@@ -204,6 +204,26 @@ def test_the_summarys_train_loss_leaves_out_a_skipped_non_finite_step():
     assert train_loss([float("inf")], 2) == train_loss([], 2) == {"train_loss": None, "train_loss_steps": 0}
 
 
+def test_a_resumed_runs_train_loss_is_that_of_the_run_uninterrupted(tmp_path):
+    """The summary's train loss (the mean of the last log_every steps) of a run killed after a save and resumed
+    fewer than log_every steps before its end counts the steps before the checkpoint too (it records them)."""
+    from framework import compose
+    from framework.cli.launch import launch
+    from framework.loggers import RunInfo
+
+    cfg = compose([*(o for o in SHORT if not o.startswith("train.log_every")), "train.log_every=4", "checkpoint.every=2"])
+    whole = launch(cfg, RunInfo(tmp_path / "whole", None, None))
+
+    def cut(point: str) -> None:
+        if point == "step:5":   # (step 4 saved)
+            raise RuntimeError("killed")
+    with pytest.raises(RuntimeError, match="killed"):
+        launch(cfg, RunInfo(tmp_path / "cut", None, None), on_point=cut)
+    resumed = launch(cfg, RunInfo(tmp_path / "cut", None, None))
+    assert resumed["steps_run"] == 2 and resumed["val_loss"] == whole["val_loss"]
+    assert (resumed["train_loss"], resumed["train_loss_steps"]) == (whole["train_loss"], 4)
+
+
 def _strict_json(text: str):
     """json.loads refusing the bare NaN/Infinity that Python writes and strict readers reject."""
     def refuse(word):

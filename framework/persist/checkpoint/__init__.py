@@ -56,6 +56,8 @@ class Checkpointer:
         self._pending: concurrent.futures.Future | None = None
         self.writer = None   # DCP's storage writer, None: FileSystemWriter (tests put one that fails on purpose here)
         self.resumed_from: Path | None = None   # the checkpoint folder ``resume`` loaded
+        # the last steps' losses ``resume``'s checkpoint recorded (``save``'s ``losses``), oldest first
+        self.recent_losses: list[float] = []
         self.closed = False   # close() ended its group (and async pool): no save or resume after it
         self._said_none = False   # that checkpoint.every=0 saves nothing (maybe_save, once)
 
@@ -105,6 +107,9 @@ class Checkpointer:
                    if body["world"] != self.group.world else f"resharded from stage {body['stage']}"
                    if body["stage"] != self.config["stage"]["name"] else "same layout")
             self.resumed_from = Path(folder)
+            losses = body.get("recent_losses")   # (none in a checkpoint of an older version)
+            self.recent_losses = [x for x in losses if isinstance(x, (int, float)) and not isinstance(x, bool)] \
+                if isinstance(losses, list) else []
             diff = changed(body["config"], self.config)
             batch = batch_change(body["config"], body["world"], self.config, self.group.world)
             self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
@@ -125,8 +130,10 @@ class Checkpointer:
         (collective)."""
         return self.group.all_gather(self.rank == 0 and final.is_dir(), "resume: step moved in")[0]
 
-    def maybe_save(self, state, last: bool = False, metrics: dict | None = None) -> None:
-        """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite."""
+    def maybe_save(self, state, last: bool = False, metrics: dict | None = None,
+                   losses: list[float] | None = None) -> None:
+        """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite;
+        ``losses``: as ``save``'s."""
         if not self.cfg.every and not self._said_none:   # (compose's default): said once, not passed over silently
             self._said_none = True
             self._say("none saved (checkpoint.every=0): maybe_save saves nothing; set checkpoint.every=N to save "
@@ -136,12 +143,13 @@ class Checkpointer:
                 self._say(f"not saving step {state.step}: its loss or gradient norm was not finite "
                           f"(train.on_nonfinite=warn); the previous checkpoints are kept")
                 return
-            self.save(state)
+            self.save(state, losses)
 
-    def save(self, state) -> None:
+    def save(self, state, losses: list[float] | None = None) -> None:
+        """``losses``: the last steps' losses, recorded for a resume to go on from (``recent_losses``)."""
         self._check_open("save")
         self.wait()
-        self._pending = save(self, state)
+        self._pending = save(self, state, losses)
 
     def wait(self) -> None:
         """Wait for a save in flight; its error is raised here."""
