@@ -54,7 +54,7 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
             held.callback(os.close, own_run_folder(run))
             cfg = preflight(cfg, run.run_dir, run.job, run.sweep_dir,
-                            own=lambda root: held.callback(os.close, own_checkpoint_dir(root)))
+                            own=lambda root: held.callback(os.close, own_checkpoint_dir(root)), naming=run.naming)
             restart_notice(cfg, run)
             if on_owned is not None:
                 on_owned(run.run_dir)

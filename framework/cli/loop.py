@@ -57,6 +57,10 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} differs from the {data.vocab_size} token ids of the "
                           f"data, which set the model's vocabulary; drop model.vocab_size (set data.vocab_size "
                           f"where the data source has it)")
+    # The config as the model is built (W&B's and summary.json's): the data's vocabulary, not the YAML's. (The
+    # checkpoints keep the composed one, which a resume is compared with.)
+    built = cfg if getattr(cfg.model, "vocab_size", None) in (None, data.vocab_size) else \
+        replace(cfg, model=replace(cfg.model, vocab_size=data.vocab_size))
     model = component(cfg, "model")
     with zero_init():  # on the meta device: the stage materialises parameters (only its shard under zero3)
         module = model.build(cfg.model, vocab_size=data.vocab_size)
@@ -78,6 +82,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point)  # collective
     try:
         state = ckpt.resume(state)
+        # The summary's train loss is the mean of the last log_every steps: those before the checkpoint too
+        carried = ckpt.recent_losses[-t.log_every:]
         if state.step > t.steps and dist.is_main:
             print(f"checkpoint: the checkpoint's step {state.step} is already past train.steps={t.steps}: nothing is "
                   f"trained; set train.steps above {state.step} to train on from it, or give this run another "
@@ -90,7 +96,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=replace(run, resumed=mine)),
                                start=state.step if mine else 0)
         # The W&B config: the resolved values and where each came from.
-        logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
+        logger.start({**built.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
         if on_ready is not None:   # (rank 0's)
             on_ready(run.run_dir)
         t_start = t_window = time.perf_counter()
@@ -116,15 +122,17 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                 eval_s += time.perf_counter() - t_eval
                 logger.log({"step": state.step, "val_loss": evals[-1]})
             if cfg.checkpoint.every:   # (else the run's header said none are saved)
-                ckpt.maybe_save(state, last=state.step == t.steps, metrics=m)
+                ckpt.maybe_save(state, last=state.step == t.steps, metrics=m,
+                                losses=[*carried, *losses[-t.log_every:]][-t.log_every:])
         if state.step == first:   # resumed at train.steps: the loaded state's numbers, not NaN
             evals.append(engine.eval_step(state, val))
         ckpt.wait()
         elapsed = time.perf_counter() - t_start
         summary = {
             "steps": state.step,
-            # The mean of the last log_every trained steps' losses (metrics.jsonl has single steps' losses).
-            **train_loss(losses, t.log_every),
+            # The mean of the last log_every trained steps' losses (metrics.jsonl has single steps' losses); none
+            # where this process trained none.
+            **train_loss([*carried, *losses] if losses else [], t.log_every),
             "val_loss": evals[-1] if evals else math.nan,
             "tokens_per_s": tokens_per_step * (state.step - first) / elapsed if state.step > first else 0.0,
             "steps_run": state.step - first,   # by this process (fewer than steps after a resume)
@@ -137,9 +145,11 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             "memory_per_rank": dist.all_gather_object(engine.memory(state).as_dict(), what="memory ledger gather"),
             "peak_memory_per_rank": dist.all_gather_object(peak_memory(dist.device, rss_start),
                                                           what="peak memory gather"),
-            "config": cfg.to_dict(),
+            "config": built.to_dict(),
             "config_sources": dict(cfg.sources),   # default, YAML, DeepSpeed file/default, auto, command line
         }
+        if cfg.resume_given:   # (the config has where latest led: the report shows the run's overrides as typed)
+            summary["resume_given"] = cfg.resume_given
         if cfg.notices:
             summary["ds_config_notices"] = list(cfg.notices)
         # stage3_gather_16bit_weights_on_model_save: consolidated safetensors (collective; nothing when off)

@@ -130,7 +130,8 @@ def summary_overrides(summary: dict, hydra_overrides: list[str]) -> list[str]:
     if set(own) <= said.keys() and all(_same(text, _config_value(cfg, k)) for k, text in said.items()
                                        if not k.startswith("checkpoint.")):
         return hydra_overrides
-    return [f"{k}={_spelled(_config_value(cfg, k))}" for k in own]
+    typed = {"checkpoint.resume": summary.get("resume_given")}   # (latest, as the config records where it led)
+    return [f"{k}={_spelled(typed.get(k) or _config_value(cfg, k))}" for k in own]
 
 
 def _parsed(path: Path, parse):
@@ -209,7 +210,9 @@ def markdown_table(jobs: list[Job], root: Path) -> str:
             cells = [name, ov, "no summary.json (failed or running)", *["-"] * (len(head) - 3)]
         else:
             mib = [j.peak(), j.added(), *(j.peak(k) for k in device if cuda)]
-            cells = [name, ov, str(s.get("steps", "-")), _fmt(s.get("train_loss"), ".4f"),
+            # (a job resumed at its last step trained nothing: its numbers are those of the state it loaded)
+            steps = f"{s.get('steps', '-')}{' (resumed, no step trained)' if s.get('steps_run') == 0 else ''}"
+            cells = [name, ov, steps, _fmt(s.get("train_loss"), ".4f"),
                      _fmt(s.get("val_loss"), ".4f"), _fmt(s.get("tokens_per_s"), ",.0f"),
                      *(_fmt(None if v is None else v / MiB, ",.0f") for v in mib)]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")   # (a | in an override: escaped)

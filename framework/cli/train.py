@@ -48,7 +48,7 @@ from framework.core import files
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line, say
 from framework.core.paths import conf_dir
 from framework.core.room import nearest_existing
-from framework.loggers import RunInfo
+from framework.loggers import NOT_IDENTITY, RunInfo
 from framework.persist.checkpoint import checkpoint_root
 
 # Hydra's own command-line flags: read here only to know which jobs a command line describes.
@@ -277,17 +277,17 @@ def _remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool 
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
-# Keys that say how long, how visibly or where a job runs, not which job it is: left out of its folder's name
-# under an explicit checkpoint.dir (unless swept), so a relaunch with more train.steps resumes the job.
-NOT_IDENTITY = ("checkpoint", "train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "logger",
-                "dist.nproc", "dist.timeout_s")
+
+def _naming(overrides: list[str], swept: frozenset[str]) -> list:
+    """The overrides that say which job a sweep's job is: all but unswept ``NOT_IDENTITY`` ones (left out of its
+    folder's name under an explicit checkpoint.dir, so a relaunch with more train.steps resumes the job)."""
+    return [o for o in parse_overrides(overrides) if o.key_or_group in swept
+            or not any(o.key_or_group == k or o.key_or_group.startswith(f"{k}.") for k in NOT_IDENTITY)]
 
 
 def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
     """A sweep job's name under checkpoint.dir: its sorted overrides but unswept ``NOT_IDENTITY`` ones, or ``job``."""
-    kept = [o.input_line for o in parse_overrides(overrides) if o.key_or_group in swept
-            or not any(o.key_or_group == k or o.key_or_group.startswith(f"{k}.") for k in NOT_IDENTITY)]
-    return ",".join(sorted(kept)) or "job"
+    return ",".join(sorted(o.input_line for o in _naming(overrides, swept))) or "job"
 
 
 def _checkpoint_key(config: Config, key: str, older: str) -> str:
@@ -332,7 +332,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                       name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None,
                       key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname)
                       if multirun else None,
-                      sweep_dir=Path(hc.sweep.dir) if multirun else None)
+                      sweep_dir=Path(hc.sweep.dir) if multirun else None,
+                      naming=frozenset(o.key_or_group for o in _naming(overrides, swept)) if multirun else frozenset())
         made, owned = _made(run.run_dir, base), []
         if multirun:
             record_sweep(Path(hc.sweep.dir), subdir, passed)

@@ -17,6 +17,11 @@ from framework.core.errors import FrameworkError, Interrupted, Terminated, say
 from framework.core.room import FULL, free_note
 
 
+# Keys that say how long, how visibly or where a job runs, not which job it is (a run's other keys do).
+NOT_IDENTITY = ("checkpoint", "train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "logger",
+                "dist.nproc", "dist.timeout_s")
+
+
 @dataclass(frozen=True)
 class RunInfo:
     run_dir: Path
@@ -25,6 +30,8 @@ class RunInfo:
     key: str | None = None   # a multirun job's checkpoint folder name (None: ``name``)
     resumed: bool = False    # resumed from a checkpoint in run_dir: its W&B run (id in run_dir) goes on
     sweep_dir: Path | None = None   # a multirun job's sweep folder: resume=latest passes over its other jobs'
+    # the keys of a multirun job's overrides that say which job it is: it resumes no state saved with other values
+    naming: frozenset[str] = frozenset()
 
     @property
     def job(self) -> str | None:
@@ -69,8 +76,10 @@ class RunRecord:
 
     def finish(self, summary: dict) -> None:
         kept = _summary(self.run_dir) if summary["steps_run"] == 0 else None
-        if kept is not None and kept.get("steps") == summary["steps"] and {"train_loss", "val_loss", "tokens_per_s"} <= set(kept):
-            # A re-run that trained nothing: the summary of the run that trained those steps is the one to keep.
+        if (kept is not None and kept.get("steps") == summary["steps"] and {"train_loss", "val_loss", "tokens_per_s"}
+                <= set(kept) and _identity(kept.get("config")) == _identity(summary.get("config"))):
+            # A re-run of the same job that trained nothing: the summary of the run that trained those steps is the
+            # one to keep (not one of another job, whose state a resume with other values took on).
             print(f"summary.json of step {summary['steps']} kept (no step left to train; val loss of the loaded "
                   f"state {summary['val_loss']:.4f})", flush=True)
             summary = kept
@@ -132,6 +141,13 @@ def _summary(run_dir: Path) -> dict | None:
     read = [summary.get(k) for k in ("train_loss", "val_loss", "tokens_per_s")] + [
         summary.get("data", {}).get("entropy_floor")]
     return summary if all(v is None or _number(v) for v in read) else None
+
+
+def _identity(config, prefix: str = ""):
+    """A config (a summary's) without its ``NOT_IDENTITY`` keys."""
+    if not isinstance(config, dict):
+        return config
+    return {k: _identity(v, f"{prefix}{k}.") for k, v in config.items() if f"{prefix}{k}" not in NOT_IDENTITY}
 
 
 def _set_aside(run_dir: Path, start: int) -> None:

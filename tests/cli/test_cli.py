@@ -44,6 +44,8 @@ def test_default_job_shortened(forkrun, tmp_path):
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["config"]["train"]["on_nonfinite"] == "warn"
+    # the model as built: the data's vocabulary (the synthetic data's 64 ids), not the YAML's 65
+    assert summary["config"]["model"]["vocab_size"] == summary["data"]["vocab_size"] == 64
     mem = {k: v["device"] + v["host"] for k, v in summary["memory_per_rank"][0]["items"].items()}
     assert {"params", "grads", "optimizer_state"} <= mem.keys()
     assert mem["optimizer_state"] == 2 * mem["params"]  # AdamW m and v in fp32
@@ -202,6 +204,26 @@ def test_the_summarys_train_loss_leaves_out_a_skipped_non_finite_step():
     assert train_loss([float("inf")], 2) == train_loss([], 2) == {"train_loss": None, "train_loss_steps": 0}
 
 
+def test_a_resumed_runs_train_loss_is_that_of_the_run_uninterrupted(tmp_path):
+    """The summary's train loss (the mean of the last log_every steps) of a run killed after a save and resumed
+    fewer than log_every steps before its end counts the steps before the checkpoint too (it records them)."""
+    from framework import compose
+    from framework.cli.launch import launch
+    from framework.loggers import RunInfo
+
+    cfg = compose([*(o for o in SHORT if not o.startswith("train.log_every")), "train.log_every=4", "checkpoint.every=2"])
+    whole = launch(cfg, RunInfo(tmp_path / "whole", None, None))
+
+    def cut(point: str) -> None:
+        if point == "step:5":   # (step 4 saved)
+            raise RuntimeError("killed")
+    with pytest.raises(RuntimeError, match="killed"):
+        launch(cfg, RunInfo(tmp_path / "cut", None, None), on_point=cut)
+    resumed = launch(cfg, RunInfo(tmp_path / "cut", None, None))
+    assert resumed["steps_run"] == 2 and resumed["val_loss"] == whole["val_loss"]
+    assert (resumed["train_loss"], resumed["train_loss_steps"]) == (whole["train_loss"], 4)
+
+
 def _strict_json(text: str):
     """json.loads refusing the bare NaN/Infinity that Python writes and strict readers reject."""
     def refuse(word):
@@ -286,8 +308,22 @@ def test_resume_latest_in_a_sweep_never_takes_another_jobs_checkpoint(forkrun, t
             assert not resumed, p.stdout
         else:
             assert [str(sweep / str(i) / "checkpoints" / "step-2") in line for i, line in enumerate(resumed)] == [True] * 2, resumed
-    assert [json.loads((sweep / str(i) / "summary.json").read_text())["config"]["optimizer"]["lr"] for i in (0, 1)] \
-        == [1e-3, 3e-4]
+    summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [s["config"]["optimizer"]["lr"] for s in summaries] == [1e-3, 3e-4]
+    assert [s["resume_given"] for s in summaries] == ["latest"] * 2   # (the config has where it led)
+    # The sweep again with its values in another order: job 0 (3e-4) would take on job 0's (1e-3) state and
+    # report its numbers as its own: each job refused before it trains, nothing changed.
+    def files():   # (but the locks' holders, and multirun.yaml: the record of the last sweep started there)
+        return {p: p.read_bytes() for p in sweep.rglob("*") if p.name not in ("run.lock", ".lock", "multirun.yaml")
+                and p.is_file()}
+    before = files()
+    p = forkrun.run("framework.train", ["-m", "optimizer.lr=3e-4,1e-3", *base, "train.steps=3", "checkpoint.every=2",
+                                        "hydra.sweep.dir=multirun/s"], cwd=tmp_path, env=ENV)
+    assert p.returncode == 1 and "resumed" not in p.stdout, p.stdout
+    assert [line.split(" holds ")[1].split(")")[0] for line in error_lines(p)[:2]] == [
+        "the checkpoint of another job (optimizer.lr=0.001; this job: optimizer.lr=0.0003",
+        "the checkpoint of another job (optimizer.lr=0.0003; this job: optimizer.lr=0.001"], p.stderr
+    assert files() == before
 
 
 def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
@@ -795,7 +831,8 @@ def _sweep_with_a_bar_in_an_override(root: Path) -> None:
     for i in (0, 1):
         (root / str(i) / ".hydra").mkdir(parents=True)
         (root / str(i) / ".hydra" / "overrides.yaml").write_text(f"- optimizer.lr=0.00{i + 1}\n- data.path=/d/a|b{i}.txt\n")
-        (root / str(i) / "summary.json").write_text('{"steps": 6, "train_loss": 4.1, "val_loss": 4.2}')
+        (root / str(i) / "summary.json").write_text(json.dumps({"steps": 6, "train_loss": 4.1, "val_loss": 4.2,
+                                                                "steps_run": 6 - 6 * i}))
         (root / str(i) / "metrics.jsonl").write_text('{"step": 2, "loss": 4.1}\n{"step": 6, "val_loss": 4.2}\n')
 
 
@@ -809,6 +846,8 @@ def test_a_bar_in_an_override_keeps_the_reports_columns(tmp_path):
     rows = report.markdown_table(report.load_jobs(tmp_path), tmp_path).splitlines()
     assert len({len(re.split(r"(?<!\\)\|", row)) for row in rows}) == 1, rows
     assert "`data.path=/d/a\\|b0.txt`" in rows[2], rows
+    # a job resumed at its last step trained nothing: its numbers are those of the state it loaded
+    assert [" 6 (resumed, no step trained) " in row for row in rows[2:]] == [False, True], rows
 
 
 def test_a_report_whose_reader_left_ends_quietly(tmp_path, monkeypatch):

@@ -154,13 +154,13 @@ def test_report_labels_a_job_by_the_overrides_its_summary_records(tmp_path):
     """A later run in the same folder rewrites .hydra/overrides.yaml before its checks fail; the
     row of the finished run keeps the overrides that made its summary.json (as the user spelled
     them where the folder's still say the same)."""
-    def job(name, hydra_overrides, cli_keys, config):
+    def job(name, hydra_overrides, cli_keys, config, **more):
         d = tmp_path / name
         (d / ".hydra").mkdir(parents=True)
         (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in hydra_overrides))
         sources = {k: "YAML" for k in ("train.steps", "optimizer.lr", "stage.name")} | dict.fromkeys(cli_keys,
                                                                                                   "command line")
-        (d / "summary.json").write_text(json.dumps({"steps": 2, "config": config, "config_sources": sources}))
+        (d / "summary.json").write_text(json.dumps({"steps": 2, "config": config, "config_sources": sources, **more}))
 
     config = {"train": {"steps": 2}, "optimizer": {"name": "adamw", "lr": 0.001}, "stage": {"name": "zero1"}}
     job("0", ["train.steps=2", "optimizer.lr=-1"], ["train.steps"], config)   # overwritten by a failed run
@@ -169,9 +169,13 @@ def test_report_labels_a_job_by_the_overrides_its_summary_records(tmp_path):
     # checkpoint.resume=latest is recorded as what it resolved to: the folder's own spelling stays
     resumed = {**config, "checkpoint": {"resume": "off"}}
     job("2", ["train.steps=2", "checkpoint.resume=latest"], ["train.steps", "checkpoint.resume"], resumed)
+    # ... and where the row is rebuilt from the summary, it says latest as typed (not off, nor the folder it found)
+    for name, led in (("3", "off"), ("4", "/runs/a/checkpoints")):
+        job(name, ["optimizer.lr=-1"], ["train.steps", "checkpoint.resume"], {**config, "checkpoint": {"resume": led}},
+            resume_given="latest")
     jobs = report.load_jobs(tmp_path)
     assert [j.overrides for j in jobs] == [["train.steps=2"], ["train.steps=2", "optimizer.lr=1e-3", "+stage=zero1"],
-                                           ["train.steps=2", "checkpoint.resume=latest"]]
+                                           *[["train.steps=2", "checkpoint.resume=latest"]] * 3]
 
 
 @pytest.fixture(scope="module")

@@ -132,6 +132,62 @@ def test_resume_latest_in_a_library_loop_is_the_newest_checkpoint(tmp_path, monk
     assert candidates("latest", tmp_path / "ckpt", owned=run) == ([made[1]], []) and made[1].is_dir()
 
 
+def test_a_sweeps_job_never_takes_on_another_jobs_checkpoint(tmp_path, monkeypatch, capsys):
+    """A multirun job (``naming``: the keys of its overrides that say which job it is) never resumes the state of
+    a job saved with other values of them, and reports it as its own: auto refuses another job's checkpoint in the
+    job's folder (a sweep re-run with its values in another order), latest passes over one elsewhere (another
+    sweep's); a single run resumes it (its load notes the difference), as a path given does."""
+    import json
+    import os
+
+    from framework.persist import stepfolders
+    from framework.persist.checkpoint import candidates, preflight
+    from framework.persist.checkpoint._load import job_values, other_job
+
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "multirun" / "k"
+    old = []
+    for i, lr in enumerate(("1e-3", "3e-4")):   # (job 1's the newer)
+        step = sweep / str(i) / "checkpoints" / "step-4"
+        step.mkdir(parents=True)
+        state = json.dumps({"config": tiny_config(f"optimizer.lr={lr}", "checkpoint.every=2").to_dict()})
+        (step / stepfolders.TRAIN_STATE).write_text(state)
+        stepfolders.write_manifest(step, {stepfolders.TRAIN_STATE: stepfolders.file_entry(step, stepfolders.TRAIN_STATE)})
+        os.utime(step / stepfolders.MANIFEST, (1e9 + i, 1e9 + i))
+        old.append(step)
+    lr = frozenset({"optimizer.lr"})
+
+    def job(value: str, resume: str = "auto"):
+        return tiny_config(f"optimizer.lr={value}", "checkpoint.every=2", f"checkpoint.resume={resume}")
+
+    with pytest.raises(ConfigError, match=rf"^checkpoint.resume=auto: {sweep / '0' / 'checkpoints'} holds the "
+                                          r"checkpoint of another job \(optimizer.lr=0.001; this job: optimizer.lr="
+                                          r"0.0003\): a sweep's values in another order, or another sweep, saved "
+                                          r"there; give this sweep another hydra.sweep.dir \(or checkpoint.dir\), or "
+                                          r"delete that folder to start this job afresh$"):
+        preflight(job("3e-4"), sweep / "0", naming=lr)
+    with pytest.raises(ConfigError, match=r"^checkpoint.resume=latest: .* holds the checkpoint of another job"):
+        preflight(job("3e-4", "latest"), sweep / "0", sweep_dir=sweep, naming=lr)
+    assert preflight(job("1e-3"), sweep / "0", naming=lr).checkpoint.resume == "auto"   # its own
+    assert preflight(job("3e-4"), sweep / "0").checkpoint.resume == "auto"   # a single run: resumed, as before
+    assert preflight(job("3e-4", str(old[0])), sweep / "0", naming=lr).checkpoint.resume == str(old[0])
+    # latest in another sweep: the newest checkpoint of this job's values, others passed over (said)
+    other = tmp_path / "multirun" / "B"
+    capsys.readouterr()
+    assert preflight(job("1e-3", "latest"), other / "0", sweep_dir=other, naming=lr).checkpoint.resume \
+        == str(old[0].parent)
+    assert capsys.readouterr().out == (f"checkpoint: resume=latest: passed over 1 checkpoint(s) saved with other values "
+                                       f"of this job's overrides (newest {old[1]}: optimizer.lr=0.0003)\n")
+    assert preflight(job("2e-4", "latest"), other / "1", sweep_dir=other, naming=lr).checkpoint.resume == "off"
+    assert "passed over 2 checkpoint(s)" in capsys.readouterr().out
+    assert candidates("latest", tmp_path / "ck") == ([old[1]], [])   # (a library loop: no job to tell apart)
+    # a group by its choice; checkpoint.resume (where latest led) is no job's name
+    saved, mine = job("1e-3").to_dict(), job("1e-3", "latest").to_dict()
+    mine["optimizer"]["name"] = "lion"
+    assert other_job(saved, job_values(mine, {"optimizer", "optimizer.lr", "checkpoint.resume"})) == [
+        ("optimizer=adamw", "optimizer=lion")]
+
+
 def test_an_hf_checkpoint_without_its_recorded_config_is_compared_by_path():
     """Checkpoints saved before the HF model config was recorded: the config path is all there is to compare."""
     from framework.persist.checkpoint._load import same_run

@@ -101,6 +101,17 @@ def test_a_run_that_trained_no_step_keeps_the_summary_of_that_step(tmp_path, cap
     record = _started(RunRecord(tmp_path, start=4))
     record.finish({"steps": 4, "steps_run": 0, "train_loss": None, "val_loss": 0.5})
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+    # That of another job (a resume that took on its state): this run's config, this one's numbers; one that
+    # differs only in how long, how visibly or where it ran (the same job) is kept.
+    config = {"optimizer": {"lr": 1e-3}, "train": {"steps": 4, "micro_batch": 2}, "checkpoint": {"resume": "auto"}}
+    same = {**config, "train": {"steps": 2, "micro_batch": 2}, "checkpoint": {"resume": "/elsewhere"}}
+    for mine, kept in (({**config, "optimizer": {"lr": 5e-4}}, False), (same, True)):
+        (tmp_path / "summary.json").write_text(json.dumps({"steps": 4, "train_loss": 0.5, "val_loss": 0.6,
+                                                           "tokens_per_s": 100.0, "config": config}))
+        record = _started(RunRecord(tmp_path, start=4))
+        record.finish({"steps": 4, "steps_run": 0, "train_loss": None, "val_loss": 0.7, "config": mine})
+        record.close()
+        assert json.loads((tmp_path / "summary.json").read_text())["val_loss"] == (0.6 if kept else 0.7), mine
 
 
 def test_an_error_that_ends_the_run_is_in_train_log(tmp_path):

@@ -27,7 +27,7 @@ from framework.core.errors import CheckpointError, ConfigError, FrameworkError, 
 from framework.core.registry import closest_hint
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
-from framework.persist.checkpoint._load import batch_change, changed, load, same_run, verify
+from framework.persist.checkpoint._load import batch_change, changed, job_values, load, other_job, same_run, verify
 from framework.persist.checkpoint._save import save
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "shared", "verify"]
@@ -56,6 +56,8 @@ class Checkpointer:
         self._pending: concurrent.futures.Future | None = None
         self.writer = None   # DCP's storage writer, None: FileSystemWriter (tests put one that fails on purpose here)
         self.resumed_from: Path | None = None   # the checkpoint folder ``resume`` loaded
+        # the last steps' losses ``resume``'s checkpoint recorded (``save``'s ``losses``), oldest first
+        self.recent_losses: list[float] = []
         self.closed = False   # close() ended its group (and async pool): no save or resume after it
         self._said_none = False   # that checkpoint.every=0 saves nothing (maybe_save, once)
 
@@ -105,6 +107,9 @@ class Checkpointer:
                    if body["world"] != self.group.world else f"resharded from stage {body['stage']}"
                    if body["stage"] != self.config["stage"]["name"] else "same layout")
             self.resumed_from = Path(folder)
+            losses = body.get("recent_losses")   # (none in a checkpoint of an older version)
+            self.recent_losses = [x for x in losses if isinstance(x, (int, float)) and not isinstance(x, bool)] \
+                if isinstance(losses, list) else []
             diff = changed(body["config"], self.config)
             batch = batch_change(body["config"], body["world"], self.config, self.group.world)
             self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
@@ -125,8 +130,10 @@ class Checkpointer:
         (collective)."""
         return self.group.all_gather(self.rank == 0 and final.is_dir(), "resume: step moved in")[0]
 
-    def maybe_save(self, state, last: bool = False, metrics: dict | None = None) -> None:
-        """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite."""
+    def maybe_save(self, state, last: bool = False, metrics: dict | None = None,
+                   losses: list[float] | None = None) -> None:
+        """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite;
+        ``losses``: as ``save``'s."""
         if not self.cfg.every and not self._said_none:   # (compose's default): said once, not passed over silently
             self._said_none = True
             self._say("none saved (checkpoint.every=0): maybe_save saves nothing; set checkpoint.every=N to save "
@@ -136,12 +143,13 @@ class Checkpointer:
                 self._say(f"not saving step {state.step}: its loss or gradient norm was not finite "
                           f"(train.on_nonfinite=warn); the previous checkpoints are kept")
                 return
-            self.save(state)
+            self.save(state, losses)
 
-    def save(self, state) -> None:
+    def save(self, state, losses: list[float] | None = None) -> None:
+        """``losses``: the last steps' losses, recorded for a resume to go on from (``recent_losses``)."""
         self._check_open("save")
         self.wait()
-        self._pending = save(self, state)
+        self._pending = save(self, state, losses)
 
     def wait(self) -> None:
         """Wait for a save in flight; its error is raised here."""
@@ -181,25 +189,50 @@ def checkpoint_root(cfg, run_dir: Path | None, job: str | None = None) -> Path:
 _RUN_TREES = ("outputs", "multirun")
 
 
-def find_latest(root: Path, sweep_dir: Path | None = None, owned: Path | None = None) -> Path | None:
+def find_latest(root: Path, sweep_dir: Path | None = None, owned: Path | None = None,
+                values: dict | None = None) -> Path | None:
     """The newest committed checkpoint (by commit time) in ``root`` and the ``checkpoints`` folders one to three
-    levels under the run trees, or None; a multirun job passes over its sweep's (``sweep_dir``) other jobs'. A step
-    a save's commit moved aside counts (``_scan``: put back in ``owned``, the folder this run saves into)."""
+    levels under the run trees, or None; a multirun job passes over its sweep's (``sweep_dir``) other jobs' and
+    (outside ``root``) any saved with other values of the keys that name it (``values``: ``job_values``), saying
+    so. A step a save's commit moved aside counts (``_scan``: put back in ``owned``, the folder this run saves
+    into)."""
     skip = Path(sweep_dir).resolve() if sweep_dir is not None else None
     roots = {root, *(p for tree in _RUN_TREES for depth in ("*", "*/*", "*/*/*")
                      for p in (Path.cwd() / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink()
                      and (skip is None or skip not in p.resolve().parents))}
     owned = owned.resolve() if owned is not None else None
-    newest = [found[0] for found, _ in (_scan(r, r.resolve() == owned) for r in roots) if found]
-    return max(newest, key=lambda p: (p / stepfolders.MANIFEST).stat().st_mtime, default=None)
+    newest = sorted((found[0] for found, _ in (_scan(r, r.resolve() == owned) for r in roots) if found),
+                    key=lambda p: (p / stepfolders.MANIFEST).stat().st_mtime, reverse=True)
+    passed, found = [], None   # (another job's state: its numbers would be reported under this job's overrides)
+    for folder in newest:   # (``root``'s own: ``preflight`` refuses another job's there, as auto's)
+        if folder.parent.resolve() == root.resolve() or not (other := _other_job(folder, values)):
+            found = folder
+            break
+        passed.append(f"{folder}: {', '.join(theirs for theirs, _ in other)}")
+    if passed:
+        print(f"checkpoint: resume=latest: passed over {len(passed)} checkpoint(s) saved with other values of "
+              f"this job's overrides (newest {passed[0]})", flush=True)
+    return found
+
+
+def _other_job(folder: Path, values: dict | None) -> list[tuple[str, str]]:
+    """``other_job`` of ``folder``'s recorded config; none where it has no readable one (damage is the load's)."""
+    if not values:
+        return []
+    try:
+        return other_job(stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")["config"], values)
+    except (CheckpointError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path | None = None,
-              own: Callable[[Path], None] | None = None):
+              own: Callable[[Path], None] | None = None, naming: frozenset[str] = frozenset()):
     """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (``find_latest``: every
     rank loads the same); another model's or optimizer's checkpoint refused on one line, damage left to the ranks.
     ``own(folder)``: called for a run that saves, once the folder it saves into is made and writable and before
-    anything in it is read (the CLI locks it there)."""
+    anything in it is read (the CLI locks it there). ``naming``: the keys that say which job a multirun job is (its
+    overrides but how long or where it runs); ``auto`` refuses a checkpoint saved with other values of them
+    (another job's: a sweep's values in another order), ``latest`` passes over one."""
     c = cfg.checkpoint
     root = checkpoint_root(cfg, run_dir, job)
     if c.every:   # an unwritable folder is found now, not at the first save (hours later): made as a save would
@@ -211,11 +244,12 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
                               "a writable folder, or checkpoint.every=0 to save nothing") from None
         if own is not None:
             own(root)
-    folders, notes = choose(c.resume, root, c.every, sweep_dir)
+    mine = job_values(cfg.to_dict(), naming)
+    folders, notes = choose(c.resume, root, c.every, sweep_dir, mine)
     if c.resume == "latest":   # resolved once, here, so that every rank loads the same
         if not folders:
             print(f"checkpoint: {notes[0]}", flush=True)
-            return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume="off"))
+            return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume="off"), resume_given=c.resume)
         # That run's checkpoint folder, not its newest step folder alone: a damaged newest one falls
         # back to the one before it, as resume=auto does.
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folders[0].parent)),
@@ -231,6 +265,14 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
         saved = body["config"]
     except (CheckpointError, UnsafePathError, OSError, KeyError, TypeError):
         return cfg
+    # Another job's in the folder this job saves into (a path given is the user's choice; latest passed over
+    # another job's elsewhere): it would take on that job's state and report it as its own.
+    if c.resume in ("auto", "latest") and folder.parent.resolve() == root.resolve() and (
+            other := other_job(saved, mine)):
+        raise ConfigError(f"checkpoint.resume={c.resume}: {folder.parent} holds the checkpoint of another job "
+                          f"({', '.join(t for t, _ in other)}; this job: {', '.join(m for _, m in other)}): a "
+                          "sweep's values in another order, or another sweep, saved there; give this sweep another "
+                          "hydra.sweep.dir (or checkpoint.dir), or delete that folder to start this job afresh")
     same_run(folder, saved, cfg.to_dict(), c.resume, body.get("model_config"))   # (the model's own: at the load)
     return cfg
 
@@ -306,20 +348,21 @@ def restore(root: Path) -> None:
         print(f"checkpoint: cannot restore an interrupted save's step folder in {root} ({e.strerror or e}); "
               "looking at the committed ones only", flush=True)
 
-def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None) -> tuple[list[Path], list[str]]:
+def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None,
+           values: dict | None = None) -> tuple[list[Path], list[str]]:
     """``candidates``, or for ``off`` none and ``fresh_start``'s note; resuming from another folder than ``root``
     is refused as ``off`` is where ``root`` holds committed checkpoints."""
     if resume == "off":
         note = fresh_start(root, every)
         return [], [note] if note else []
-    folders, notes = candidates(resume, root, sweep_dir, owned=root if every else None)
+    folders, notes = candidates(resume, root, sweep_dir, owned=root if every else None, values=values)
     if folders and every and folders[0].resolve().parent != root.resolve():
         fresh_start(root, every, resume)
     return folders, notes
 
 
-def candidates(resume: str, root: Path, sweep_dir: Path | None = None,
-               owned: Path | None = None) -> tuple[list[Path], list[str]]:
+def candidates(resume: str, root: Path, sweep_dir: Path | None = None, owned: Path | None = None,
+               values: dict | None = None) -> tuple[list[Path], list[str]]:
     """Candidate folders for ``checkpoint.resume`` (``auto``; ``latest``: ``find_latest``'s run folder; a step
     folder or a folder of them), best first, and a line for each ``step-<N>`` passed over (or none found).
     ``owned``: the folder this run saves into, the one where an interrupted commit is put back (``_scan``)."""
@@ -329,7 +372,7 @@ def candidates(resume: str, root: Path, sweep_dir: Path | None = None,
     if resume == "auto":
         return _scan(root, mine(root))
     if resume == "latest":   # (the CLI resolved it to a path before the ranks started; a library loop comes here)
-        folder = find_latest(root, sweep_dir, owned)
+        folder = find_latest(root, sweep_dir, owned, values)
         if folder is None:
             others = "" if sweep_dir is None else f" (those of the sweep's other jobs in {sweep_dir} passed over)"
             return [], [f"resume=latest: no checkpoint in {root} or in the run folders under "

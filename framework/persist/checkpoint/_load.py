@@ -60,6 +60,22 @@ def same_optimizer(folder: Path, saved: dict, mine: dict, resume: str) -> None:
                           f"optimizer={mine['optimizer']['name']}; resume with optimizer={theirs}{OTHER_RUN}")
 
 
+def job_values(config: dict, keys) -> dict:
+    """``config``'s value of each of ``keys`` (those naming a sweep's job), a group by its choice; checkpoint.resume
+    aside (a checkpoint records where ``latest`` led)."""
+    def value(key: str):
+        node = get_key(config, key)
+        return node.get("name") if isinstance(node, dict) else node
+    return {k: value(k) for k in sorted(keys) if k != "checkpoint.resume"}
+
+
+def other_job(saved: dict, mine: dict) -> list[tuple[str, str]]:
+    """``KEY=VALUE`` of ``saved`` (a checkpoint's config) and of this job (``mine``: ``job_values``) for each key
+    whose values differ: the checkpoint of another job of a sweep."""
+    theirs = job_values(saved, mine)
+    return [(f"{k}={theirs[k]}", f"{k}={mine[k]}") for k in mine if theirs[k] != mine[k]]
+
+
 # Where files lie and how many ranks run (said as "resharded"): no difference a resume lists. The
 # swap files' default is in the run folder, so offload.nvme_path differs at every relaunch into a new one.
 _UNLISTED = {"dist.nproc", "offload.nvme_path"}

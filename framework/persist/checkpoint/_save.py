@@ -110,7 +110,7 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
             "nonfinite": nonfinite, "copies": copies, "bytes": nbytes, "release": release if zero_copy else None}
 
 
-def save(ckpt, state):
+def save(ckpt, state, losses: list[float] | None = None):
     """Save ``state`` as ``<ckpt.root>/step-<state.step>`` (collective), its host copy taken before returning;
     with ``ckpt.pool`` the files are written there (its future returned). ``ckpt.on_point``: at ``save-<N>:``
     ``after-shard`` (every rank), ``before-manifest``, ``before-rename``, ``before-latest`` (rank 0): fault tests."""
@@ -135,6 +135,7 @@ def save(ckpt, state):
             # written from the swap file's pages on this thread: a background save would need a model-sized copy
             background = None
         snap = snapshot(engine, mapped, fmap, group, zero_copy=background is None)
+        snap["train"]["recent_losses"] = [x for x in losses or () if math.isfinite(x)]   # (strict JSON)
         # Fixed at submit: a background write keeps the settings of the save that made it.
         snap.update(writer=ckpt.writer, on_point=ckpt.on_point, keep_last=ckpt.cfg.keep_last)
         recheck = lambda: verify_map(fmap, "checked again after the checkpoint read it")  # noqa: E731
