@@ -43,6 +43,26 @@ def test_every_schema_key_is_in_the_conf_tree():
     assert not missing, missing
 
 
+def test_a_deleted_key_has_the_schema_default_which_is_train_yaml_and_says_so():
+    """``~key`` gives the schema's default: the value train.yaml documents, labelled default (not YAML)."""
+    import yaml
+
+    from framework.config.schema import CheckpointConfig, DistConfig, TrainLoopConfig
+
+    root = yaml.safe_load((conf_dir() / "train.yaml").read_text())
+    differ = [f"{section}.{f.name}" for section, schema in (("train", TrainLoopConfig), ("dist", DistConfig),
+                                                             ("checkpoint", CheckpointConfig))
+              for f in dataclasses.fields(schema)
+              if f.default is not dataclasses.MISSING and root[section][f.name.rstrip("_")] != f.default]
+    assert not differ, differ
+    cfg = compose(["~train.log_every", "~checkpoint", "~optimizer.weight_decay"])
+    assert (cfg.train.log_every, cfg.optimizer.weight_decay) == (25, 0.1)
+    assert {k: cfg.sources[k] for k in ("train.log_every", "checkpoint.every", "optimizer.weight_decay",
+                                        "train.eval_every", "optimizer.beta2")} == \
+        {"train.log_every": "default", "checkpoint.every": "default", "optimizer.weight_decay": "default",
+         "train.eval_every": "YAML", "optimizer.beta2": "YAML"}
+
+
 def _build(cfg, group):
     comp = registry(group).get(cfg.choices[group])
     node = getattr(cfg, group)
