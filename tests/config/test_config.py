@@ -196,6 +196,9 @@ def test_nvme_schema_resolves_params_auto_per_stage():
     (["+stage=zero1", "offload=cpu", "offload.overlap_step=true"],
      "offload.overlap_step=true has no effect with stage=zero1 (its gradients are final only after backward"),
     (["+stage=zero2", "offload=nvme", "offload.aio.blok_size=4096"], "did you mean 'offload.aio.block_size'?"),
+    # a nested key run together, or without its node, is suggested as the nested key
+    (["+stage=zero2", "offload=nvme", "offload.aio_block_size=4096"], "did you mean 'offload.aio.block_size'?"),
+    (["+stage=zero2", "offload=nvme", "offload.queue_depth=4"], "did you mean 'offload.aio.queue_depth'?"),
     (["+stage=zero3", "offload=cpu", "offload.params=nvme"], "offload.params must be none or cpu with offload=cpu"),
     (["+stage=zero3", "offload=cpu", "offload.params=true"], "offload.params must be none or cpu"),
     (["+stage=zero2", "offload=cpu", "offload.params=cpu"], "offload.params=cpu (parameter offload) needs +stage=zero3"),
