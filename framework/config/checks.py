@@ -55,7 +55,8 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
                 named = ", ".join(f"{group}={n}" for n in owners[:4]) + (", ..." if len(owners) > 4 else "")
                 raise ConfigError(f"config: {group}.{key} is a key of {named}, not of {group}={option} (chosen); "
                                   f"choose such an option ({choose} {group}.{key}={spelled}) or drop {group}.{key}")
-            match = closest(key, valid, aliases=KEY_ALIASES)
+            # a nested key run together (aio_block_size: aio.block_size) is as close as one at this level
+            match = closest(key, [*valid, *_nested_keys(schema)], aliases=KEY_ALIASES)
             hint = f" (did you mean '{prefix}{match}'?)" if match else ""
             where = (f"valid keys under {group or 'the top level'}: {', '.join(valid)}" if valid
                      else f"{group}={option} has no keys")
@@ -64,6 +65,16 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
         out[name] = _check_keys(value, sub, f"{prefix}{key}.") if dataclasses.is_dataclass(sub) and \
             isinstance(value, Mapping) else plainconf.number(value, sub, f"{prefix}{key}")
     return out
+
+
+def _nested_keys(schema: type, prefix: str = "") -> list[str]:
+    """The keys of ``schema``'s nested schemas, dotted below it as YAML spells them (``aio.block_size``)."""
+    hints, keys = typing.get_type_hints(schema), []
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(sub := hints[f.name]):
+            name = f"{prefix}{plainconf.yaml_name(f.name)}."
+            keys += [name + plainconf.yaml_name(g.name) for g in dataclasses.fields(sub)] + _nested_keys(sub, name)
+    return keys
 
 
 def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) -> Any:

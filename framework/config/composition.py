@@ -324,13 +324,16 @@ class CommandLine:
 
 def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | None = None) -> dict[str, str]:
     """Where each value of ``config`` came from: our defaults < YAML < the DeepSpeed file
-    (``layered``) < the command line."""
+    (``layered``) < the command line. A key the command line deletes has our default."""
     in_yaml = {f"{g}.name" for g in GROUPS if g != "stage"}   # train.yaml's defaults list chooses all but stage
     for prefix, path in (("", conf_dir() / "train.yaml"),
                          *((f"{g}.", conf_dir() / g / f"{config.choices[g]}.yaml") for g in GROUPS)):
         node = plainconf.load_yaml(path) if path.is_file() else {}
         in_yaml |= set(flat({k: v for k, v in node.items() if k not in ("defaults", "hydra")}, prefix))
-    out = {k: dsconfig.YAML if k in in_yaml else dsconfig.DEFAULT for k in flat(config.to_dict())}
+    def deleted(key: str) -> bool:   # ~key, or ~ of a node above it: the code's default, not the YAML's value
+        return any(key == d or key.startswith(f"{d}.") for d in cli.deleted)
+
+    out = {k: dsconfig.YAML if k in in_yaml and not deleted(k) else dsconfig.DEFAULT for k in flat(config.to_dict())}
     on_cli = [*cli.keys, *(f"{g}.name" for g in cli.choices), *(["ds_config"] if cli.ds_config is not None else [])]
     above = {**(layered or {}), **dict.fromkeys(on_cli, dsconfig.COMMAND_LINE)}
     out.update({k: label for k, label in above.items() if k in out})   # only keys the config has

@@ -16,9 +16,9 @@ class TrainLoopConfig:
     steps: int
     micro_batch: int
     grad_accum: int = 1
-    log_every: int = 50
-    eval_every: int = 500       # 0: evaluate only at the end
-    eval_batches: int = 8
+    log_every: int = 25
+    eval_every: int = 100       # 0: evaluate only at the end
+    eval_batches: int = 16
     grad_clip: float = 1.0      # max global gradient norm; 0 disables clipping
     on_nonfinite: str = "stop"  # non-finite loss/gradient norm outside fp16 loss scaling: stop | warn (skip the step)
 

@@ -38,6 +38,8 @@ class SyntheticConfig:
                               f"(its transition matrix is dense: ~48 V^2 bytes); use data=tokens for a larger vocabulary")
         if not self.concentration > 0:
             raise ConfigError(f"data.concentration must be > 0, got {self.concentration}")
+        if self.chain_seed < 0:   # numpy's seed sequence takes none
+            raise ConfigError(f"data.chain_seed must be >= 0, got {self.chain_seed}; give 0 or more")
 
 
 def stationary(p: np.ndarray, a: np.ndarray, cfg: SyntheticConfig) -> np.ndarray:

@@ -146,9 +146,9 @@ def check(node: CPUOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> CPUOf
         raise ConfigError("config: offload.ratio<1 keeps part of each partition's step on the device, which zero3 "
                           "parameter shards in host memory (offload.params=cpu) cannot share; use offload.ratio=1 "
                           "or offload.params=none")
-    if node.overlap_step and node.ratio == 0.0:
-        raise ConfigError("config: offload.overlap_step=true has no effect with offload.ratio=0 (no part of the "
-                          "step runs on the host); raise offload.ratio or drop offload.overlap_step")
+    if node.ratio == 0.0:   # (params=cpu with it is refused above): the step and the state stay on the device
+        raise ConfigError("config: offload=cpu with offload.ratio=0 (every optimizer step on the device) and "
+                          "offload.params=none puts nothing in host memory; set offload.ratio>0, or use offload=none")
     return node
 
 

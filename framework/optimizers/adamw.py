@@ -10,7 +10,9 @@ from framework.optimizers import adam
 
 @dataclass(kw_only=True)
 class AdamWConfig(adam.AdamConfig):
-    weight_decay: float = 0.01
+    # nanoGPT's baby-GPT settings, as adamw.yaml (torch's AdamW: beta2 0.999, weight decay 0.01)
+    beta2: float = 0.99
+    weight_decay: float = 0.1
 
 
 build = partial(adam.build, decoupled=True)

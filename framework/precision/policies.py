@@ -175,6 +175,9 @@ def check(name: str, cfg, stage: str = "", nodes: Mapping[str, Any] | None = Non
         raise ConfigError(f"precision.{unused[0]}={getattr(cfg, unused[0])} has no effect with a static "
                           f"precision.loss_scale={cfg.loss_scale:g} (only the dynamic scaler, loss_scale=0, uses it); "
                           f"remove it or set precision.loss_scale=0")
+    if cfg.consecutive_hysteresis and cfg.hysteresis == 1:   # every overflow lowers the scale: none to restore
+        raise ConfigError("precision.consecutive_hysteresis=true has no effect with precision.hysteresis=1 (every "
+                          "overflow lowers the scale at once); remove it or set precision.hysteresis>1")
     return cfg
 
 

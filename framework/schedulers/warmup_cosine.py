@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 from framework.core.errors import ConfigError
 from framework.core.registry import Component
-from framework.schedulers.warmup_lr import long_warmup_notes
+from framework.schedulers.warmup_lr import checked_by_build, long_warmup_notes
 
 
 @dataclass(kw_only=True)
@@ -21,14 +21,14 @@ class WarmupCosineConfig:
 
 def build(cfg: WarmupCosineConfig, base_lr: float, total_steps: int) -> Callable[[int], float]:
     if not cfg.warmup_steps >= 0:
-        raise ConfigError(f"scheduler.warmup_steps must be >= 0, got {cfg.warmup_steps}")
+        raise ConfigError(f"scheduler.warmup_steps must be >= 0, got {cfg.warmup_steps}; give 0 for no warm-up")
     min_lr = base_lr / 10 if cfg.min_lr is None else cfg.min_lr
     if not (math.isfinite(min_lr) and 0 <= min_lr <= base_lr):
-        raise ConfigError(f"scheduler.min_lr must be in [0, optimizer.lr={base_lr}], got {min_lr}; "
-                          f"set scheduler.min_lr <= optimizer.lr or scheduler=constant")
+        raise ConfigError(f"scheduler.min_lr={min_lr} must be in [0, optimizer.lr={base_lr}]; set scheduler.min_lr "
+                          f"<= optimizer.lr or scheduler=constant (min_lr: null is lr / 10)")
     if cfg.decay_steps is not None and not cfg.decay_steps > cfg.warmup_steps:
-        raise ConfigError(f"scheduler.decay_steps must be > warmup_steps={cfg.warmup_steps}, "
-                          f"got {cfg.decay_steps}")
+        raise ConfigError(f"scheduler.decay_steps must be > warmup_steps={cfg.warmup_steps}, got {cfg.decay_steps}; "
+                          f"give a larger one, or null (the run's length)")
     # A run shorter than its warm-up (decay_steps defaults to the run length) has no cosine
     # phase; nanoGPT would divide by zero at step == warmup == decay, here that step is min_lr.
     warmup, decay = cfg.warmup_steps, total_steps if cfg.decay_steps is None else cfg.decay_steps
@@ -44,19 +44,9 @@ def build(cfg: WarmupCosineConfig, base_lr: float, total_steps: int) -> Callable
     return lr_at
 
 
-def check(node: WarmupCosineConfig, stage: str, nodes: Mapping[str, Any]) -> WarmupCosineConfig:
-    """A stated min_lr above the optimizer's lr (the cosine would rise) is refused before a run folder is made."""
-
-    lr = nodes["optimizer"].lr
-    if node.min_lr is not None and not 0 <= node.min_lr <= lr:
-        raise ConfigError(f"config: scheduler.min_lr={node.min_lr} must be in [0, optimizer.lr={lr}]; set "
-                          f"scheduler.min_lr <= optimizer.lr or scheduler=constant (min_lr: null is lr / 10)")
-    return node
-
-
 def notes(node: WarmupCosineConfig, run) -> list[str]:
     return long_warmup_notes("warmup_steps", node.warmup_steps, run.train.steps,
                              functools.partial(build, node, run.optimizer.lr))
 
 
-COMPONENT = Component(config=WarmupCosineConfig, build=build, check=check, notes=notes)
+COMPONENT = Component(config=WarmupCosineConfig, build=build, check=checked_by_build(build), notes=notes)

@@ -41,12 +41,12 @@ class WarmupCosineLRConfig:
     total_num_steps: int | None = None    # None: the run's number of optimizer steps
 
 
-def _check_warmup(num_steps: int, kind: str, prefix: str = "") -> None:
+def _check_warmup(num_steps: int, kind: str) -> None:
     if kind not in WARMUP_TYPES:
-        raise ConfigError(f"{prefix}scheduler.warmup_type must be {' or '.join(WARMUP_TYPES)}, got "
+        raise ConfigError(f"scheduler.warmup_type must be {' or '.join(WARMUP_TYPES)}, got "
                           f"{kind!r}{closest_hint(kind, WARMUP_TYPES)}")
     if not num_steps >= 1:   # as DeepSpeed (0.19.3 on) refuses it; 1 is raised to 2 by ``warmup``
-        raise ConfigError(f"{prefix}scheduler.warmup_num_steps must be >= 1 (DeepSpeed refuses 0 too), got "
+        raise ConfigError(f"scheduler.warmup_num_steps must be >= 1 (DeepSpeed refuses 0 too), got "
                           f"{num_steps}; give 1 or more (scheduler=constant has no warm-up)")
 
 
@@ -62,7 +62,7 @@ def warmup(num_steps: int, kind: str) -> tuple[int, Callable[[int], float]]:
 def run_total(total_num_steps: int | None, total_steps: int) -> int:
     total = total_steps if total_num_steps is None else total_num_steps
     if not total >= 1:
-        raise ConfigError(f"scheduler.total_num_steps must be >= 1, got {total}")
+        raise ConfigError(f"scheduler.total_num_steps must be >= 1, got {total}; give 1 or more, or null (the run's length)")
     return total
 
 
@@ -98,7 +98,7 @@ def build_cosine(cfg: WarmupCosineLRConfig, base_lr: float, total_steps: int) ->
     for key in ("warmup_min_ratio", "cos_min_ratio"):
         value = getattr(cfg, key)
         if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-            raise ConfigError(f"scheduler.{key} must be in [0, 1], got {value}")
+            raise ConfigError(f"scheduler.{key} must be in [0, 1] (a fraction of optimizer.lr), got {value}")
     span = max(1, run_total(cfg.total_num_steps, total_steps) - num_steps)
     lo, floor = cfg.warmup_min_ratio, cfg.cos_min_ratio
 
@@ -132,16 +132,23 @@ def notes(build_at: Callable[..., Callable[[int], float]], node, run) -> list[st
                              functools.partial(build_at, node, run.optimizer.lr))
 
 
-def check(node, stage: str, nodes: Mapping[str, Any]):
-    """warmup_type and warmup_num_steps with the composed config's other checks (before a run folder is made)."""
-    _check_warmup(node.warmup_num_steps, node.warmup_type, prefix="config: ")
-    return node
+def checked_by_build(build_at: Callable[..., Callable[[int], float]]):
+    """A component's ``check``: its own ``build`` with the optimizer's lr, so every value check runs with the
+    composed config's (before a run folder is made) and lives in one place. The run's length changes none of
+    them (train.steps >= 1 is checked before), so one step stands for it."""
+
+    def check(node, stage: str, nodes: Mapping[str, Any]):
+        try:
+            build_at(node, nodes["optimizer"].lr, 1)
+        except ConfigError as e:
+            raise ConfigError(f"config: {e}") from None
+        return node
+
+    return check
 
 
-
-COMPONENTS = {"warmup_lr": Component(config=WarmupLRConfig, build=build, check=check,
-                                     notes=functools.partial(notes, build)),
-              "warmup_decay_lr": Component(config=WarmupDecayLRConfig, build=build_decay, check=check,
-                                           notes=functools.partial(notes, build_decay)),
-              "warmup_cosine_lr": Component(config=WarmupCosineLRConfig, build=build_cosine, check=check,
-                                            notes=functools.partial(notes, build_cosine))}
+COMPONENTS = {name: Component(config=config, build=build_at, check=checked_by_build(build_at),
+                              notes=functools.partial(notes, build_at))
+              for name, config, build_at in (("warmup_lr", WarmupLRConfig, build),
+                                             ("warmup_decay_lr", WarmupDecayLRConfig, build_decay),
+                                             ("warmup_cosine_lr", WarmupCosineLRConfig, build_cosine))}

@@ -43,6 +43,26 @@ def test_every_schema_key_is_in_the_conf_tree():
     assert not missing, missing
 
 
+def test_a_deleted_key_has_the_schema_default_which_is_train_yaml_and_says_so():
+    """``~key`` gives the schema's default: the value train.yaml documents, labelled default (not YAML)."""
+    import yaml
+
+    from framework.config.schema import CheckpointConfig, DistConfig, TrainLoopConfig
+
+    root = yaml.safe_load((conf_dir() / "train.yaml").read_text())
+    differ = [f"{section}.{f.name}" for section, schema in (("train", TrainLoopConfig), ("dist", DistConfig),
+                                                             ("checkpoint", CheckpointConfig))
+              for f in dataclasses.fields(schema)
+              if f.default is not dataclasses.MISSING and root[section][f.name.rstrip("_")] != f.default]
+    assert not differ, differ
+    cfg = compose(["~train.log_every", "~checkpoint", "~optimizer.weight_decay"])
+    assert (cfg.train.log_every, cfg.optimizer.weight_decay) == (25, 0.1)
+    assert {k: cfg.sources[k] for k in ("train.log_every", "checkpoint.every", "optimizer.weight_decay",
+                                        "train.eval_every", "optimizer.beta2")} == \
+        {"train.log_every": "default", "checkpoint.every": "default", "optimizer.weight_decay": "default",
+         "train.eval_every": "YAML", "optimizer.beta2": "YAML"}
+
+
 def _build(cfg, group):
     comp = registry(group).get(cfg.choices[group])
     node = getattr(cfg, group)
@@ -99,6 +119,8 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
     (["optimizer.lr=-1", "train.steps=2", "scheduler=warmup_lr"], "optimizer.lr must be >= 0 for adamw, got -1.0"),
     (["optimizer=adam", "optimizer.eps=0"], "optimizer.eps must be > 0 for adam, got 0.0 (an eps of 0 makes the update 0/0"),
     (["optimizer=lion", "optimizer.beta1=1"], "optimizer.beta1 must be in [0, 1) for lion, got 1.0"),
+    # numpy's seed sequence takes no negative seed: refused here, not as its traceback after a run folder
+    (["data.chain_seed=-1"], "data.chain_seed must be >= 0, got -1; give 0 or more"),
     # a group choice read as a number, boolean or null is a name the registry does not know
     (["precision=16"], "unknown precision '16' (did you mean 'fp16'?)"),
     (["optimizer=null"], "unknown optimizer 'null'"), (["+stage=null"], "unknown stage 'null'"),
@@ -174,6 +196,9 @@ def test_nvme_schema_resolves_params_auto_per_stage():
     (["+stage=zero1", "offload=cpu", "offload.overlap_step=true"],
      "offload.overlap_step=true has no effect with stage=zero1 (its gradients are final only after backward"),
     (["+stage=zero2", "offload=nvme", "offload.aio.blok_size=4096"], "did you mean 'offload.aio.block_size'?"),
+    # a nested key run together, or without its node, is suggested as the nested key
+    (["+stage=zero2", "offload=nvme", "offload.aio_block_size=4096"], "did you mean 'offload.aio.block_size'?"),
+    (["+stage=zero2", "offload=nvme", "offload.queue_depth=4"], "did you mean 'offload.aio.queue_depth'?"),
     (["+stage=zero3", "offload=cpu", "offload.params=nvme"], "offload.params must be none or cpu with offload=cpu"),
     (["+stage=zero3", "offload=cpu", "offload.params=true"], "offload.params must be none or cpu"),
     (["+stage=zero2", "offload=cpu", "offload.params=cpu"], "offload.params=cpu (parameter offload) needs +stage=zero3"),
@@ -181,8 +206,11 @@ def test_nvme_schema_resolves_params_auto_per_stage():
      "offload.ratio<1 keeps part of each partition's step on the device, which zero3 parameter shards in host memory"),
     (["+stage=zero3", "offload=nvme", "offload.params=cpu", "offload.ratio=0.5"],
      "which zero3 parameter shards in host memory (offload.params=cpu) cannot share"),
-    (["+stage=zero2", "offload=cpu", "offload.ratio=0", "offload.overlap_step=true"],
-     "offload.overlap_step=true has no effect with offload.ratio=0"),
+    # offload.ratio=0: every optimizer step and its state on the device, as offload=none
+    (["+stage=zero2", "offload=cpu", "offload.ratio=0"], "config: offload=cpu with offload.ratio=0 (every optimizer "
+     "step on the device) and offload.params=none puts nothing in host memory; set offload.ratio>0, or use offload=none"),
+    (["+stage=zero1", "offload=cpu", "offload.ratio=0", "offload.pin_memory=false"], "puts nothing in host memory"),
+    (["+stage=zero2", "offload=cpu", "offload.ratio=0", "offload.overlap_step=true"], "puts nothing in host memory"),
     # refused by the config, before the CLI makes a run folder (not when the engine is built)
     (["+stage=zero2", "offload=cpu", "offload.ratio=1.5"], "config: offload.ratio must be in [0, 1], got 1.5"),
     (["+stage=zero2", "offload=cpu", "offload.ratio=-0.5"], "offload.ratio must be in [0, 1], got -0.5"),

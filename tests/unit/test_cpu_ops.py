@@ -461,7 +461,8 @@ def test_tensors_the_kernel_cannot_take_use_the_transforms(kernels, monkeypatch)
     tx = adamw.build(cfg, [True])
     params = [torch.randn(33, dtype=torch.float64)]
     expected = params[0].clone().requires_grad_()
-    opt = torch.optim.AdamW([expected], lr=1e-3, weight_decay=cfg.weight_decay, foreach=False)
+    opt = torch.optim.AdamW([expected], lr=1e-3, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+                            foreach=False)
     state = tx.init(params)
     for step in range(3):
         g = torch.randn(33, dtype=torch.float64)
@@ -490,7 +491,8 @@ def test_a_list_the_kernel_declines_is_stepped_whole_by_the_fallback(kernels, mo
     params = [torch.randn(40, generator=gen), torch.randn(66, generator=gen)[::2]]
     expected = [p.clone().requires_grad_() for p in params]
     opt = torch.optim.AdamW([{"params": [expected[0]], "weight_decay": cfg.weight_decay},
-                             {"params": [expected[1]], "weight_decay": 0.0}], lr=cfg.lr, foreach=False)
+                             {"params": [expected[1]], "weight_decay": 0.0}], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            foreach=False)
     state = tx.init(params)
     for _ in range(3):
         grads = [torch.randn(40, generator=gen), torch.randn(33, generator=gen)]
@@ -514,7 +516,7 @@ def test_subset_step_beside_a_device_piece_runs_the_kernel(kernels, monkeypatch)
     gen = torch.Generator().manual_seed(5)
     host, device = torch.randn(1000, generator=gen), torch.zeros(1000, device="meta")
     expected = host.clone().requires_grad_()
-    opt = torch.optim.AdamW([expected], lr=cfg.lr, weight_decay=0.0, foreach=False)
+    opt = torch.optim.AdamW([expected], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0, foreach=False)
     state = tx.init([host, device])
     for _ in range(3):
         grad = torch.randn(1000, generator=gen)

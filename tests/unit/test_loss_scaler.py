@@ -80,6 +80,12 @@ def test_fp16_keys_name_the_wrong_one_and_a_static_scale_refuses_the_dynamic_key
         check("fp16", FP16Config(loss_scale=-1.0))
     with pytest.raises(ConfigError, match=r"precision.min_loss_scale must be > 0, got 0"):
         check("fp16", FP16Config(min_loss_scale=0.0))
+    # hysteresis 1: every overflow lowers the scale, so there is no count for consecutive_hysteresis to restore
+    with pytest.raises(ConfigError, match=r"^precision.consecutive_hysteresis=true has no effect with "
+                                          r"precision.hysteresis=1 \(every overflow lowers the scale at once\); "
+                                          r"remove it or set precision.hysteresis>1$"):
+        check("fp16", FP16Config(hysteresis=1, consecutive_hysteresis=True))
+    assert check("fp16", cfg := FP16Config(hysteresis=2, consecutive_hysteresis=True)) is cfg
     assert fp16(FP16Config(loss_scale=128.0)).scaler.loss_scale == 128.0
 
 

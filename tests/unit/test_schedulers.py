@@ -187,8 +187,20 @@ def test_warmup_cosine_default_min_lr_is_a_tenth_of_the_lr():
     (["optimizer.lr=5e-5", "scheduler.min_lr=5e-5"], None),
     (["scheduler.min_lr=1e-2"], "config: scheduler.min_lr=0.01 must be in [0, optimizer.lr=0.001]; set "
                                 "scheduler.min_lr <= optimizer.lr or scheduler=constant (min_lr: null is lr / 10)"),
+    # every value build checks, refused by compose (not after another sweep job has run)
+    (["scheduler.warmup_steps=-5"], "config: scheduler.warmup_steps must be >= 0, got -5; give 0 for no warm-up"),
+    (["scheduler.decay_steps=2"], "config: scheduler.decay_steps must be > warmup_steps=100, got 2; give a larger "
+                                  "one, or null (the run's length)"),
+    (["scheduler=warmup_cosine_lr", "scheduler.cos_min_ratio=5", "scheduler.warmup_num_steps=10"],
+     "config: scheduler.cos_min_ratio must be in [0, 1] (a fraction of optimizer.lr), got 5.0"),
+    (["scheduler=warmup_decay_lr", "scheduler.total_num_steps=0", "scheduler.warmup_num_steps=10"],
+     "config: scheduler.total_num_steps must be >= 1, got 0; give 1 or more, or null (the run's length)"),
+    (["scheduler=warmup_lr", "scheduler.warmup_max_lr=-1", "scheduler.warmup_num_steps=10"],
+     "config: scheduler.warmup_max_lr must be >= 0, got -1.0"),
+    (["scheduler=warmup_lr", "scheduler.warmup_type=lin"],
+     "config: scheduler.warmup_type must be log or linear, got 'lin' (did you mean 'linear'?)"),
 ])
-def test_warmup_cosine_min_lr_is_checked_with_the_config(overrides, says):
+def test_scheduler_values_are_checked_with_the_config(overrides, says):
     from framework.config import compose
 
     if says is None:
