@@ -149,10 +149,10 @@ def make_dirs(path: os.PathLike | str) -> None:
         make_dir(path)
 
 
-def lock(path: os.PathLike | str, busy: Callable[[str], str], undetected: str) -> int:
+def lock(path: os.PathLike | str, busy: Callable[[str], str], undetected: str | None) -> int:
     """A descriptor holding an exclusive ``flock`` on ``path`` (made if missing, this process's id written in it)
     while open; FrameworkError ``busy(" (pid N on host H)")`` where another process holds it; a note where the
-    file system cannot lock (``undetected``: what then goes unnoticed). A holder may remove the file before it
+    file system cannot lock (``undetected``: what then goes unnoticed; None: no note). A holder may remove the file before it
     closes the descriptor: a lock taken on a file so removed is taken again on the one now there."""
     while True:
         fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
@@ -166,8 +166,9 @@ def lock(path: os.PathLike | str, busy: Callable[[str], str], undetected: str) -
             if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
                 os.close(fd)
                 raise
-            print(f"note: {Path(path).parent}'s file system cannot lock {Path(path).name} "
-                  f"({os.strerror(e.errno)}): {undetected} is not detected", file=sys.stderr, flush=True)
+            if undetected:
+                print(f"note: {Path(path).parent}'s file system cannot lock {Path(path).name} "
+                      f"({os.strerror(e.errno)}): {undetected} is not detected", file=sys.stderr, flush=True)
             return fd
         try:
             if os.path.samestat(os.fstat(fd), os.lstat(path)):
@@ -175,8 +176,9 @@ def lock(path: os.PathLike | str, busy: Callable[[str], str], undetected: str) -
         except FileNotFoundError:
             pass
         os.close(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    with contextlib.suppress(OSError):   # (only said to a process it stops: a full disk keeps the lock)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
     return fd
 
 

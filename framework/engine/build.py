@@ -77,11 +77,11 @@ class Engine(contextlib.AbstractContextManager):
                                 "backward pass has no graph: call it outside those blocks")
         self.check_trainable("train_step")
         self.check_unedited("train_step")
-        self._stepping = "train_step"
+        outer, self._stepping = self._stepping, "train_step"   # (an eval_step inside loss_fn restores it)
         try:
             state, metrics = self._train_step(state, batch)
         finally:
-            self._stepping = None
+            self._stepping = outer
             self.components.stage.settle()
         self._state = state
         self._half_applied = None   # (set once the update began: an exception before here keeps it)
@@ -110,7 +110,8 @@ class Engine(contextlib.AbstractContextManager):
         self.check_unedited("eval_step")
         if (bare := one_micro_batch(batches, kinds=(tuple,))) is not None:   # (a list of tensors: tensor micro batches)
             raise DataError(f"eval_step: batches is one micro batch ({bare}), not micro batches: pass a list of "
-                            f"them ([(x, y)] for one, [x] for one tensor x)")
+                            f"them ([(x, y)] for one, [x] for one tensor x, list(t) for micro batches stacked in "
+                            f"one tensor t)")
         batches = [batches] if isinstance(batches, Batch) else list(batches)   # a generator: read once, counted
         if any(isinstance(b, Batch) for b in batches):
             raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")
@@ -122,13 +123,13 @@ class Engine(contextlib.AbstractContextManager):
         c.module.eval()
         # [loss sum, batch count], all-reduced together: ranks with different numbers of batches agree on the mean
         total = torch.tensor([0.0, len(batches)], dtype=torch.float32, device=c.dist.device)
-        self._stepping = "eval_step"
+        outer, self._stepping = self._stepping, "eval_step"
         try:
             for b in batches:
                 with torch.no_grad(), c.stage.forward_pass(train=False):
                     total[0] += checked_loss(c.loss_fn(c.module, b)).float()
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
-            self._stepping = None
+            self._stepping = outer
             c.module.train(was_training)
             c.stage.settle()
         c.stage.read_errors()   # a failed shard read gave zeros: every rank raises, none reports that loss

@@ -55,7 +55,8 @@ def build_train_step(c: Components, applying: Callable[[int], None]
         if (bare := one_micro_batch(micro, () if isinstance(batch, Batch) else (tuple, list))) is not None:
             raise DataError(f"train_step: the batch is one micro batch ({bare}), not an iterable of micro batches: "
                             f"pass Batch(((x, y),)) for one (x, y) micro batch, Batch((x,)) for one tensor x "
-                            f"(Batch((x1, x2)) when each tensor is a micro batch)")
+                            f"(Batch((x1, x2)) when each tensor is a micro batch; Batch(tuple(t)) for micro batches "
+                            f"stacked in one tensor t)")
         if not isinstance(batch, Batch) or not isinstance(micro, tuple):   # any iterable (a generator: read once)
             try:
                 batch = Batch(tuple(micro), position)

@@ -263,8 +263,14 @@ def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
             raise ConfigError(f"{what}: {out_dir} is in the committed checkpoint {step}: writing there would make it "
                               f"differ from its {stepfolders.MANIFEST}; choose a folder outside the checkpoint")
         files.make_dirs(out_dir)
-        fd = files.lock(out_dir / LOCK, lambda holder: f"{what}: {out_dir} is being written by another save{holder}: "
-                        "wait for it to end or choose another output folder", "a second save into this folder")
+        try:   # (no note where locks are unsupported: a checkpoint's 16-bit copy would say it at every save)
+            fd = files.lock(out_dir / LOCK, lambda holder: f"{what}: {out_dir} is being written by another save"
+                            f"{holder}: wait for it to end or choose another output folder", None)
+        except PermissionError as e:
+            if not os.path.lexists(out_dir / LOCK):
+                raise
+            raise FrameworkError(f"{what}: cannot open {out_dir / LOCK} ({e.strerror}): another user's save that "
+                                 "was killed left it; remove it, or choose another output folder") from None
     try:
         with _writing(out_dir, plans, what):
             remove_tmp(out_dir)   # an interrupted save's

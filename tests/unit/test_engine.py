@@ -116,10 +116,12 @@ def test_close_stops_the_worker_and_removes_hooks(overrides):
 def test_close_inside_a_step_is_refused_in_one_line_and_the_engine_trains_on(overrides):
     # Every tier alike: under offload=cpu it used to end in the worker pool's raw "cannot schedule new futures
     # after shutdown"; without offload the step finished on a closed engine.
-    before, closing = _ours(), []
+    before, closing, nested = _ours(), [], []
 
     def loss(m, mb):
-        if closing:
+        if nested:
+            nested.pop()()   # an eval_step inside train_step's loss_fn: the step's mark is back after it
+        elif closing:
             closing.pop()()   # on the 2nd micro batch of the step, or in eval_step
         return gpt_loss(m, mb)
 
@@ -134,6 +136,9 @@ def test_close_inside_a_step_is_refused_in_one_line_and_the_engine_trains_on(ove
         closing.append(engine.close)
         with pytest.raises(framework.FrameworkError, match=r"^close\(\) called inside eval_step; close after"):
             engine.eval_step(engine.state, batch.micro)
+        nested.append(lambda: (engine.eval_step(engine.state, list(batch.micro[:1])), closing.append(engine.close)))
+        with pytest.raises(framework.FrameworkError, match=r"^close\(\) called inside train_step; close after"):
+            engine.train_step(engine.state, batch)
         assert not engine.closed
         state, _ = engine.train_step(engine.state, batch)
         assert state.step == 1
