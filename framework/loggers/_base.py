@@ -20,6 +20,13 @@ from framework.core.room import FULL, free_note
 # Keys that say how long, how visibly or where a job runs, not which job it is (a run's other keys do).
 NOT_IDENTITY = ("checkpoint", "train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "logger",
                 "dist.nproc", "dist.timeout_s")
+# Keys that say how a job computes, not what (a relaunch may give each job a new swap folder or another backend):
+# a checkpoint or summary saved with other values of them is still the job's own. (They name its folder.)
+RUN_ONLY = ("dist", "offload.nvme_path", "model.activation_checkpointing", "model.attn_implementation")
+
+
+def run_only(key: str) -> bool:
+    return any(key == k or key.startswith(f"{k}.") for k in RUN_ONLY)
 
 
 @dataclass(frozen=True)
@@ -144,10 +151,12 @@ def _summary(run_dir: Path) -> dict | None:
 
 
 def _identity(config, prefix: str = ""):
-    """A config (a summary's) without its ``NOT_IDENTITY`` keys."""
+    """A config (a summary's) without its ``NOT_IDENTITY`` and ``RUN_ONLY`` keys, and the vocabulary (a summary
+    records the one the model was built with, an older one the composed value)."""
     if not isinstance(config, dict):
         return config
-    return {k: _identity(v, f"{prefix}{k}.") for k, v in config.items() if f"{prefix}{k}" not in NOT_IDENTITY}
+    return {k: _identity(v, f"{prefix}{k}.") for k, v in config.items()
+            if f"{prefix}{k}" not in (*NOT_IDENTITY, "model.vocab_size") and not run_only(f"{prefix}{k}")}
 
 
 def _set_aside(run_dir: Path, start: int) -> None:

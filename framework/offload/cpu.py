@@ -35,7 +35,7 @@ class HostPlacement(Placement):
                 n = max(p.numel() for p in self.partitions)   # (the same on every rank: all raise, before a step)
                 raise ConfigError(f"config: offload.ratio={self.host_fraction:g} moves no element of any partition off "
                                   f"the device (the largest has {n} elements), so nothing would be offloaded; set "
-                                  f"offload.ratio>={1 / n:.3g} (1/{n}), or offload.ratio=0 to step on the device")
+                                  f"offload.ratio>={1 / n:.3g} (1/{n}), or offload=none to step on the device")
             return None
         pipeline = PiecePipeline(tx, self, gather)
         # held weakly: autograd's hooks keep this placement alive, while the pipeline goes with its owner

@@ -269,8 +269,9 @@ def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
         except PermissionError as e:
             if not os.path.lexists(out_dir / LOCK):
                 raise
-            raise FrameworkError(f"{what}: cannot open {out_dir / LOCK} ({e.strerror}): another user's save that "
-                                 "was killed left it; remove it, or choose another output folder") from None
+            raise FrameworkError(f"{what}: cannot open {out_dir / LOCK} ({e.strerror}): another user's save holds "
+                                 "or left it; remove it only if none of theirs is running, or choose another output "
+                                 "folder") from None
     try:
         with _writing(out_dir, plans, what):
             remove_tmp(out_dir)   # an interrupted save's

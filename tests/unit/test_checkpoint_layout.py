@@ -169,6 +169,11 @@ def test_a_sweeps_job_never_takes_on_another_jobs_checkpoint(tmp_path, monkeypat
     with pytest.raises(ConfigError, match=r"^checkpoint.resume=latest: .* holds the checkpoint of another job"):
         preflight(job("3e-4", "latest"), sweep / "0", sweep_dir=sweep, naming=lr)
     assert preflight(job("1e-3"), sweep / "0", naming=lr).checkpoint.resume == "auto"   # its own
+    # ... also relaunched with another swap folder, backend or recompute (how it runs, not which job it is)
+    how = ("dist.backend=gloo", "model.activation_checkpointing=true")
+    assert preflight(tiny_config("optimizer.lr=1e-3", "checkpoint.every=2", *how), sweep / "0",
+                     naming=lr | {h.split("=")[0] for h in how}).checkpoint.resume == "auto"
+    assert job_values(job("1e-3").to_dict(), {"offload.nvme_path", "dist.timeout_s"}) == {}
     assert preflight(job("3e-4"), sweep / "0").checkpoint.resume == "auto"   # a single run: resumed, as before
     assert preflight(job("3e-4", str(old[0])), sweep / "0", naming=lr).checkpoint.resume == str(old[0])
     # latest in another sweep: the newest checkpoint of this job's values, others passed over (said)

@@ -104,7 +104,10 @@ def test_a_run_that_trained_no_step_keeps_the_summary_of_that_step(tmp_path, cap
     # That of another job (a resume that took on its state): this run's config, this one's numbers; one that
     # differs only in how long, how visibly or where it ran (the same job) is kept.
     config = {"optimizer": {"lr": 1e-3}, "train": {"steps": 4, "micro_batch": 2}, "checkpoint": {"resume": "auto"}}
-    same = {**config, "train": {"steps": 2, "micro_batch": 2}, "checkpoint": {"resume": "/elsewhere"}}
+    same = {**config, "train": {"steps": 2, "micro_batch": 2}, "checkpoint": {"resume": "/elsewhere"},
+            "dist": {"backend": "gloo"}, "offload": {"nvme_path": "/swap/b"},   # how it ran; the vocabulary as built
+            "model": {"vocab_size": 64, "activation_checkpointing": True}}
+    config = {**config, "offload": {"nvme_path": "/swap/a"}, "model": {"vocab_size": 65}}
     for mine, kept in (({**config, "optimizer": {"lr": 5e-4}}, False), (same, True)):
         (tmp_path / "summary.json").write_text(json.dumps({"steps": 4, "train_loss": 0.5, "val_loss": 0.6,
                                                            "tokens_per_s": 100.0, "config": config}))

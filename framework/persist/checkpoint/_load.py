@@ -12,6 +12,7 @@ import torch
 from framework.config.schema import get_key
 from framework.core.errors import CheckpointError, ConfigError, UnsafePathError, on_every_rank
 from framework.models.hf import architecture, without_dtype
+from framework.loggers import run_only
 from framework.persist import stepfolders
 from framework.persist import rng
 from framework.persist.checkpoint._group import Group, agree_load, glue
@@ -62,11 +63,11 @@ def same_optimizer(folder: Path, saved: dict, mine: dict, resume: str) -> None:
 
 def job_values(config: dict, keys) -> dict:
     """``config``'s value of each of ``keys`` (those naming a sweep's job), a group by its choice; checkpoint.resume
-    aside (a checkpoint records where ``latest`` led)."""
+    (a checkpoint records where ``latest`` led) and the keys of how a job runs (``run_only``) aside."""
     def value(key: str):
         node = get_key(config, key)
         return node.get("name") if isinstance(node, dict) else node
-    return {k: value(k) for k in sorted(keys) if k != "checkpoint.resume"}
+    return {k: value(k) for k in sorted(keys) if k != "checkpoint.resume" and not run_only(k)}
 
 
 def other_job(saved: dict, mine: dict) -> list[tuple[str, str]]:
