@@ -209,7 +209,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         hidden_size = registry("model").get(base.choices["model"]).hidden_size(base.model)
     warmup, stated = None, t.settings.get("scheduler.warmup_num_steps")
     if (stated is not None and stated.source == dsconfig.DS_FILE
-            and "scheduler.warmup_num_steps" not in cli.keys | cli.deleted):
+            and not cli.owns("scheduler.warmup_num_steps")):
         # Hugging Face's warm-up steps: those of the scheduler the run itself chooses. The file's must match
         # only where that is the file's scheduler and the run's YAML (not the group's own file) sets them:
         # known by composing without the group (~scheduler).
@@ -226,15 +226,16 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     resolved = dsconfig.resolve(t, facts)
     # The DeepSpeed layer goes under the command line: set wherever the command line does not set or delete.
     for key, value in resolved.values.items():
-        if key not in cli.keys | cli.deleted:
+        if not cli.owns(key):
             _set_key(cfg, key, value)
     try:
         config = validate(cfg, choices)
     except ConfigError as e:   # a bad value the file states: name the file's key too
         raise ConfigError(_from_file(str(e), {k: v for k, v in resolved.ds_keys.items()
-                                              if k not in cli.keys | cli.deleted})) from None
+                                              if not cli.owns(k)})) from None
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE if g in mine else dsconfig.YAML
-                                          for g in t.choices}, **resolved.sources})
+                                          for g in t.choices},
+                                       **{k: v for k, v in resolved.sources.items() if not cli.deletes(k)}})
     notices = config.notices + tuple(t.notices(strict, resolved.inert, resolved.notes))
     batch_world = world if isinstance(t.batch.get("train_batch_size"), int) else None
     return cfg, dataclasses.replace(config, ds_config=label, sources=sources, notices=notices,
@@ -281,6 +282,14 @@ class CommandLine:
     # key spans lines and names no suggestion; forced in, ``validate`` refuses it in one line naming the closest.
     forced: tuple[str, ...]
     kept: tuple[str, ...]     # forced less its deletions of values (~group.key; a group's ~group and ~ds_config stay)
+
+    def deletes(self, key: str) -> bool:
+        """``~key``, or ``~`` of a node above it."""
+        return any(key == d or key.startswith(f"{d}.") for d in self.deleted)
+
+    def owns(self, key: str) -> bool:
+        """The command line sets or deletes ``key``: no lower layer (the DeepSpeed file) sets it."""
+        return key in self.keys or self.deletes(key)
 
     @staticmethod
     def parse(overrides: list[str]) -> "CommandLine":
@@ -330,10 +339,9 @@ def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | No
                          *((f"{g}.", conf_dir() / g / f"{config.choices[g]}.yaml") for g in GROUPS)):
         node = plainconf.load_yaml(path) if path.is_file() else {}
         in_yaml |= set(flat({k: v for k, v in node.items() if k not in ("defaults", "hydra")}, prefix))
-    def deleted(key: str) -> bool:   # ~key, or ~ of a node above it: the code's default, not the YAML's value
-        return any(key == d or key.startswith(f"{d}.") for d in cli.deleted)
-
-    out = {k: dsconfig.YAML if k in in_yaml and not deleted(k) else dsconfig.DEFAULT for k in flat(config.to_dict())}
+    # (a deleted key has the code's default, not the YAML's value)
+    out = {k: dsconfig.YAML if k in in_yaml and not cli.deletes(k) else dsconfig.DEFAULT
+           for k in flat(config.to_dict())}
     on_cli = [*cli.keys, *(f"{g}.name" for g in cli.choices), *(["ds_config"] if cli.ds_config is not None else [])]
     above = {**(layered or {}), **dict.fromkeys(on_cli, dsconfig.COMMAND_LINE)}
     out.update({k: label for k, label in above.items() if k in out})   # only keys the config has

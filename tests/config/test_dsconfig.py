@@ -480,6 +480,18 @@ def test_precedence_defaults_file_command_line():
     assert cfg.sources["optimizer.decay_1d"] == "DeepSpeed default"
 
 
+def test_a_key_deleted_on_the_command_line_has_our_default_and_says_so():
+    """``~KEY`` takes the key from every layer, the file's included: our default, labelled so (not the
+    file's label on our value)."""
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.05}}, "gradient_clipping": 0.5}
+    cfg = framework.compose(["~optimizer.beta2", "~optimizer.weight_decay", "~train.grad_clip"], ds_config=ds)
+    o = cfg.optimizer
+    assert (o.beta2, o.weight_decay, cfg.train.grad_clip) == (0.99, 0.1, 1.0)
+    for key in ("optimizer.beta2", "optimizer.weight_decay", "train.grad_clip"):
+        assert cfg.sources[key] == dsconfig.DEFAULT, key
+    assert (cfg.optimizer.lr, cfg.sources["optimizer.lr"]) == (1e-4, dsconfig.DS_FILE)
+
+
 def test_mismatches_listed_together():
     ds = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-3, "total_num_steps": 100}},
