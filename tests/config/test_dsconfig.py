@@ -583,6 +583,16 @@ def test_offload_sections_and_mismatched_pin_memory():
     bad = copy.deepcopy(ds)
     bad["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
     assert "offload.ratio<1 keeps part of each partition's step on the device" in error_of(bad)
+    # ratio 0 in the file: every step on the device as DeepSpeed runs it, so offload=none with a note (given
+    # directly, offload=cpu offload.ratio=0 is refused); with parameters in host memory refused as any ratio < 1
+    nothing = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0}}}
+    cfg = framework.compose([], ds_config=nothing)
+    assert cfg.choices["offload"] == "none" and cfg.sources["offload.name"] == dsconfig.DS_FILE
+    assert any("zero_optimization.offload_optimizer (ratio 0" in n for n in cfg.notices), cfg.notices
+    assert "offload_optimizer.ratio=0 in the file means offload=none" in error_of(nothing, ["offload=cpu"])
+    assert "puts nothing in host memory" in error_of({"zero_optimization": {"stage": 3}}, ["offload=cpu", "offload.ratio=0"])
+    bad["zero_optimization"]["offload_optimizer"]["ratio"] = 0
+    assert "offload.ratio<1 keeps part of each partition's step on the device" in error_of(bad)
 
 
 def test_nvme_buffer_keys_of_a_section_on_the_cpu_are_notes():
@@ -666,6 +676,18 @@ def test_a_static_loss_scale_leaves_the_dynamic_keys_inert():
     cfg = framework.compose(["precision.loss_scale=64"], ds_config=ds)
     assert (cfg.precision.loss_scale, cfg.precision.hysteresis) == (64, 2)
     assert any("fp16.hysteresis (loss_scale 64 is static)" in n for n in cfg.notices), cfg.notices
+    # consecutive_hysteresis under a final hysteresis of 1 forgives no overflow: inert from the file (the command
+    # line's hysteresis decides), refused given directly
+    ds = {"fp16": {"enabled": True, "hysteresis": 1, "consecutive_hysteresis": True}}
+    cfg = framework.compose([], ds_config=ds)
+    assert (cfg.precision.hysteresis, cfg.precision.consecutive_hysteresis) == (1, False)
+    assert any("fp16.consecutive_hysteresis (hysteresis 1" in n for n in cfg.notices), cfg.notices
+    cfg = framework.compose(["precision.hysteresis=3"], ds_config=ds)
+    assert (cfg.precision.hysteresis, cfg.precision.consecutive_hysteresis) == (3, True)
+    assert "has no effect with precision.hysteresis=1" in error_of(ds, ["precision.consecutive_hysteresis=true"])
+    del ds["fp16"]["hysteresis"]
+    cfg = framework.compose(["precision.hysteresis=1"], ds_config=ds)
+    assert cfg.precision.consecutive_hysteresis is False and any("(hysteresis 1" in n for n in cfg.notices)
 
 
 def test_bf16_communication_dtype_and_grad_accum_dtype():

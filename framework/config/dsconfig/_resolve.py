@@ -69,6 +69,17 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             # a static scale: the dynamic scaler's keys change nothing (their defaults pass as they are)
             unused = [k for k, s in fp16_keys.items() if k in SCALER_DEFAULTS and s.value != SCALER_DEFAULTS[k]]
             inert += [f"{fp16_keys.pop(k).ds_key} (loss_scale {scale:g} is static)" for k in unused]
+        # the file's consecutive_hysteresis under a hysteresis of 1 (the final one): no overflow to forgive
+        consecutive, owned = fp16_keys.get("consecutive_hysteresis"), run.cli_keys | run.cli_deleted
+        if consecutive is not None and consecutive.value is True and "precision.consecutive_hysteresis" not in owned:
+            stated = None if "precision.hysteresis" in owned else fp16_keys.get("hysteresis")
+            try:   # (the run's own: absent where its precision contradicts the file's, a mismatch below)
+                hysteresis = run.value("precision.hysteresis") if stated is None else stated.value
+            except KeyError:
+                hysteresis = None
+            if hysteresis == 1:
+                inert.append(f"{fp16_keys.pop('consecutive_hysteresis').ds_key} (hysteresis 1: every overflow "
+                             f"lowers the scale at once)")
         settings.update({f"precision.{k}": s for k, s in fp16_keys.items()})
     for key in [k for k in settings if k.startswith("_bf16.")]:   # bf16's keys of a bf16 run
         if precision == "bf16":

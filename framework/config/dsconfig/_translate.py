@@ -165,6 +165,13 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
         # As in DeepSpeed, whose stages 1 and 2 read only offload_optimizer: the whole section is inert.
         tr.inert_key(f"{Z}offload_param", "parameters are partitioned only under stage 3; DeepSpeed ignores it")
         sections[1] = ({}, "offload_param", "none")
+    ratio, why = o.get("ratio"), f"{Z}offload_optimizer.device / offload_param.device"
+    if stage == 3 and sections == [(o, "offload_optimizer", "cpu"), (q, "offload_param", "none")] and \
+            ratio == 0 and not isinstance(ratio, bool):
+        # DeepSpeed then steps all of the optimizer on the device, and nothing else is in host memory: offload=none
+        tr.inert_key(f"{Z}offload_optimizer", "ratio 0: every optimizer step on the device, as DeepSpeed runs it; "
+                                             "offload=none")
+        sections[0], why = ({}, "offload_optimizer", "none"), f"{Z}offload_optimizer.ratio=0"
     od, pd = (dev for _, _, dev in sections)
     target = "nvme" if "nvme" in (od, pd) else "cpu" if "cpu" in (od, pd) else "none"
     if target != "none" and od == "none":
@@ -174,7 +181,7 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
         if dev == "none":
             tr.inert_keys(sec, {k: "device none" for k in sec if k != "device"}, f"{Z}{name}.")
     if opt is not None or param is not None:  # absent sections leave the run's offload choice
-        tr.choose("offload", target, f"{Z}offload_optimizer.device / offload_param.device")
+        tr.choose("offload", target, why)
     # (with target none both devices are none: only the offload_*.device checks above apply)
     if target != "none":   # (no device stated, or a section DeepSpeed ignores: its default, none)
         tr.set("offload.params", pd, f"{Z}offload_param.device", DS_FILE if "device" in sections[1][0] else DS_DEFAULT)
