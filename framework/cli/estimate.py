@@ -109,11 +109,9 @@ def resolve_model(value: str, overrides: list[str], context: int = HFConfig.cont
         models.get(value)   # an unknown name: one line, with how to name a Hugging Face model
         cfg = compose([f"model={value}", *overrides])
     vocab, source = build_vocab(cfg, overrides)
-    if vocab is None and (vocab := getattr(cfg.model, "vocab_size", None)) is None:
-        # A model config that states no vocabulary: the data's, as training builds it.
-        vocab, source = data_vocab(cfg), f"data={cfg.choices['data']}"
     with torch.device("meta"):
-        return component(cfg, "model").build(cfg.model, vocab_size=vocab), cfg, False, {"size": vocab, "from": source}
+        module = component(cfg, "model").build(cfg.model, vocab_size=vocab)
+    return module, cfg, False, {"size": vocab, "from": source}
 
 
 def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:

@@ -48,6 +48,7 @@ from framework.core import files
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line, say
 from framework.core.paths import conf_dir
 from framework.core.room import nearest_existing
+from framework.core.utils import under
 from framework.loggers import NOT_IDENTITY, RunInfo
 from framework.persist.checkpoint import checkpoint_root
 
@@ -282,7 +283,7 @@ def _naming(overrides: list[str], swept: frozenset[str]) -> list:
     """The overrides that say which job a sweep's job is: all but unswept ``NOT_IDENTITY`` ones (left out of its
     folder's name under an explicit checkpoint.dir, so a relaunch with more train.steps resumes the job)."""
     return [o for o in parse_overrides(overrides) if o.key_or_group in swept
-            or not any(o.key_or_group == k or o.key_or_group.startswith(f"{k}.") for k in NOT_IDENTITY)]
+            or not under(o.key_or_group, NOT_IDENTITY)]
 
 
 def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:

@@ -17,6 +17,7 @@ from framework.config.schema import Config, flat
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
 from framework.core.registry import GROUPS, closest, registry
+from framework.core.utils import under
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -285,7 +286,7 @@ class CommandLine:
 
     def deletes(self, key: str) -> bool:
         """``~key``, or ``~`` of a node above it."""
-        return any(key == d or key.startswith(f"{d}.") for d in self.deleted)
+        return under(key, self.deleted)
 
     def owns(self, key: str) -> bool:
         """The command line sets or deletes ``key``: no lower layer (the DeepSpeed file) sets it."""

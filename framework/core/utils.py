@@ -28,6 +28,11 @@ def few(items, n: int = 5, show=repr) -> str:
     return ", ".join(map(show, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
+def under(key: str, roots) -> bool:
+    """``key`` (dotted) is one of ``roots`` or a key below one (``dist.backend`` is under ``dist``)."""
+    return any(key == r or key.startswith(f"{r}.") for r in roots)
+
+
 def plain_text(doc: str) -> str:
     """A docstring as a terminal prints it (``--help``): without reST's double backticks around literals."""
     return doc.replace("``", "")

@@ -15,6 +15,7 @@ from pathlib import Path
 from framework.core import files
 from framework.core.errors import FrameworkError, Interrupted, Terminated, say
 from framework.core.room import FULL, free_note
+from framework.core.utils import under
 
 
 # Keys that say how long, how visibly or where a job runs, not which job it is (a run's other keys do).
@@ -23,10 +24,6 @@ NOT_IDENTITY = ("checkpoint", "train.steps", "train.log_every", "train.eval_ever
 # Keys that say how a job computes, not what (a relaunch may give each job a new swap folder or another backend):
 # a checkpoint or summary saved with other values of them is still the job's own. (They name its folder.)
 RUN_ONLY = ("dist", "offload.nvme_path", "model.activation_checkpointing", "model.attn_implementation")
-
-
-def run_only(key: str) -> bool:
-    return any(key == k or key.startswith(f"{k}.") for k in RUN_ONLY)
 
 
 @dataclass(frozen=True)
@@ -156,7 +153,7 @@ def _identity(config, prefix: str = ""):
     if not isinstance(config, dict):
         return config
     return {k: _identity(v, f"{prefix}{k}.") for k, v in config.items()
-            if f"{prefix}{k}" not in (*NOT_IDENTITY, "model.vocab_size") and not run_only(f"{prefix}{k}")}
+            if not under(f"{prefix}{k}", (*NOT_IDENTITY, *RUN_ONLY, "model.vocab_size"))}
 
 
 def _set_aside(run_dir: Path, start: int) -> None:

@@ -218,12 +218,14 @@ def data_vocab(cfg, context: int | None = None) -> int:
                           f"which needs its data here: {e}{hint}") from None
 
 
-def build_vocab(cfg, overrides: list[str]) -> tuple[int | None, str]:
+def build_vocab(cfg, overrides: list[str]) -> tuple[int, str]:
     """(``vocab_size`` to count the model with in the model-state tables, its source): the data's when
-    ``overrides`` choose the data (``data=`` or a ``data.`` key), else None: the model config's own, so a
-    preset counts as its YAML states. (A per-rank prediction is always at ``data_vocab``'s, as training builds.)"""
+    ``overrides`` choose the data (``data=`` or a ``data.`` key) or the model config states none, else the model
+    config's own, so a preset counts as its YAML states. (A per-rank prediction is always at ``data_vocab``'s, as training builds.)"""
     chosen = any(o.split("=")[0].lstrip("+~").split(".")[0] == "data" for o in overrides)
-    return (data_vocab(cfg), f"data={cfg.choices['data']}") if chosen else (None, "model")
+    if chosen or getattr(cfg.model, "vocab_size", None) is None:   # (a model config stating none: as training builds)
+        return data_vocab(cfg), f"data={cfg.choices['data']}"
+    return cfg.model.vocab_size, "model"
 
 
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,

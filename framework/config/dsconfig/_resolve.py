@@ -62,15 +62,16 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     fp16_keys = {k.removeprefix("_fp16."): settings.pop(k) for k in [k for k in settings if k.startswith("_fp16.")]}
     inert = [] if precision == "fp16" else [f"{s.ds_key} (the run is {precision})" for s in fp16_keys.values()]
     if precision == "fp16":
+        owned = run.cli_keys | run.cli_deleted   # (set or deleted there: the run config's value, not the file's)
         # the scale the run will have: the command line's (or, deleted there, the run config's) over the file's
-        scale = run.value("precision.loss_scale") if "precision.loss_scale" in run.cli_keys | run.cli_deleted else \
+        scale = run.value("precision.loss_scale") if "precision.loss_scale" in owned else \
             getattr(fp16_keys.get("loss_scale"), "value", None)
         if isinstance(scale, (int, float)) and scale > 0:
             # a static scale: the dynamic scaler's keys change nothing (their defaults pass as they are)
             unused = [k for k, s in fp16_keys.items() if k in SCALER_DEFAULTS and s.value != SCALER_DEFAULTS[k]]
             inert += [f"{fp16_keys.pop(k).ds_key} (loss_scale {scale:g} is static)" for k in unused]
         # the file's consecutive_hysteresis under a hysteresis of 1 (the final one): no overflow to forgive
-        consecutive, owned = fp16_keys.get("consecutive_hysteresis"), run.cli_keys | run.cli_deleted
+        consecutive = fp16_keys.get("consecutive_hysteresis")
         if consecutive is not None and consecutive.value is True and "precision.consecutive_hysteresis" not in owned:
             stated = None if "precision.hysteresis" in owned else fp16_keys.get("hysteresis")
             try:   # (the run's own: absent where its precision contradicts the file's, a mismatch below)

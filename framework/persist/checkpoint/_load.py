@@ -12,7 +12,7 @@ import torch
 from framework.config.schema import get_key
 from framework.core.errors import CheckpointError, ConfigError, UnsafePathError, on_every_rank
 from framework.models.hf import architecture, without_dtype
-from framework.loggers import run_only
+from framework.loggers import RUN_ONLY
 from framework.persist import stepfolders
 from framework.persist import rng
 from framework.persist.checkpoint._group import Group, agree_load, glue
@@ -20,7 +20,7 @@ from framework.persist.checkpoint._save import dcp_key, dcp_values
 from framework.persist.layout import (StateLayout, check_format, nonfinite_items, pieces,
                                       with_saved_scalars)
 from framework.persist.weights import whole_tensors
-from framework.core.utils import few
+from framework.core.utils import few, under
 
 # A checkpoint of another model or optimizer is not damaged: no fallback, the user chooses.
 OTHER_RUN = "; use another checkpoint.dir to start this run afresh"
@@ -63,11 +63,11 @@ def same_optimizer(folder: Path, saved: dict, mine: dict, resume: str) -> None:
 
 def job_values(config: dict, keys) -> dict:
     """``config``'s value of each of ``keys`` (those naming a sweep's job), a group by its choice; checkpoint.resume
-    (a checkpoint records where ``latest`` led) and the keys of how a job runs (``run_only``) aside."""
+    (a checkpoint records where ``latest`` led) and the keys of how a job runs (``RUN_ONLY``) aside."""
     def value(key: str):
         node = get_key(config, key)
         return node.get("name") if isinstance(node, dict) else node
-    return {k: value(k) for k in sorted(keys) if k != "checkpoint.resume" and not run_only(k)}
+    return {k: value(k) for k in sorted(keys) if k != "checkpoint.resume" and not under(k, RUN_ONLY)}
 
 
 def other_job(saved: dict, mine: dict) -> list[tuple[str, str]]:
