@@ -46,6 +46,7 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     os.environ.update(slurm_task_env())
     try:   # (the same config and launcher variables on every rank: all raise alike)
         check_launch_env(cfg)
+        check_saves(cfg)
         check_batch_world(cfg, run_world(cfg.dist.nproc))
     except FrameworkError as e:
         raise on_every_rank(e)
@@ -224,6 +225,14 @@ def check_launch_env(cfg: Config) -> None:
     if launched and (cfg.dist.nproc > 1 or cfg.sources.get("dist.nproc") == COMMAND_LINE) and cfg.dist.nproc != world:
         raise ConfigError(f"dist.nproc={cfg.dist.nproc} differs from WORLD_SIZE={world} set by the launcher "
                           f"(torchrun), which makes the ranks; drop dist.nproc or launch {cfg.dist.nproc} ranks")
+
+
+def check_saves(cfg: Config) -> None:
+    """One line for checkpoint.async=true where the CLI's loop saves no checkpoint (checkpoint.every=0): inert
+    here, though in one's own loop ``ckpt.save(state)`` writes in the background with it (compose accepts it)."""
+    if cfg.checkpoint.async_ and not cfg.checkpoint.every:
+        raise ConfigError("config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); "
+                          "set checkpoint.every=N or remove checkpoint.async")
 
 
 def restart_notice(cfg: Config, run: RunInfo) -> None:

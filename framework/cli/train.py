@@ -39,7 +39,7 @@ from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
 
 from framework.cli import fail
 from framework.cli._hydra import OVERRIDE_DIRNAME_EXCLUDE, QUIET, Passed, record_job, record_sweep
-from framework.cli.launch import RUN_LOCK, launch, terminated_line
+from framework.cli.launch import RUN_LOCK, check_saves, launch, terminated_line
 from framework.comm.distributed import check_env_ints, env_int
 from framework.config import (GROUPS, Config, app_composer, compose, compose_layers, parse_overrides,
                               standalone_composer)
@@ -426,6 +426,7 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
             if folder == "hydra.sweep.dir":
                 check_missing_key(cfg, "hydra.sweep.subdir")
             check_no_chdir(cfg)
+            check_saves(config)
             subdir = OmegaConf.select(cfg, "hydra.output_subdir")
         for overrides, cfg, config in composed:
             check_groups_chosen(overrides, cfg, config, chosen or {})

@@ -221,9 +221,6 @@ def _check_values(root: RootSchema) -> None:
     if root.ds_config_strict and root.ds_config is None:
         raise ConfigError("config: ds_config_strict=true does nothing without a DeepSpeed file; add ds_config=FILE "
                           "or remove ds_config_strict")
-    if c.async_ and c.every == 0:
-        raise ConfigError("config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); "
-                          "set checkpoint.every=N or remove checkpoint.async")
 
 
 def check_compatible(stage: str, offload: str) -> None:

@@ -283,6 +283,9 @@ def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
      "local folder: a config.json or a folder holding one)"),
     (["model=hf", "model.pretrained=gpt2"], "model.pretrained=gpt2: no such file (a Hub name? nothing is downloaded; "
      "give a local folder: a save_pretrained folder)"),
+    # the loop saves no checkpoint (compose accepts it: one's own loop may call ckpt.save)
+    (["checkpoint.async=true"], "config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); set "
+     "checkpoint.every=N or remove checkpoint.async"),
 ])
 def test_a_closed_choice_is_checked_before_the_run_folder(forkrun, tmp_path, overrides, says):
     p = forkrun.run("framework.train", [*overrides, "train.steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
