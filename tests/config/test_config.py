@@ -119,6 +119,9 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
     (["optimizer.lr=-1", "train.steps=2", "scheduler=warmup_lr"], "optimizer.lr must be >= 0 for adamw, got -1.0"),
     (["optimizer=adam", "optimizer.eps=0"], "optimizer.eps must be > 0 for adam, got 0.0 (an eps of 0 makes the update 0/0"),
     (["optimizer=lion", "optimizer.beta1=1"], "optimizer.beta1 must be in [0, 1) for lion, got 1.0"),
+    (["optimizer=adam", "optimizer.decay_1d=true"], "optimizer.decay_1d=true has no effect with "
+     "optimizer.weight_decay=0 for adam (nothing is decayed); set optimizer.weight_decay > 0 or drop "
+     "optimizer.decay_1d"),
     # numpy's seed sequence takes no negative seed: refused here, not as its traceback after a run folder
     (["data.chain_seed=-1"], "data.chain_seed must be >= 0, got -1; give 0 or more"),
     # a group choice read as a number, boolean or null is a name the registry does not know

@@ -393,8 +393,17 @@ def test_optimizer_type_case_insensitive_and_deepspeed_defaults():
     cfg = framework.compose([], ds_config={"optimizer": {"type": "aDaMw"}})
     o = cfg.optimizer
     assert cfg.choices["optimizer"] == "adamw"
-    assert (o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.decay_1d) == (1e-3, 0.9, 0.999, 1e-8, 0.0, True)
+    assert (o.lr, o.beta1, o.beta2, o.eps, o.weight_decay) == (1e-3, 0.9, 0.999, 1e-8, 0.0)
     assert cfg.train.grad_clip == 1.0 and cfg.sources["train.grad_clip"] == "DeepSpeed default"  # DeepSpeed's default
+    # DeepSpeed's one parameter group (decay_1d) decays nothing without weight decay: the run's own false stays,
+    # the command line's weight_decay=0 included; decay_1d=true stated there is refused (it would do nothing)
+    assert o.decay_1d is False and cfg.sources["optimizer.decay_1d"] == "YAML" and not cfg.notices
+    decayed = {"optimizer": {"type": "AdamW", "params": {"weight_decay": 0.1}}}
+    assert framework.compose([], ds_config=decayed).optimizer.decay_1d is True
+    assert framework.compose(["optimizer.weight_decay=0"], ds_config=decayed).optimizer.decay_1d is False
+    with pytest.raises(framework.ConfigError, match=r"^optimizer.decay_1d=true has no effect with "
+                       r"optimizer.weight_decay=0 for adamw"):
+        framework.compose(["optimizer.decay_1d=true"], ds_config={"optimizer": {"type": "AdamW"}})
 
 
 # --- auto, batch triple, precedence -----------------------------------------------------------

@@ -138,6 +138,11 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             if s.source == DS_FILE:
                 ds_keys[key] = s.ds_key
 
+    # DeepSpeed's one parameter group (decay_1d) decays nothing without weight decay (the final one: the command
+    # line's may be 0): the run's own decay_1d stays, the same run as DeepSpeed's
+    if values.get("optimizer.decay_1d") and not final("optimizer.weight_decay"):
+        del values["optimizer.decay_1d"], sources["optimizer.decay_1d"]
+
     # Scheduler relations (phase 1 and 2): "auto" takes the run's value, a stated one must match it.
     lr, steps = final("optimizer.lr"), final("train.steps")
     s = t.settings.get("scheduler.warmup_max_lr")
