@@ -17,7 +17,7 @@ except ImportError:   # a machine without Hydra/OmegaConf (a GPU image): framewo
     DictConfig = OmegaConf = OmegaConfBaseException = None   # only read where OmegaConf is present
 
 from framework.config import plainconf
-from framework.config.schema import COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema
+from framework.config.schema import COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema, reads_grad_accum_dtype
 from framework.core.errors import ConfigError
 from framework.core.registry import GROUPS, closest, closest_hint, registry
 
@@ -133,6 +133,12 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         component = registry(group).get(chosen[group])
         if component.check is not None:
             nodes[group] = component.check(nodes[group], chosen["stage"], MappingProxyType(nodes))
+    p, stage = nodes["precision"], chosen["stage"]   # (its value checked by the precision's own check first)
+    if p.grad_accum_dtype != "fp32" and not reads_grad_accum_dtype(
+            stage, root.train.grad_accum, chosen["precision"] == "bf16" and p.reduce_fp32):
+        raise ConfigError(f"config: precision.grad_accum_dtype={p.grad_accum_dtype} has no effect with stage={stage} "
+                          "and train.grad_accum=1 (one micro batch a step: nothing is summed in it); remove it, or "
+                          "set train.grad_accum > 1")
     # (after every check: a note may read another group's resolved node, a warm-up's the optimizer's lr)
     run = SimpleNamespace(**vars(root), **nodes)
     notes = [note for group in GROUPS if (component := registry(group).get(chosen[group])).notes is not None

@@ -106,3 +106,10 @@ def get_key(tree: Mapping, dotted: str) -> Any:
 # Which offload targets each stage supports (the one table; tested). ZeRO stages add rows.
 COMPATIBLE: Mapping[str, tuple[str, ...]] = {"ddp": ("none",),
                                              **dict.fromkeys(("zero1", "zero2", "zero3"), ("none", "cpu", "nvme"))}
+
+
+def reads_grad_accum_dtype(stage: str, grad_accum: int, reduce_fp32: bool) -> bool:
+    """Whether ``stage`` reads precision.grad_accum_dtype: zero2 and zero3 keep their gradients in it; ddp and
+    zero1 only sum earlier micro batches in it (train.grad_accum > 1) or land a wider wire's sums (bf16's
+    reduce_fp32)."""
+    return stage not in ("ddp", "zero1") or grad_accum > 1 or reduce_fp32

@@ -1026,7 +1026,7 @@ def test_offload_param_below_stage_3_is_inert_as_in_deepspeed():
     ("float16", "fp16", "fp16"), ("torch.float16", "fp16", "fp16"), ("fp16", "fp16", "fp16"),
 ])
 def test_grad_accum_dtype_takes_deepspeeds_spellings(spelling, precision, ours):
-    ds = {"data_types": {"grad_accum_dtype": spelling}}
+    ds = {"data_types": {"grad_accum_dtype": spelling}, "gradient_accumulation_steps": 2}   # (read under ddp)
     if precision != "fp32":
         ds[precision] = {"enabled": True}
     cfg = framework.compose([], ds_config=ds)

@@ -27,9 +27,44 @@ def test_zero1_contiguous_gradients_false_is_refused():
     ("fp32", None, torch.float32), ("bf16", None, torch.float32), ("fp16", None, torch.float32),
     ("bf16", "bf16", torch.bfloat16), ("fp16", "fp16", torch.float16), ("bf16", "fp32", torch.float32)])
 def test_grad_accum_dtype_reaches_the_policy(precision, value, dtype):
-    overrides = [f"precision={precision}"] + ([f"precision.grad_accum_dtype={value}"] if value else [])
+    overrides = [f"precision={precision}", "train.grad_accum=2"] + ([f"precision.grad_accum_dtype={value}"] if value
+                                                                   else [])
     cfg = compose(overrides)
     assert component(cfg, "precision").build(cfg.precision).grad_accum_dtype == dtype
+
+
+@pytest.mark.parametrize("overrides,refused", [
+    # ddp and zero1 sum nothing in it with one micro batch a step (their gradient buffers have the working dtype)
+    (["precision=bf16", "precision.grad_accum_dtype=bf16"], True),
+    (["precision=fp16", "precision.grad_accum_dtype=fp16", "+stage=zero1", "offload=cpu"], True),
+    (["precision=bf16", "precision.grad_accum_dtype=bf16", "train.grad_accum=2"], False),   # earlier micro batches
+    (["precision=bf16", "precision.grad_accum_dtype=bf16", "precision.reduce_fp32=true"], False),   # the fp32 sums
+    (["precision=bf16", "precision.grad_accum_dtype=bf16", "+stage=zero2"], False),   # zero2/3 keep gradients in it
+    (["precision=fp16", "precision.grad_accum_dtype=fp16", "+stage=zero3"], False),
+    (["precision=bf16", "precision.grad_accum_dtype=fp32"], False)])   # (the default)
+def test_grad_accum_dtype_where_it_does_nothing_is_refused(overrides, refused):
+    if not refused:
+        assert compose(overrides).precision.grad_accum_dtype == overrides[1].rpartition("=")[2]
+        return
+    stage = "zero1" if "+stage=zero1" in overrides else "ddp"
+    with pytest.raises(ConfigError, match=rf"^config: precision\.grad_accum_dtype={overrides[0][10:]} has no effect "
+                                          rf"with stage={stage} and train\.grad_accum=1 \(one micro batch a step: "
+                                          r"nothing is summed in it\); remove it, or set train\.grad_accum > 1$"):
+        compose(overrides)
+
+
+def test_a_deepspeed_files_grad_accum_dtype_where_it_does_nothing_is_a_note():
+    """As DeepSpeed runs the file: its key is inert (a note), where ours stated would be refused."""
+    ds = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}
+    cfg = compose([], ds_config=ds)
+    assert cfg.precision.grad_accum_dtype == "fp32" and cfg.sources["precision.grad_accum_dtype"] != "DeepSpeed file"
+    assert cfg.notices == ("note: ds_config: accepted, change nothing here: data_types.grad_accum_dtype (stage ddp "
+                           "with one micro batch a step sums nothing in it)",)
+    for more in (["train.grad_accum=2"], ["+stage=zero2"], ["precision.reduce_fp32=true"]):
+        assert compose(more, ds_config=ds).precision.grad_accum_dtype == "bf16", more
+    assert compose([], ds_config={**ds, "gradient_accumulation_steps": 2}).precision.grad_accum_dtype == "bf16"
+    with pytest.raises(ConfigError, match=r"^config: precision\.grad_accum_dtype=bf16 has no effect with stage=ddp"):
+        compose(["precision.grad_accum_dtype=bf16"], ds_config=ds)   # the command line's own
 
 
 @pytest.mark.parametrize("precision,value", [("fp32", "bf16"), ("bf16", "fp16"), ("fp16", "bf16"), ("bf16", "fp64")])

@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping
 from framework.core.errors import ConfigError
 from framework.config.dsconfig._keys import AUTO, AUTO_FILLED, DS_FILE, DTYPES, SCALER_DEFAULTS
 from framework.config.dsconfig._record import Setting, Translation
+from framework.config.schema import reads_grad_accum_dtype
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,14 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     if mismatches:
         raise ConfigError("ds_config: the file does not match the run's config:\n" +
                           "\n".join(f"  - {m}" for m in mismatches))
+    # A working-dtype grad_accum_dtype where the stage (the file's, agreed above) sums nothing in it: inert, the
+    # file's key sets nothing (stated in YAML or on the command line it is refused: checks)
+    accum, stage = values.get("precision.grad_accum_dtype"), run.value("stage.name")
+    if accum not in (None, "fp32") and not reads_grad_accum_dtype(
+            stage, final("train.grad_accum"), precision == "bf16" and final("precision.reduce_fp32")):
+        del values["precision.grad_accum_dtype"], sources["precision.grad_accum_dtype"]
+        ds_keys.pop("precision.grad_accum_dtype", None)
+        inert.append(f"data_types.grad_accum_dtype (stage {stage} with one micro batch a step sums nothing in it)")
     return Resolved(values, sources, inert, notes, ds_keys)
 
 
