@@ -188,7 +188,7 @@ def check_kernels(dry: bool, out: Path) -> list[dict]:
                     f"{grew / 2**20:.0f} MiB for {asked / 2**20:.0f} MiB asked",
                     "28 MiB (4 + 8 + 16: each rounded up to a power of two)",
                     "what torch's caching pinned allocator holds; the offload stores use arenas instead"))
-    from framework.offload._store import HostStore   # the offload tiers' pinned buffers: one arena
+    from framework.offload import HostStore   # the offload tiers' pinned buffers: one arena
     store = HostStore(acc, pin=True)
     store.reserve([(t.numel(), torch.uint8) for t in keep])
     sliced = [store.allocate(t.numel(), torch.uint8) for t in keep]

@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.nvme_io --dir /mnt/nvme0/tmp --rounds 3
     .venv/bin/python -m bench.nvme_io --size 64MiB --block-sizes 1MiB --queue-depths 4 --no-fio   # quick
 
-Ours: ``framework.offload._aio.AsyncIO`` moving ``--size`` bytes as fp32 tensors of ``--tensor-size``
+Ours: ``framework.offload.AsyncIO`` moving ``--size`` bytes as fp32 tensors of ``--tensor-size``
 (page-aligned buffers from ``aligned_empty``, O_DIRECT, one swap file) at every ``--block-sizes`` x
 ``--queue-depths`` pair (intra_op_parallelism 1: ``queue_depth`` pieces in flight), all requests
 submitted at once and then waited for, with the default checksum (sum64) and, at the best pair,
@@ -42,8 +42,7 @@ import torch
 
 from bench._common import machine
 from framework.comm.accelerator import for_device
-from framework.offload._aio import AsyncIO, aligned_empty
-from framework.offload._swapfile import SwapFile
+from framework.offload import AsyncIO, SwapFile, aligned_empty
 
 UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 

@@ -69,8 +69,7 @@ def disk_bandwidth(folder: str, nbytes: int, aio) -> tuple[float, float]:
     import torch
 
     from framework.comm.accelerator import for_device
-    from framework.offload._aio import AsyncIO, aligned_empty
-    from framework.offload._swapfile import SwapFile
+    from framework.offload import AsyncIO, SwapFile, aligned_empty
 
     tensor = 64 << 20
     names = [f"t{i}" for i in range(max(1, nbytes // tensor))]

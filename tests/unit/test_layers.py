@@ -122,15 +122,13 @@ def _upward(edges) -> list[str]:
             for t, _, line in es if _layer(t) is not None and _layer(t) > _layer(m)]
 
 
+def _is_private(target: str, name: str | None) -> bool:
+    return any(p.startswith("_") and not p.startswith("__") for p in [*target.split(".")[1:], *(name or "").split(".")])
+
+
 def _private(edges) -> list[str]:
-    bad = []
-    for m, es in edges.items():
-        for t, name, line in es:
-            private = any(p.startswith("_") and not p.startswith("__") for p in t.split(".")[1:])
-            private = private or any(p.startswith("_") and not p.startswith("__") for p in (name or "").split("."))
-            if private and _package(t) != _package(m):
-                bad.append(f"{m}:{line} imports {t}{'.' + name if name else ''}")
-    return bad
+    return [f"{m}:{line} imports {t}{'.' + name if name else ''}" for m, es in edges.items()
+            for t, name, line in es if _is_private(t, name) and _package(t) != _package(m)]
 
 
 def _circles(edges) -> list[list[str]]:
@@ -182,6 +180,21 @@ def test_no_import_runs_upward():
 def test_no_private_names_across_packages():
     bad = _private(EDGES)
     assert not bad, "export these from their package's __init__ (or move them):\n" + "\n".join(bad)
+
+
+def _outside_private(files: dict[str, str]) -> list[str]:
+    """The private framework names ``files`` (path -> source, absolute imports) use."""
+    return [f"{path}:{line} imports {t}{'.' + name if name else ''}" for path, source in files.items()
+            for t, name, line in _imports("framework", source=source) if _is_private(t, name)]
+
+
+def test_bench_and_recipes_use_public_names_only():
+    """bench/ and recipes/ use the package as a user does: what a package's ``__init__`` exports."""
+    files = {str(p.relative_to(ROOT.parent)): p.read_text()
+             for folder in ("bench", "recipes") for p in sorted((ROOT.parent / folder).rglob("*.py"))}
+    assert files
+    bad = _outside_private(files)
+    assert not bad, "export these from their package's __init__:\n" + "\n".join(bad)
 
 
 def test_no_import_circles():
@@ -239,6 +252,9 @@ def test_each_check_finds_its_violation():
     assert _private({"framework.engine.step": [("framework.stages._flat", None, 1)]})
     assert _private({"framework.cli.loop": [("framework.stages", "_hidden", 1)]})
     assert _private({"framework.cli.train": [("framework.comm.accelerator", "_Clocked", 1)]})
+    assert _outside_private({"bench/x.py": "from framework.offload._aio import AsyncIO\n"})
+    assert _outside_private({"bench/x.py": "from framework.offload import SwapFile\nSwapFile._held\n"})
+    assert not _outside_private({"bench/x.py": "from framework.offload import AsyncIO\n"})
     assert not _private({"framework.stages.zero3": [("framework.stages._flat", None, 1)]})
     for source in ("import framework.stages.zero3 as z\nz._refuse_state_dict(None)\n",
                    "import framework.stages\nframework.stages._flat.make_layout\n",
