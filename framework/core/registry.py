@@ -5,8 +5,8 @@ A component is a public module (no leading underscore, not base.py) of the group
 file name in ``conf/<group>/``); or ``COMPONENTS = {name: Component, ...}`` for several (the model
 sizes, zero1 and zero2). Discovery is read-only: nothing registers itself at import time. A group's package
 may define ``UNKNOWN_HINT``: what an unknown name's error adds (another way to name what was meant), and
-``check_entry(module_name, name, component)``: what its entries need beyond a ``Component`` (the models' loss),
-refused in one line when discovered.
+``check_entry(module_name, name, component)``: what its entries need beyond a ``Component`` (the models' loss,
+the optimizers' lr), refused in one line when discovered.
 """
 from __future__ import annotations
 

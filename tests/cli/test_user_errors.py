@@ -406,29 +406,43 @@ INIT = '''
 
 
 @pytest.fixture
-def own_model(tmp_path, monkeypatch):
-    """``use(**parts)``: a model ``tiny`` in framework/models/ (a folder of its own added to the package's path)
-    with conf/model/tiny.yaml in a folder on Hydra's search path (returned)."""
-    import framework.models
-    from framework.core.registry import registry
+def own_component(tmp_path, monkeypatch):
+    """``use(group, name, code, yaml)``: a module ``name`` of ``code`` in the group's package (a folder of its own
+    added to the package's path) with conf/<group>/<name>.yaml in a folder on Hydra's search path (returned)."""
+    import importlib
 
-    conf = tmp_path / "conf"
-    (conf / "model").mkdir(parents=True)
-    (conf / "model" / "tiny.yaml").write_text("d_model: 8\n")
+    from framework.core.registry import GROUPS, registry
 
-    def use(kind="ModelComponent", context="context: int = 8", init=INIT, loss=", loss=loss"):
-        code = tmp_path / f"models{len(list(tmp_path.glob('models*')))}"
-        code.mkdir()
-        (code / "tiny.py").write_text(OWN_MODEL.format(kind=kind, context=context, init=init, loss=loss))
-        monkeypatch.setattr(framework.models, "__path__", [*framework.models.__path__[:1], str(code)])
-        sys.modules.pop("framework.models.tiny", None)
+    added = []
+
+    def use(group, name, code, yaml):
+        package = importlib.import_module(GROUPS[group])
+        folder = tmp_path / f"code{len(added)}"
+        folder.mkdir()
+        (folder / f"{name}.py").write_text(code)
+        (tmp_path / "conf" / group).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "conf" / group / f"{name}.yaml").write_text(yaml)
+        monkeypatch.setattr(package, "__path__", [*package.__path__[:1], str(folder)])
+        added.append((package, name))
+        sys.modules.pop(f"{package.__name__}.{name}", None)
         registry.cache_clear()
-        return f"hydra.searchpath=[file://{conf}]"
+        return f"hydra.searchpath=[file://{tmp_path / 'conf'}]"
 
     yield use
-    sys.modules.pop("framework.models.tiny", None)
-    vars(framework.models).pop("tiny", None)
+    for package, name in added:
+        sys.modules.pop(f"{package.__name__}.{name}", None)
+        vars(package).pop(name, None)
     registry.cache_clear()
+
+
+@pytest.fixture
+def own_model(own_component):
+    """``use(**parts)``: a model ``tiny`` of OWN_MODEL's ``parts`` (``own_component``)."""
+    def use(kind="ModelComponent", context="context: int = 8", init=INIT, loss=", loss=loss"):
+        return own_component("model", "tiny", OWN_MODEL.format(kind=kind, context=context, init=init, loss=loss),
+                             "d_model: 8\n")
+
+    return use
 
 
 def test_a_model_of_ones_own_is_refused_in_one_line_until_it_has_what_training_needs(own_model, tmp_path, capsys):
@@ -462,3 +476,51 @@ def test_a_model_of_ones_own_is_refused_in_one_line_until_it_has_what_training_n
     assert "; vocab 64 (from data=synthetic)." in capsys.readouterr().out
     estimate(["model=tiny", own_model(context="context: int = 8\n    vocab_size: int = 50")])   # (its module: no cfg)
     assert "; vocab 50 (from model)." in capsys.readouterr().out
+
+
+OWN_OPTIMIZER = '''
+from dataclasses import dataclass
+
+from framework.core.registry import Component
+from framework.optimizers import GradientTransformation
+
+
+@dataclass(kw_only=True)
+class SignConfig:
+    {fields}
+
+
+def build(cfg, decay_mask):
+    return GradientTransformation(lambda params: (), lambda grads, state, params, lr: ([-lr * g.sign() for g in grads],
+                                                                                       state))
+
+
+COMPONENT = Component(config=SignConfig, build=build)
+'''
+
+
+def test_an_optimizer_of_ones_own_is_refused_in_one_line_without_lr_and_decay_1d(own_component, tmp_path):
+    """A module in framework/optimizers/ plus its YAML file (docs/architecture.md): training reads ``lr`` (the
+    schedule's base lr) and ``decay_1d`` from every optimizer's config, so a config without either is one line when
+    the registry is read (not an AttributeError mid-build); with both it trains."""
+    from framework.cli.launch import launch
+    from framework.core.registry import registry
+    from framework.loggers import RunInfo
+
+    start = "optimizer 'sign' (framework.optimizers.sign): its config SignConfig has no field "
+    for fields, says in (("lr: float = 1e-3", "decay_1d (training reads lr, the schedule's base learning rate, and "
+                                              "decay_1d, whether 1-D params are decayed too, from every optimizer's "
+                                              "config); add decay_1d: bool = False to it (its YAML file may set it)"),
+                         ("decay_1d: bool = False", "lr ("),
+                         ("step_size: float = 1e-3", "lr and no field decay_1d (")):
+        own_component("optimizer", "sign", OWN_OPTIMIZER.format(fields=fields), "")
+        with pytest.raises(framework.ConfigError) as e:
+            registry("optimizer")
+        assert str(e.value).startswith(start + says) and "\n" not in str(e.value), str(e.value)
+    search = own_component("optimizer", "sign", OWN_OPTIMIZER.format(fields="lr: float = 1e-3\n    decay_1d: bool = "
+                                                                            "False"), "lr: 1.0e-2\n")
+    cfg = framework.compose(["optimizer=sign", "train.steps=2", "train.micro_batch=2", "train.eval_batches=1",
+                             "logger=none", search])
+    assert cfg.optimizer.lr == 1e-2
+    summary = launch(cfg, RunInfo(tmp_path / "run", None, None))
+    assert summary["steps"] == 2 and math.isfinite(summary["val_loss"])
