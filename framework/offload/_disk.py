@@ -76,7 +76,8 @@ class NVMePlacement(HostPlacement):
 
     def expect(self, sizes: Sequence[int], working: torch.dtype, master: torch.dtype) -> None:
         """zero3, before construction (``sizes``: each unit group's partition): one line on every rank if a
-        disk (its ranks summed) cannot hold the least any optimizer needs, or a host the pools (exact at init)."""
+        swap folder is no writable folder, a disk (its ranks summed) cannot hold the least any optimizer needs,
+        or a host the pools (exact at init). A refusal removes the folders it made."""
         numel = sum(sizes)
         if not numel:
             return
@@ -88,13 +89,20 @@ class NVMePlacement(HostPlacement):
             self.clean_stale()
             return numel * (fp32 + 2 * size)
 
-        def pools() -> None:   # as the estimator predicts them, without optimizer state (none is known yet)
+        def check() -> None:   # (construction spills the shards there: a folder it can write first)
+            if spec.nvme_path is not None:
+                preflight(spec.nvme_path, 0, create=True)
+            # the pools as the estimator predicts them, without optimizer state (none is known yet)
             fp = Footprint(items={"params": (0, 0)})   # (the shards' prediction moves or drops it)
             self.shards.predict(fp, sizes, working.itemsize)
             self.predict_pool(fp, sizes, None, working, master, ())   # (optimizer=cpu: no tile pool)
             self.check_ram(sum(host for _, host in fp.items.values()), "at least ")
-        agree_room(self.dist, spec.nvme_path or temp_root(), need, pools,
-                   verb="need at least", made=self._made if spec.nvme_path else None)
+        try:
+            agree_room(self.dist, spec.nvme_path or temp_root(), need, check,
+                       verb="need at least", made=self._made if spec.nvme_path else None)
+        except BaseException:
+            self.close()
+            raise
 
     def check_ram(self, pools: int, bound: str) -> None:
         available = available_ram()

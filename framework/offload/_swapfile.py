@@ -393,7 +393,8 @@ def _flock(fd: int) -> bool:
 
 
 def _in_use(path: Path) -> ConfigError:
-    return ConfigError(f"swap file {path} is in use by another process; give each run its own offload.nvme_path")
+    return ConfigError(f"swap file {path} is in use by another run or engine (in this process or another); "
+                       "give each run its own offload.nvme_path")
 
 
 def _refuse_if_held(path: Path) -> None:

@@ -16,7 +16,10 @@ UNREADABLE = "/proc/self/mem"
 
 
 def test_nvme_path_that_is_a_file(tmp_path):
+    from framework.comm.distributed import connect
+    from framework.models.gpt import gpt_loss
     from framework.offload._swapfolder import agree_swap_room, preflight
+    from tests._helpers import build_gpt, tiny_config
 
     class Store:
         def extents(self):
@@ -27,6 +30,16 @@ def test_nvme_path_that_is_a_file(tmp_path):
     with pytest.raises(framework.ConfigError) as e:
         agree_swap_room(None, str(afile), {"optim": Store()}, check=lambda: preflight(afile, 4096, create=True))
     assert str(e.value).endswith(f"offload.nvme_path={afile} is not a folder; set offload.nvme_path to a folder")
+    # zero3's shards on nvme: the folder is checked before construction spills them there, in the same line
+    for path, says in ((afile, "is not a folder; set offload.nvme_path to a folder"),
+                       (afile / "sub", "cannot create it (exists and is not a folder); set offload.nvme_path to a "
+                                       "writable folder")):
+        cfg = tiny_config("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "offload=nvme",
+                          f"offload.nvme_path={path}")
+        with pytest.raises(framework.ConfigError) as e:
+            framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, connect("gloo"))
+        assert str(e.value) == f"offload.nvme_path={path}{'' if path == afile else ':'} {says}"
+    assert os.listdir(tmp_path) == ["afile"] and afile.read_text() == ""
 
 
 def test_unreadable_ds_config():

@@ -52,7 +52,7 @@ def test_saving_does_not_change_the_run(pools, tmp_path):
     _resumed_equals(pools, saving, EXACT_MORE["zero2 bf16 offload async"], tmp_path / "a", "zero2 bf16 offload async")
 
 
-def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_at=None):
+def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_at=None, batch_from_config=False):
     """Train to ``steps`` (saving every K), optionally resuming first; return losses, the
     assembled-ready state dict, step and data position of the first state."""
     cfg = _cfg(dist.world, overrides, root, [f"checkpoint.resume={resume}"])
@@ -62,7 +62,8 @@ def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_
         torch.manual_seed(cfg.seed + dist.rank)
         state = replace(engine.state, rng=capture_rng(dist.device))
         # the fault tests' kill points inside a save (FRAMEWORK_FAULT=save-<N>:<point>@<rank>)
-        ckpt = Checkpointer(cfg, engine, on_point=lambda point: fault(point, dist.rank))
+        ckpt = Checkpointer(cfg, engine, on_point=lambda point: fault(point, dist.rank),
+                            batch_from_config=batch_from_config)
         try:
             state = ckpt.resume(state)
             first = (state.step, state.data, engine.state_dict(state))
@@ -306,11 +307,15 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
         preflight(_cfg(1, [], str(tmp_path), [f"checkpoint.resume={other}"]), None)
     with pytest.raises(ConfigError, match=refused):
         _train(dist, [], str(tmp_path), resume=str(other), steps=0)
-    _train(dist, ["checkpoint.every=0"], str(tmp_path), resume=str(other), steps=0)   # no saves: nothing to lose
+    # no saves: nothing to lose
+    _train(dist, ["checkpoint.every=0", "train.micro_batch=4"], str(tmp_path), resume=str(other), steps=0)
+    out = capsys.readouterr().out   # (a loop of one's own: train.micro_batch is no batch of it, no global batch said)
+    assert f"resumed from {other}" in out and "global batch" not in out, out
     # Every difference is listed, however many (a changed group, logger here, as one entry)
     more = ["logger=console", "model.dropout=0.2", "optimizer.beta1=0.8", "optimizer.beta2=0.98", "optimizer.eps=1e-7",
             "optimizer.weight_decay=0.2", "scheduler.min_lr=0", "scheduler.warmup_steps=3"]
-    losses, _, first, _ = _train(dist, ["train.micro_batch=4", *more], str(tmp_path), resume="auto", steps=N)
+    losses, _, first, _ = _train(dist, ["train.micro_batch=4", *more], str(tmp_path), resume="auto", steps=N,
+                                 batch_from_config=True)
     assert first[:2] == (K, K) and len(losses) == N - K
     out = capsys.readouterr().out
     assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in out, out

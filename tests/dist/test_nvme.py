@@ -350,12 +350,14 @@ def test_the_early_ram_bound_counts_the_pools_zero3_makes(tmp_path, monkeypatch)
     framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local()).close()
 
 
-def _short_of_ram_on_rank_1(dist, folder):
+def _refused_on_rank_1(dist, folder, why):
     import framework.offload._disk as disk
 
-    cfg = tiny_config(*BASE, "+stage=zero3", "offload=nvme", f"offload.nvme_path={folder}/r{dist.rank}")
+    path = f"{folder}/afile/r1" if dist.rank == 1 and why == "path" else f"{folder}/r{dist.rank}"
+    cfg = tiny_config(*BASE, "+stage=zero3", "stage.stage3_param_persistence_threshold=0", "offload=nvme",
+                      f"offload.nvme_path={path}")
     real = disk.available_ram
-    if dist.rank == 1:   # this rank's host has no room for the swap pools; rank 0's has
+    if dist.rank == 1 and why == "ram":   # this rank's host has no room for the swap pools; rank 0's has
         disk.available_ram = lambda: 1 << 10
     try:
         framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, dist).close()
@@ -366,13 +368,18 @@ def _short_of_ram_on_rank_1(dist, folder):
     return None
 
 
-def test_a_rank_refused_by_the_early_bound_stops_every_rank(pools, tmp_path):
-    """zero3's early disk and host-memory bound is judged per host: a rank it refuses must not leave the
-    others waiting in the set-up's collectives; every rank raises, rank 0 naming rank 1's reason."""
-    results = pools(2).run(_short_of_ram_on_rank_1, str(tmp_path), timeout=120)
-    assert results[1] is not None and results[1][0] == "ConfigError", results
-    assert "swap buffer pools need at least" in results[1][1], results
-    assert results[0] is not None and "failed on another rank: rank 1: offload: the swap buffer pools" in results[0][1], results
+@pytest.mark.parametrize("why,says", [("ram", "offload: the swap buffer pools need at least"),
+                                      ("path", "offload.nvme_path={}/afile/r1: cannot create it")])
+def test_a_rank_refused_by_the_early_bound_stops_every_rank(pools, tmp_path, why, says):
+    """zero3's early disk, swap folder and host-memory check is judged per rank: a rank it refuses must not
+    leave the others waiting in the set-up's collectives; every rank raises, rank 0 naming rank 1's reason,
+    and the swap folder rank 0 made is removed."""
+    (tmp_path / "afile").write_text("")
+    says = says.format(tmp_path)
+    results = pools(2).run(_refused_on_rank_1, str(tmp_path), why, timeout=120)
+    assert results[1] is not None and results[1][0] == "ConfigError" and results[1][1].startswith(says), results
+    assert results[0] is not None and f"failed on another rank: rank 1: {says}" in results[0][1], results
+    assert os.listdir(tmp_path) == ["afile"]
 
 
 def test_disk_full_ends_with_one_clear_line_and_an_intact_run_directory(tmp_path):

@@ -313,7 +313,7 @@ def test_swap_file_from_another_layout_is_refused(tmp_path):
     left = tmp_path / "left"
     left.mkdir()
     with _swap(tmp_path, {"a": 10}, torch.float32) as f:
-        with pytest.raises(ConfigError, match="in use by another process"):
+        with pytest.raises(ConfigError, match=r"in use by another run or engine \(in this process or another\)"):
             _swap(tmp_path, {"a": 10}, torch.float32)              # same folder, live run
         shutil.copy(f.path, left / f.path.name)                   # what a crashed run leaves behind
         shutil.copy(f.path.with_name(f.path.name + ".manifest.json"), left)
@@ -602,8 +602,8 @@ def test_a_live_runs_swap_file_is_in_use_whatever_its_layout(tmp_path):
     with _swap(tmp_path, {"a": 10}, torch.float32) as f:
         f.write_manifest()
         for kwargs in ({"layout": "layout-b"}, {}):
-            with pytest.raises(ConfigError, match="in use by another process; give each run its own "
-                                                  "offload.nvme_path") as info:
+            with pytest.raises(ConfigError, match=r"in use by another run or engine \(in this process or another\); "
+                                                  "give each run its own offload.nvme_path") as info:
                 _swap(tmp_path, {"a": 10}, torch.float32, **kwargs)
             assert "delete" not in str(info.value)
         assert os.path.exists(f.path)

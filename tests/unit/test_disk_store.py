@@ -307,7 +307,7 @@ def test_a_peer_names_the_kind_of_swap_failure(tmp_path):
 
     placement = build(resolve(NVMeOffloadConfig(nvme_path=str(tmp_path)), "zero2", {}), for_device(torch.device("cpu")))
     what = "writing the parameter shards to their swap file"
-    for error, sent in ((ConfigError("swap file x is in use by another process"), 1), (OSError("EIO"), 2)):
+    for error, sent in ((ConfigError("swap file x is in use by another run or engine"), 1), (OSError("EIO"), 2)):
         placement.connect(dist := _PeerFailed(0))
         with pytest.raises(type(error)):
             placement.agree_io_error(error, what)

@@ -41,9 +41,12 @@ class Checkpointer:
     """Periodic saves and the resume of one training run, as ``cfg.checkpoint`` says."""
 
     def __init__(self, cfg, engine, job: str | None = None, run_dir: Path | None = None,
-                 on_point: Callable[[str], None] | None = None):
-        """``run_dir``, ``job``: see ``checkpoint_root``. ``on_point``: ``save``'s (fault tests)."""
+                 on_point: Callable[[str], None] | None = None, batch_from_config: bool = False):
+        """``run_dir``, ``job``: see ``checkpoint_root``. ``on_point``: ``save``'s (fault tests).
+        ``batch_from_config``: each rank's batches are ``train.micro_batch`` x ``train.grad_accum`` rows (the
+        command line's): a resume says when the global batch changed (in a loop of one's own they are not read)."""
         self.cfg, self.config, self.seed, self.engine = cfg.checkpoint, cfg.to_dict(), cfg.seed, engine
+        self.batch_from_config = batch_from_config
         self.resume_given = cfg.resume_given or cfg.checkpoint.resume   # what messages say (latest as typed)
         self.root = checkpoint_root(cfg, run_dir, job)
         self.on_nonfinite, self.on_point = cfg.train.on_nonfinite, on_point
@@ -111,7 +114,8 @@ class Checkpointer:
             self.recent_losses = [x for x in losses if isinstance(x, (int, float)) and not isinstance(x, bool)] \
                 if isinstance(losses, list) else []
             diff = changed(body["config"], self.config)
-            batch = batch_change(body["config"], body["world"], self.config, self.group.world)
+            batch = self.batch_from_config and batch_change(body["config"], body["world"], self.config,
+                                                            self.group.world)
             self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
                       + (f"; config differs in {', '.join(diff)}" if diff else "")
                       + (f"; {batch}" if batch else ""))
