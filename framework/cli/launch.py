@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import _thread
 import atexit
+import concurrent.futures
 import contextlib
 import json
+import linecache
 import os
 import pickle
 import shutil
@@ -98,7 +100,8 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
     so the run unwinds and closes what it opened. A ``rank`` takes ``INTERRUPT`` (the launcher's copy of a group's
     Ctrl-C) as Ctrl-C unless interrupted already; afterwards it ignores SIGINT and ``INTERRUPT`` (it is ending).
     Python drops an exception raised in a finalizer: the signal is then sent again from another thread, and
-    leaving waits for such re-sends (under the previous handlers SIGTERM would end the process uncleaned)."""
+    leaving waits for such re-sends (under the previous handlers SIGTERM would end the process uncleaned). A signal
+    landing inside Python's lock code (``_taking_a_lock``) is sent again too, as it could leave a lock held."""
     if threading.current_thread() is not threading.main_thread():   # (library use: only there may it be set)
         yield
         return
@@ -120,7 +123,7 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
         _thread.start_new_thread(soon, (threading.main_thread().ident,))
 
     def handle(signum, frame):
-        if hooked.is_set():
+        if hooked.is_set() or _taking_a_lock(frame):
             return again(signum)
         if signum == signal.SIGTERM:
             if not stopping:
@@ -167,6 +170,23 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
             for signum, handler in previous.items():
                 signal.signal(signum, signal.SIG_IGN if rank and signum != signal.SIGTERM else handler)
             sys.unraisablehook = hook
+
+
+# Python's own lock code, where an exception can fall between taking a lock and entering the block that gives it
+# back (a Condition's ``with``, a futures wait over several futures): raised there, the lock stays held for good, a
+# thread that needs it then never returns, and an unwinding that waits for that thread (the host step's) hangs.
+_LOCK_CODE = frozenset(f.__code__.co_filename for f in (threading.Condition.wait, concurrent.futures.Future.result))
+_WAIT = threading.Condition.wait.__code__   # where it blocks it gives the lock back on any exception
+_JOIN = getattr(getattr(threading.Thread, "_wait_for_tstate_lock", None), "__code__", None)   # (as does a join)
+
+
+def _taking_a_lock(frame) -> bool:
+    """Whether raising in ``frame`` might leave a lock held (a signal landing there is sent again, soon); a wait
+    blocked in a Condition or a join may still be interrupted."""
+    code = frame.f_code if frame is not None else None
+    if code is None or code.co_filename not in _LOCK_CODE or code is _JOIN:
+        return False
+    return not (code is _WAIT and "waiter.acquire(" in linecache.getline(code.co_filename, frame.f_lineno))
 
 
 def terminated_line(e: SystemExit) -> str | None:

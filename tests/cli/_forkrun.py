@@ -13,6 +13,7 @@ spawns are fresh interpreters, as always.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import runpy
@@ -31,6 +32,7 @@ def _child(req: dict) -> None:
         os.close(f)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
+    faulthandler.enable()   # a crash, or a test's SIGABRT to a hung command: every thread's stack in its stderr
     if req.get("started"):   # (a server started in the background inherited SIGINT ignored)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [req["module"], *req["args"]]

@@ -749,7 +749,8 @@ def test_a_signalled_run_removes_its_swap_files(forkrun, tmp_path, sig, nproc, g
     run = tmp_path / "run"
     p = forkrun.start("framework.train", [*SHORT[4:], "train.steps=100000", "train.log_every=1", "train.eval_every=0",
                                           "+stage=zero2", "offload=nvme", f"dist.nproc={nproc}", f"hydra.run.dir={run}"],
-                      cwd=tmp_path, env=ENV, out=tmp_path / "out", err=tmp_path / "err", timeout=300)
+                      cwd=tmp_path, env={**ENV, "PYTHONFAULTHANDLER": "1"}, out=tmp_path / "out", err=tmp_path / "err",
+                      timeout=300)
     try:
         deadline = time.monotonic() + 180
         while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):
@@ -757,6 +758,16 @@ def test_a_signalled_run_removes_its_swap_files(forkrun, tmp_path, sig, nproc, g
             time.sleep(0.2)
         assert list((run / "nvme").glob("rank*.swap"))
         (os.killpg if group else os.kill)(p.pid, getattr(signal, sig))
+        deadline = time.monotonic() + 90   # it ends in seconds; a hang ends with every process's stacks in stderr
+        while p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if p.poll() is None:   # every process stopped, then each in turn (none reacts to another's end) prints
+            os.killpg(p.pid, signal.SIGSTOP)   # its threads' stacks (faulthandler) and ends: SIGABRT
+            for pid in _group(p.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGABRT)
+                    os.kill(pid, signal.SIGCONT)
+                time.sleep(1)
         rc = p.wait()
     finally:
         if p.poll() is None:
@@ -774,6 +785,18 @@ def test_a_signalled_run_removes_its_swap_files(forkrun, tmp_path, sig, nproc, g
     log = (run / "train.log").read_text()
     assert re.search(rf"^{said} at step \d+$", log, re.M), log
     assert re.search(r"^nvme: rank 0 swaps \d+ bytes", log, re.M), log   # (rank 0's lines written whole)
+
+
+def _group(pgid: int) -> list[int]:
+    """The processes of process group ``pgid``, newest first (Linux)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                pids.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):   # (a process that ended meanwhile)
+            pass
+    return sorted(pids, reverse=True)
 
 
 def test_a_ranks_line_goes_out_in_one_write(tmp_path, monkeypatch):

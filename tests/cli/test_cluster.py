@@ -336,6 +336,40 @@ def test_a_signal_sent_again_lands_before_the_previous_handlers_come_back():
     assert code == 143 and before == [], (code, before)
 
 
+def test_a_signal_never_leaves_a_lock_held():
+    """A Ctrl-C landing where Python's ``with`` on a Condition has taken the lock but not yet entered the block
+    that gives it back would leave the lock held for good: the host step's worker then waits on it forever, and
+    so does the run's unwinding, which waits for the worker (an nvme run hung so after Ctrl-C, now and then).
+    The block sends such a signal again a moment later, outside the lock code."""
+    import signal
+    import threading
+    import time
+
+    cond = threading.Condition()
+    main = threading.main_thread().ident
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with signals_unwind():
+            for trial in range(200):
+                go = threading.Event()
+
+                def send(go=go, trial=trial):
+                    go.wait()
+                    time.sleep(trial % 9 * 1e-4)   # (anywhere in the loop's few instructions)
+                    signal.pthread_kill(main, signal.SIGINT)
+                sender = threading.Thread(target=send)
+                sender.start()
+                with pytest.raises(KeyboardInterrupt):
+                    go.set()
+                    while True:
+                        with cond:
+                            pass
+                sender.join()
+                assert not cond._is_owned(), f"trial {trial}: the Ctrl-C left the lock held"
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_a_rank_takes_the_same_ctrl_c_once_and_a_second_one_again():
     """Ctrl-C reaches a rank from the terminal and again from its launcher, as ``INTERRUPT``: the copy is
     ignored however late it is run, a deliberate second Ctrl-C (a SIGINT) cuts the rank's cleanup short; a
