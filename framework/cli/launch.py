@@ -109,6 +109,7 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
     interrupting: list[bool] = []   # non-empty once interrupted (a rank's launcher's copy then ignored)
     hooked = threading.Event()   # set while a dropped exception is being handled: no raising there
     resent: list[threading.Event] = []   # per signal sent again, set once it is sent
+    deferred: list[int] = [0]   # the signal's re-sends from lock code in a row (bounded: a lock never freed)
 
     def again(signum: int) -> None:   # (threading.Thread.start would wait, in the callback, for it to run)
         sent = threading.Event()
@@ -123,8 +124,12 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
         _thread.start_new_thread(soon, (threading.main_thread().ident,))
 
     def handle(signum, frame):
-        if hooked.is_set() or _taking_a_lock(frame):
+        if hooked.is_set():
             return again(signum)
+        if _taking_a_lock(frame) and deferred[0] < _LOCK_RESENDS:
+            deferred[0] += 1
+            return again(signum)
+        deferred[0] = 0
         if signum == signal.SIGTERM:
             if not stopping:
                 stopping.append(signum)
@@ -176,6 +181,9 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
 # back (a Condition's ``with``, a futures wait over several futures): raised there, the lock stays held for good, a
 # thread that needs it then never returns, and an unwinding that waits for that thread (the host step's) hangs.
 _LOCK_CODE = frozenset(f.__code__.co_filename for f in (threading.Condition.wait, concurrent.futures.Future.result))
+# A main thread blocked for good taking a lock another thread holds still takes Ctrl-C, after this many re-sends
+# (a second or so): a deadlock must stay breakable, and a signal landing in the window is re-sent once or twice.
+_LOCK_RESENDS = 500
 _WAIT = threading.Condition.wait.__code__   # where it blocks it gives the lock back on any exception
 _JOIN = getattr(getattr(threading.Thread, "_wait_for_tstate_lock", None), "__code__", None)   # (as does a join)
 

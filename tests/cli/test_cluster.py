@@ -350,7 +350,7 @@ def test_a_signal_never_leaves_a_lock_held():
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with signals_unwind():
-            for trial in range(200):
+            for trial in range(60):   # (before the re-send, about every other trial left it held)
                 go = threading.Event()
 
                 def send(go=go, trial=trial):
@@ -367,6 +367,40 @@ def test_a_signal_never_leaves_a_lock_held():
                 sender.join()
                 assert not cond._is_owned(), f"trial {trial}: the Ctrl-C left the lock held"
     finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_ctrl_c_still_breaks_a_main_thread_blocked_for_good_on_a_lock():
+    """The re-sends from lock code are bounded: a main thread waiting for good to take a lock another thread
+    holds (a deadlock) still ends on Ctrl-C, a second or so later."""
+    import signal
+    import threading
+    import time
+
+    cond, held, done = threading.Condition(), threading.Event(), threading.Event()
+
+    def hold():
+        with cond:
+            held.set()
+            done.wait(30)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    main = threading.main_thread().ident
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
+    try:
+        with signals_unwind():
+            timer.start()
+            start = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                with cond:
+                    pass
+            assert time.monotonic() - start < 20
+    finally:
+        done.set()
+        holder.join()
+        timer.cancel()
         signal.signal(signal.SIGINT, before)
 
 
