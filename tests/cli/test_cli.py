@@ -517,15 +517,15 @@ def test_two_local_ranks(forkrun, tmp_path):
     assert summary["world"] == 2 and len(summary["memory_per_rank"]) == 2
 
 
-def test_torchrun_multirun_reuses_group(tmp_path):
+def test_torchrun_multirun_reuses_group(forkrun, tmp_path):
     """Each rank names the sweep folder itself (here by its RANK, as ${now} may differ): rank 0's is the
     sweep's, and another rank's is removed (its jobs' folders, and the multirun.yaml Hydra wrote there).
-    Hydra's own lines ("Launching 2 jobs locally", "#0 : ...") are rank 0's alone."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "framework.train", "-m",
-                        "optimizer=adamw,sgd", *SHORT, f"hydra.sweep.dir={tmp_path}/${{oc.env:RANK}}/sweep"],
-                       capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    Hydra's own lines ("Launching 2 jobs locally", "#0 : ...") are rank 0's alone. (torchrun is its script's
+    ``torch.distributed.run``, forked from the fork server; the ranks it starts are fresh processes.)"""
+    p = forkrun.run("torch.distributed.run", ["--standalone", "--nproc-per-node", "2", "-m", "framework.train", "-m",
+                                              "optimizer=adamw,sgd", *SHORT,
+                                              f"hydra.sweep.dir={tmp_path}/${{oc.env:RANK}}/sweep"],
+                    cwd=tmp_path, env=ENV, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     for i in (0, 1):
         summary = json.loads((tmp_path / "0" / "sweep" / str(i) / "summary.json").read_text())
