@@ -19,6 +19,7 @@ A new module goes into the layer where it belongs (``LAYERS`` below and docs/arc
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -102,7 +103,11 @@ def _imports(mod: str, source: str | None = None) -> list[tuple[str, str | None,
     return out
 
 
-EDGES = {m: _imports(m) for m in MODULES}
+@functools.cache
+def _edges() -> dict[str, list[tuple[str, str | None, int]]]:
+    """Every module's framework imports, read when a test first needs them: not at collection, which each
+    pytest worker does for every file, whether it runs this one or not."""
+    return {m: _imports(m) for m in MODULES}
 
 
 def _layer(mod: str) -> int | None:
@@ -173,12 +178,12 @@ def _circles(edges) -> list[list[str]]:
 
 
 def test_no_import_runs_upward():
-    bad = _upward(EDGES)
+    bad = _upward(_edges())
     assert not bad, "\n".join(bad)
 
 
 def test_no_private_names_across_packages():
-    bad = _private(EDGES)
+    bad = _private(_edges())
     assert not bad, "export these from their package's __init__ (or move them):\n" + "\n".join(bad)
 
 
@@ -198,7 +203,7 @@ def test_bench_and_recipes_use_public_names_only():
 
 
 def test_no_import_circles():
-    assert not _circles(EDGES), f"import circles: {_circles(EDGES)}"
+    assert not _circles(_edges()), f"import circles: {_circles(_edges())}"
 
 
 # The modules that import by name at run time, and why.
@@ -239,7 +244,7 @@ def test_no_imports_by_name():
 
 def test_each_check_finds_its_violation():
     """The checks are not vacuous: each finds a planted violation, and the real graph is read."""
-    assert any(t == "framework.core.errors" for t, _, _ in EDGES["framework.engine.step"])
+    assert any(t == "framework.core.errors" for t, _, _ in _edges()["framework.engine.step"])
     assert _upward({"framework.core.errors": [("framework.engine.step", None, 1)]})
     assert _upward({"framework.persist.checkpoint": [("framework.engine.build", None, 1)]})
     assert not _upward({"framework.engine.build": [("framework.persist.weights", None, 1)]})
