@@ -133,6 +133,11 @@ def hidden_size(cfg: HFConfig) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def config_vocab(cfg: HFConfig) -> int:
+    """The model's own ``vocab_size`` from config.json (nothing built): ``build`` keeps it whatever the data's."""
+    return _transformers_config(*_raw_config(cfg)).vocab_size
+
+
 def load_config(path: str | Path, key: str = "model.config") -> tuple[Path, Any]:
     """(file, transformers config) of a ``config.json`` or its folder, read as ``build`` reads it; ``key`` names
     the path in errors."""
@@ -408,4 +413,5 @@ def declared_layers(module: nn.Module) -> list[str]:
 
 
 COMPONENT = ModelComponent(config=HFConfig, build=build, loss=causal_lm_loss, weights=lambda cfg: cfg.pretrained,
-                           hidden_size=hidden_size, trace_loss=trace_loss, check=check, notes=notes)
+                           hidden_size=hidden_size, vocab_size=config_vocab, trace_loss=trace_loss, check=check,
+                           notes=notes)
