@@ -108,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     if "model" not in own:
         raise ConfigError("plan: give model=NAME (one of our model configs)")
+    if own["model"] == "hf":   # before its config's own refusals (and the probe)
+        raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
+                          "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
+                          "rank")
     if "steps" in own and not flags["verify"]:
         raise ConfigError("plan: steps= sets the length of the --verify runs; add --verify K or drop steps=")
     steps = own.get("steps", "6")
@@ -129,10 +133,6 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     own, notes = _restrict(own, given, cfg, base, overrides)
     own, notes, pinned = _restrict_batch(own, ranked, cfg, notes)
     notes = [*notes, *micro_batches(cfg, hw, own)[1]]   # (a bad micro_batches= is its line, before the probe)
-    if cfg.choices["model"] == "hf":   # before the probe
-        raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
-                          "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
-                          "rank")
     # before the probe: a bad micro_batches=, stages=, offloads= or checkpointing=, or a key every setup refuses
     setups = compose_setups(base, candidates(cfg, hw, own))
     vocab = f"vocab {data_vocab(cfg)} (from data={cfg.choices['data']})"   # (data that is not here: its line now)

@@ -219,9 +219,12 @@ def data_vocab(cfg, context: int | None = None) -> int:
 
 
 def build_vocab(cfg, overrides: list[str]) -> tuple[int, str]:
-    """(``vocab_size`` to count the model with in the model-state tables, its source): the data's when
-    ``overrides`` choose the data (``data=`` or a ``data.`` key) or the model config states none, else the model
-    config's own, so a preset counts as its YAML states. (A per-rank prediction is always at ``data_vocab``'s, as training builds.)"""
+    """(``vocab_size`` to count the model with in the model-state tables, its source): a model's that keeps its
+    own whatever the data's (model=hf: its config.json's); else the data's when ``overrides`` choose the data
+    (``data=`` or a ``data.`` key) or the model config states none, else the model config's own, so a preset
+    counts as its YAML states. (A per-rank prediction is always at ``data_vocab``'s, as training builds.)"""
+    if (own := component(cfg, "model").vocab_size(cfg.model)) is not None:
+        return own, "model"
     chosen = any(o.split("=")[0].lstrip("+~").split(".")[0] == "data" for o in overrides)
     if chosen or getattr(cfg.model, "vocab_size", None) is None:   # (a model config stating none: as training builds)
         return data_vocab(cfg), f"data={cfg.choices['data']}"
@@ -242,10 +245,11 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     own_loss, loss_fn = loss_fn is None, loss_fn or model.trace_loss or model.loss
     policy = component(cfg, "precision").build(cfg.precision)
     notes = []
-    if module is None:   # as training builds it: at the data's vocabulary
+    if module is None:   # as training builds it: at the data's vocabulary (unless the model keeps its own)
         with torch.device("meta"):
             module = model.build(cfg.model, vocab_size=(vocab := data_vocab(cfg)))
-        notes.append(f"model built at vocab {vocab} (from data={cfg.choices['data']}), as training builds it")
+        if model.vocab_size(cfg.model) is None:
+            notes.append(f"model built at vocab {vocab} (from data={cfg.choices['data']}), as training builds it")
     stage = cfg.choices["stage"]
     placement = component(cfg, "offload").build(cfg.offload)   # no accelerator: it only cuts and sizes pieces
     keep_grads = False

@@ -19,6 +19,9 @@ class ModelComponent(Component):
     weights: Callable[[Any], str | None] = lambda cfg: None
     # The hidden size from the config, nothing built (DeepSpeed's "auto" bucket sizes); None: unknown.
     hidden_size: Callable[[Any], int | None] = lambda cfg: None
+    # The vocabulary the model keeps whatever the data's (whose ids need only fit it), from the config, nothing
+    # built; None: built at the data's.
+    vocab_size: Callable[[Any], int | None] = lambda cfg: None
     # The loss the memory prediction traces on meta where ``loss`` cannot run there; None: ``loss``.
     trace_loss: Callable[[nn.Module, Any], Tensor] | None = None
 

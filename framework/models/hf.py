@@ -96,13 +96,15 @@ def _raw_config(cfg: HFConfig, key: str | None = None) -> tuple[str, Path, dict]
 
 
 def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
-    """A missing ``model.config`` / ``model.pretrained`` file, or a ``model.pretrained`` folder without weights,
-    is refused before the run folder is made."""
+    """Refused before the run folder is made: a missing ``model.config`` / ``model.pretrained`` file, a
+    ``model.pretrained`` folder without weights, and what ``_checked_config`` finds in the config (nothing is
+    built; the data's vocabulary where its config states one, as synthetic data does)."""
     _raw_config(cfg)
     if cfg.pretrained is not None and weights_file(Path(cfg.pretrained).expanduser()) is None:
         raise ConfigError(f"model.pretrained={cfg.pretrained}: the folder holds no weights (none of "
                           f"{WEIGHTS_READ}); give a save_pretrained folder with its weights, or "
                           f"model.config={cfg.pretrained} to train a new model from its config.json")
+    _checked_config(cfg, getattr(nodes["data"], "vocab_size", None))
     return cfg
 
 
@@ -131,6 +133,11 @@ def hidden_size(cfg: HFConfig) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def config_vocab(cfg: HFConfig) -> int:
+    """The model's own ``vocab_size`` from config.json (nothing built): ``build`` keeps it whatever the data's."""
+    return _transformers_config(*_raw_config(cfg)).vocab_size
+
+
 def load_config(path: str | Path, key: str = "model.config") -> tuple[Path, Any]:
     """(file, transformers config) of a ``config.json`` or its folder, read as ``build`` reads it; ``key`` names
     the path in errors."""
@@ -149,8 +156,10 @@ def causal_lm_class(config: Any) -> type | None:
 def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
     """The transformers config of a config.json's contents; an unknown model_type (custom code) is refused
     before transformers is asked (it would list every type, or offer to download and run the code)."""
-    import transformers
-
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model=hf needs the hf extra: pip install -e '.[hf]' (transformers, safetensors)") from None
     raw = dict(raw)
     model_type = raw.pop("model_type")
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
@@ -183,12 +192,10 @@ def check_vocab(vocab_size: int | None, config: Any, where: str | Path) -> None:
                           f"(e.g. data.vocab_size <= {config.vocab_size})")
 
 
-def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
-    """An ``AutoModelForCausalLM`` from local files on the default device; ``vocab_size`` (the data's) must fit."""
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("model=hf needs the hf extra: pip install -e '.[hf]' (transformers, safetensors)") from None
+def _checked_config(cfg: HFConfig, vocab_size: int | None) -> tuple[str, Path, Any, type]:
+    """(key, file, transformers config, ``AutoModelForCausalLM`` class) of ``cfg``, refusing what the config alone
+    decides: a model_type transformers does not know, data ``vocab_size`` ids the model lacks, a context over its
+    positions, no causal LM class, or a ``model.*`` kernel or checkpointing the class does not support."""
     key, file, raw = _raw_config(cfg)
     config = _transformers_config(key, file, raw)
     check_vocab(vocab_size, config, cfg.pretrained or cfg.config)
@@ -206,6 +213,14 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     if cfg.activation_checkpointing and not getattr(cls, "supports_gradient_checkpointing", False):
         raise ConfigError(f"model.activation_checkpointing=true is not supported by {cls.__name__} (transformers has "
                           f"no gradient checkpointing for it); set model.activation_checkpointing=false")
+    return key, file, config, cls
+
+
+def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
+    """An ``AutoModelForCausalLM`` from local files on the default device; ``vocab_size`` (the data's) must fit."""
+    key, file, config, cls = _checked_config(cfg, vocab_size)
+    import transformers
+
     try:
         # In fp32 whatever config.json names: the precision casts to its working dtype and keeps fp32 masters,
         # which so start unrounded.
@@ -398,4 +413,5 @@ def declared_layers(module: nn.Module) -> list[str]:
 
 
 COMPONENT = ModelComponent(config=HFConfig, build=build, loss=causal_lm_loss, weights=lambda cfg: cfg.pretrained,
-                           hidden_size=hidden_size, trace_loss=trace_loss, check=check, notes=notes)
+                           hidden_size=hidden_size, vocab_size=config_vocab, trace_loss=trace_loss, check=check,
+                           notes=notes)

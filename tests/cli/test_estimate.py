@@ -497,7 +497,7 @@ def test_a_hub_name_or_a_folder_without_config_json_is_refused_as_training_refus
                                            f"downloaded; give a local folder: a config.json or a folder holding one)\n")
 
 
-def test_preset_counts_with_its_own_vocabulary(capsys):
+def test_preset_counts_with_its_own_vocabulary(capsys, tmp_path, monkeypatch):
     """Without data= on the command line a preset's tables count it at its config's vocab_size (as its YAML
     states); data= (or a data.* key) counts it at the data's vocabulary. The per-rank prediction is always
     of the model training builds for the same overrides: at the (default) data's vocabulary."""
@@ -519,6 +519,18 @@ def test_preset_counts_with_its_own_vocabulary(capsys):
     out = json.loads(capsys.readouterr().out)
     at_50304 = count_params(dataclasses_replace_vocab(PRESETS["gpt-mini"], 50304))
     assert out["vocab"] == {"size": 50304, "from": "data=tokens"} and out["prediction"]["params"] == at_50304
+    # model=hf keeps its config.json's vocabulary (96 here), whatever the data's (synthetic: 64): so do both counts
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 16,
+                                                      "vocab_size": 96, "n_positions": 32}))
+    assert main(["model=hf", f"model.config={tmp_path}", "model.context=16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert main([f"model={tmp_path}", "context=16", "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert out["vocab"] == own["vocab"] == {"size": 96, "from": "model"}
+    assert out["params"] == out["prediction"]["params"] == own["params"]
+    assert not any("model built at vocab" in n for n in out["prediction"]["notes"]), out["prediction"]["notes"]
 
 
 def test_zero3_rows_multiply_in_deepspeeds_order():

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ import framework
 # A regular file whose read fails (EIO): the code path of an unreadable input without needing to
 # drop root's capabilities (root reads a mode-000 file).
 UNREADABLE = "/proc/self/mem"
+HF_GPT2 = Path(__file__).resolve().parents[2] / "recipes" / "hf_gpt2_zero3" / "gpt2_config.json"
 
 
 def test_nvme_path_that_is_a_file(tmp_path):
@@ -296,6 +298,9 @@ def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
      "local folder: a config.json or a folder holding one)"),
     (["model=hf", "model.pretrained=gpt2"], "model.pretrained=gpt2: no such file (a Hub name? nothing is downloaded; "
      "give a local folder: a save_pretrained folder)"),
+    # what the config.json alone decides: refused with the config, not by each rank after the header
+    (["model=hf", f"model.config={HF_GPT2}", "model.context=256", "dist.nproc=2"],
+     "model.context=256 exceeds the model's max_position_embeddings (128); set model.context <= 128"),
     # the loop saves no checkpoint (compose accepts it: one's own loop may call ckpt.save)
     (["checkpoint.async=true"], "config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); set "
      "checkpoint.every=N or remove checkpoint.async"),

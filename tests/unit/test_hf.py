@@ -12,7 +12,8 @@ from torch import nn
 import framework
 from framework import ConfigError
 from framework.engine.build import component
-from framework.models.hf import HFInit, causal_lm_loss, materialize
+from framework.models.hf import HFConfig, HFInit, causal_lm_loss, materialize
+from framework.models.hf import build as hf_build
 from tests._hf import CONFIGS, build, hf_cfg, write_config
 
 
@@ -159,18 +160,15 @@ def test_bad_hf_config_is_one_clear_line(tmp_path, overrides, needle):
     args = [o for o in ["model=hf", "model.context=16", "data.vocab_size=64", *overrides]]
     if overrides != []:
         args.append(f"model.config={path}")
-    with pytest.raises(ConfigError) as e:
-        cfg = framework.compose(args)
-        data = component(cfg, "data").build(cfg.data, seed=0, context=cfg.model.context)
-        with framework.zero_init():
-            component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
+    with pytest.raises(ConfigError) as e:   # by compose: before the run folder, not on each rank
+        framework.compose(args)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):   # when the config is checked
         framework.compose(["model=hf", f"model.config={tmp_path / 'nope.json'}"])
-    cfg = framework.compose(["model=hf", f"model.config={write_config('gpt2', tmp_path)}"])
+    cfg = framework.compose(["model=hf", f"model.config={write_config('gpt2', tmp_path)}", "model.context=16"])
     with pytest.raises(ConfigError, match="no such file"):   # (a config made without the checks)
         component(cfg, "model").build(dataclasses.replace(cfg.model, config=str(tmp_path / "nope.json")))
     folder = tmp_path / "mixtral"
@@ -280,12 +278,18 @@ def test_unsupported_model_is_one_clear_line(tmp_path, raw, needle):
 
     checkpointing = raw.pop("activation_checkpointing", False)
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    cfg = framework.compose(["model=hf", f"model.config={tmp_path}", "model.context=16",
-                             f"model.activation_checkpointing={checkpointing}"])
+    args = ["model=hf", f"model.config={tmp_path}", "model.context=16", f"model.activation_checkpointing={checkpointing}"]
+    unchecked = HFConfig(config=str(tmp_path), context=16, activation_checkpointing=checkpointing)   # (not composed)
     with pytest.raises(ConfigError) as e:
         with framework.zero_init():
-            component(cfg, "model").build(cfg.model)
+            hf_build(unchecked)
     assert needle in str(e.value) and "\n" not in str(e.value)
+    if "cannot be built from" in needle:   # only the model's constructor tells
+        framework.compose(args)
+    else:   # the config alone decides: refused by compose, before the run folder (not on each rank)
+        with pytest.raises(ConfigError) as checked:
+            framework.compose(args)
+        assert str(checked.value) == str(e.value)
     if raw["model_type"] == "mymodel":
         assert "names custom model code (auto_map); custom model code is not supported" in str(e.value)
         assert len(str(e.value).replace(str(tmp_path), "")) < 250, str(e.value)   # (not the 12 KB list of types)
