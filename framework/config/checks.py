@@ -96,8 +96,9 @@ def root_value(key: str, value: Any) -> Any:
     return getattr(_typed({key: value}, one, ""), key)
 
 
-def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
-    """Check a composed config against the schemas; return the typed, frozen Config."""
+def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str], *, final: bool = True) -> Config:
+    """Check a composed config against the schemas; return the typed, frozen Config. ``final=False``: a
+    config that a DeepSpeed file's values may still change, so without ``refuse_inert``'s refusals."""
     raw = copy.deepcopy(dict(cfg)) if OmegaConf is None else (
         OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg))
     raw.pop("hydra", None)  # Hydra's own node; some of its fields only resolve inside a job
@@ -133,17 +134,30 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         component = registry(group).get(chosen[group])
         if component.check is not None:
             nodes[group] = component.check(nodes[group], chosen["stage"], MappingProxyType(nodes))
-    p, stage = nodes["precision"], chosen["stage"]   # (its value checked by the precision's own check first)
-    if p.grad_accum_dtype != "fp32" and not reads_grad_accum_dtype(
-            stage, root.train.grad_accum, chosen["precision"] == "bf16" and p.reduce_fp32):
-        raise ConfigError(f"config: precision.grad_accum_dtype={p.grad_accum_dtype} has no effect with stage={stage} "
-                          "and train.grad_accum=1 (one micro batch a step: nothing is summed in it); remove it, or "
-                          "set train.grad_accum > 1")
     # (after every check: a note may read another group's resolved node, a warm-up's the optimizer's lr)
     run = SimpleNamespace(**vars(root), **nodes)
     notes = [note for group in GROUPS if (component := registry(group).get(chosen[group])).notes is not None
              for note in component.notes(nodes[group], run)]
-    return Config(**vars(root), choices=chosen, notices=tuple(notes), **nodes)
+    config = Config(**vars(root), choices=chosen, notices=tuple(notes), **nodes)
+    return refuse_inert(config) if final else config
+
+
+def refuse_inert(config: Config) -> Config:
+    """``config``, or a one-line ConfigError for a key stated where another key's value makes it do nothing. Taken
+    on the run's final config only: a DeepSpeed file laid on later may set that other key (its
+    gradient_accumulation_steps, communication_data_type, an optimizer's weight_decay)."""
+    p, stage = config.precision, config.choices["stage"]   # (its value checked by the precision's own check first)
+    if p.grad_accum_dtype != "fp32" and not reads_grad_accum_dtype(
+            stage, config.train.grad_accum, config.choices["precision"] == "bf16" and p.reduce_fp32):
+        raise ConfigError(f"config: precision.grad_accum_dtype={p.grad_accum_dtype} has no effect with stage={stage} "
+                          "and train.grad_accum=1 (one micro batch a step: nothing is summed in it); remove it, or "
+                          "set train.grad_accum > 1")
+    o = config.optimizer   # (decay_1d: a field of every optimizer's config; weight_decay of the built-in ones)
+    if o.decay_1d and getattr(o, "weight_decay", None) == 0:   # (a DeepSpeed file's one group: not set, _resolve)
+        raise ConfigError(f"optimizer.decay_1d=true has no effect with optimizer.weight_decay=0 for "
+                          f"{config.choices['optimizer']} (nothing is decayed); set optimizer.weight_decay > 0 or drop "
+                          "optimizer.decay_1d")
+    return config
 
 
 def _root_hint(key: str, value: Any, choices: Mapping[str, str]) -> str:

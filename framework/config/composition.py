@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from framework.comm.distributed import run_world
 from framework.config import dsconfig, plainconf
-from framework.config.checks import root_value, validate
+from framework.config.checks import refuse_inert, root_value, validate
 from framework.config.schema import Config, flat
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
@@ -169,10 +169,10 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     own = None
     if source is None:
         own = composer(list(cli.kept))
-        config = validate(*own)
+        config = validate(*own, final=False)   # (final where it names no DeepSpeed file and deletes no key)
         if config.ds_config is None:
-            if cli.kept != cli.forced:
-                config = validate(*(own := composer(list(cli.forced))))
+            config = (validate(*(own := composer(list(cli.forced)))) if cli.kept != cli.forced
+                      else refuse_inert(config))
             return own[0], dataclasses.replace(config, sources=provenance(config, cli))
         source = config.ds_config   # named in a YAML config
     t = dsconfig.translate(dsconfig.load(source))
@@ -200,7 +200,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         raise ConfigError(f"ds_config: {errors[0]}")
     if errors:
         raise ConfigError(f"ds_config: {len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors))
-    base = validate(cfg, choices)
+    base = validate(cfg, choices, final=False)   # (the file's values laid on it below)
     values = flat(base.to_dict())
     if callable(world):
         world = world()

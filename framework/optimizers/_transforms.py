@@ -130,9 +130,6 @@ def check(name: str, cfg: Any, betas: Sequence[str] = (), nonneg: Sequence[str] 
                 why = (" (an eps of 0 makes the update 0/0 = NaN wherever a gradient and its running state are 0, as in "
                        "the flat buffers' padding); give a small positive value such as 1e-8" if key in positive else "")
                 raise ConfigError(f"optimizer.{key} must be {rule} for {name}, got {value}{why}")
-    if cfg.decay_1d and cfg.weight_decay == 0:   # (a DeepSpeed file's one group without decay: not set, _resolve)
-        raise ConfigError(f"optimizer.decay_1d=true has no effect with optimizer.weight_decay=0 for {name} (nothing "
-                          "is decayed); set optimizer.weight_decay > 0 or drop optimizer.decay_1d")
     return cfg
 
 

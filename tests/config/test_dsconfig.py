@@ -406,6 +406,21 @@ def test_optimizer_type_case_insensitive_and_deepspeed_defaults():
         framework.compose(["optimizer.decay_1d=true"], ds_config={"optimizer": {"type": "AdamW"}})
 
 
+@pytest.mark.parametrize("optimizer,name", [
+    ({"type": "Lion", "params": {"lr": 1e-4, "weight_decay": 0.01}}, "lion"),
+    ({"type": "Adam", "params": {"weight_decay": 0.01, "adam_w_mode": False}}, "adam"),
+    ({"type": "AdamW", "params": {"weight_decay": 0.01}}, "adamw"),
+    ({"type": "SGD", "params": {"lr": 1e-2, "weight_decay": 0.01}}, "sgd")])
+def test_the_command_lines_decay_1d_is_judged_with_the_files_weight_decay(optimizer, name):
+    """Whether decay_1d does anything is decided on the run's final config: the file's weight_decay (our YAML's
+    adam, lion and sgd have none) laid on the run's."""
+    cfg = framework.compose(["optimizer.decay_1d=true"], ds_config={"optimizer": optimizer})
+    assert (cfg.choices["optimizer"], cfg.optimizer.weight_decay, cfg.optimizer.decay_1d) == (name, 0.01, True)
+    with pytest.raises(framework.ConfigError, match=rf"^optimizer.decay_1d=true has no effect with "
+                       rf"optimizer.weight_decay=0 for {name} "):
+        framework.compose(["optimizer.decay_1d=true", "optimizer.weight_decay=0"], ds_config={"optimizer": optimizer})
+
+
 # --- auto, batch triple, precedence -----------------------------------------------------------
 
 @pytest.mark.parametrize("triple,world,expect", [

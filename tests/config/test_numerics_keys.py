@@ -1,5 +1,7 @@
 """Numerics config keys: grad_accum_dtype values, and DeepSpeed keys whose other
 value would do nothing here (refused with one line that names the key and the fix)."""
+import json
+
 import pytest
 import torch
 
@@ -36,6 +38,7 @@ def test_grad_accum_dtype_reaches_the_policy(precision, value, dtype):
 @pytest.mark.parametrize("overrides,refused", [
     # ddp and zero1 sum nothing in it with one micro batch a step (their gradient buffers have the working dtype)
     (["precision=bf16", "precision.grad_accum_dtype=bf16"], True),
+    (["precision=bf16", "precision.grad_accum_dtype=bf16", "~train.grad_accum"], True),   # (composed twice)
     (["precision=fp16", "precision.grad_accum_dtype=fp16", "+stage=zero1", "offload=cpu"], True),
     (["precision=bf16", "precision.grad_accum_dtype=bf16", "train.grad_accum=2"], False),   # earlier micro batches
     (["precision=bf16", "precision.grad_accum_dtype=bf16", "precision.reduce_fp32=true"], False),   # the fp32 sums
@@ -65,6 +68,26 @@ def test_a_deepspeed_files_grad_accum_dtype_where_it_does_nothing_is_a_note():
     assert compose([], ds_config={**ds, "gradient_accumulation_steps": 2}).precision.grad_accum_dtype == "bf16"
     with pytest.raises(ConfigError, match=r"^config: precision\.grad_accum_dtype=bf16 has no effect with stage=ddp"):
         compose(["precision.grad_accum_dtype=bf16"], ds_config=ds)   # the command line's own
+
+
+@pytest.mark.parametrize("ds,world", [
+    ({"zero_optimization": {"stage": 0}, "gradient_accumulation_steps": 4}, 1),
+    ({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 4}, 1),
+    ({"zero_optimization": {"stage": 1}, "train_batch_size": 16}, 2),   # 2 a micro batch x 2 ranks x 4
+    ({"zero_optimization": {"stage": 0}, "communication_data_type": "fp32"}, 2),   # bf16's fp32 sums (reduce_fp32)
+    ({"zero_optimization": {"stage": 1}, "communication_data_type": "fp32"}, 2)])
+def test_the_command_lines_grad_accum_dtype_is_judged_with_the_deepspeed_files_values(ds, world, tmp_path):
+    """Whether the key does anything is decided on the run's final config: the file's values laid on the run's."""
+    ds = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, **ds}
+    cfg = compose(["precision.grad_accum_dtype=bf16"], ds_config=ds, world=world)
+    assert cfg.precision.grad_accum_dtype == "bf16" and cfg.choices["precision"] == "bf16"
+    # the same with the file named in the run's YAML, and the key set there (the precision chosen: a run's own
+    # config is validated, without the file's choices, for where the file is named)
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    (tmp_path / "mine.yaml").write_text(f"defaults:\n  - train\n  - _self_\nds_config: {tmp_path / 'ds.json'}\n"
+                                        "precision:\n  grad_accum_dtype: bf16\n")
+    cfg = compose(["precision=bf16"], world=world, config_dir=str(tmp_path), config_name="mine")
+    assert cfg.precision.grad_accum_dtype == "bf16"
 
 
 @pytest.mark.parametrize("precision,value", [("fp32", "bf16"), ("bf16", "fp16"), ("fp16", "bf16"), ("bf16", "fp64")])
