@@ -93,8 +93,9 @@ def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], N
                made: MadeOnDisk | None = None) -> None:
     """``check()`` on this rank, and the bytes ``need()`` in ``folder`` summed over the ranks sharing its file
     system: every rank raises the same one-line ConfigError (none dies alone). Before any raises, ``made``
-    notes the folders a rank sharing the file system found missing (``check()`` may make them): removed at
-    close once empty, also after a refusal."""
+    notes ``folder`` and its parents where a rank sharing the file system found them missing (``check()`` may
+    make them; a sibling another rank made is not this rank's): removed at close once empty, also after a
+    refusal."""
     rank = dist.rank if dist is not None else 0
     claim = mine = None
     try:
@@ -105,8 +106,9 @@ def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], N
     error = None if mine is None else f"rank {rank}: {mine}"
     everyone = [(claim, error)] if dist is None or dist.world == 1 else \
         dist.all_gather_object((claim, error), what="nvme pre-flight")
+    here = Path(folder).absolute()   # (a top another rank found missing, this folder or a parent: made by the run)
     tops = [c.missing for c, _ in everyone if c is not None and c.missing and claim is not None
-            and (c.host, c.device) == (claim.host, claim.device)]
+            and (c.host, c.device) == (claim.host, claim.device) and Path(c.missing) in (here, *here.parents)]
     if made is not None and tops:
         made.made(folder, min(tops, key=len))   # (a rank may look after another made some)
     shorts = shortfalls([c for c, _ in everyone if c is not None])

@@ -228,29 +228,35 @@ def test_the_early_swap_bound_sums_the_ranks_sharing_a_disk(tmp_path):
 
 
 class _PeerMade:
-    """Rank 1 of two on one host, whose peer (rank 0) found the swap folder missing and made it."""
+    """Rank 1 of two on one host, whose peer (rank 0) found a folder missing and made it: the swap folder they
+    share, or ``its_own`` (a sibling of this rank's)."""
     rank, world, device = 1, 2, torch.device("cpu")
+
+    def __init__(self, its_own=None):
+        self.its_own = its_own
 
     def all_gather_object(self, obj, what):
         import dataclasses
 
         claim, error = obj
-        return [(dataclasses.replace(claim, rank=0, missing=claim.folder), None), obj]
+        missing = claim.folder if self.its_own is None else str(self.its_own)
+        return [(dataclasses.replace(claim, rank=0, missing=missing), None), obj]
 
 
 def test_every_rank_removes_the_swap_folder_a_peer_made_once_empty(tmp_path):
     """Only the rank that found the folder missing knew this run made it: the ranks agree, so whichever
-    closes last (its files gone, the folder empty) removes it; a folder no rank made is kept."""
+    closes last (its files gone, the folder empty) removes it; a folder no rank made is kept, the user's
+    empty folder for this rank included where the peer made one of its own beside it."""
     from framework.offload.nvme import NVMeOffloadConfig, build, resolve
 
     folder = tmp_path / "nvme"
-    for peer_made in (True, False):
-        folder.mkdir()
+    for peer, removed in ((_PeerMade(), True), (_TwoRanks(), False), (_PeerMade(tmp_path / "nvme0"), False)):
+        folder.mkdir(exist_ok=True)
         placement = build(resolve(NVMeOffloadConfig(nvme_path=str(folder)), "zero3", {}), for_device(torch.device("cpu")))
-        placement.connect(_PeerMade() if peer_made else _TwoRanks())
+        placement.connect(peer)
         placement.expect([1024], torch.bfloat16, torch.float32)
         placement.close()
-        assert folder.exists() is not peer_made
+        assert folder.exists() is not removed, peer
     folder.rmdir()
 
 
