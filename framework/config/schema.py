@@ -20,7 +20,7 @@ class TrainLoopConfig:
     eval_every: int = 100       # 0: evaluate only at the end
     eval_batches: int = 16
     grad_clip: float = 1.0      # max global gradient norm; 0 disables clipping
-    on_nonfinite: str = "stop"  # non-finite loss/gradient norm outside fp16 loss scaling: stop | warn (skip the step)
+    on_nonfinite: str = "stop"  # non-finite loss, or gradient norm outside fp16 loss scaling: stop | warn (skip the step)
 
 
 @dataclass(kw_only=True)

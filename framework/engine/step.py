@@ -2,9 +2,10 @@
 
     state, metrics = train_step(state, batch)   # one optimizer step over len(batch.micro) micro batches
 
-Non-finite steps: fp16's loss scaling skips them and lowers the scale, as DeepSpeed does; without
-loss scaling the step raises ``TrainingError``, or with ``train.on_nonfinite=warn`` is skipped and
-reported as ``metrics["nonfinite"]`` (never saved).
+Non-finite steps: fp16's loss scaling skips a step with non-finite gradients and lowers the scale, as
+DeepSpeed does; any other non-finite step (without loss scaling, or a non-finite loss with finite gradients)
+raises ``TrainingError``, or with ``train.on_nonfinite=warn`` is skipped and reported as
+``metrics["nonfinite"]`` (never saved).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class Components:
     grad_clip: float              # 0 disables clipping
     dist: Dist
     update: Update                # optimizer step + publish (framework.engine.update)
-    on_nonfinite: str = "stop"    # non-finite loss or gradient norm without loss scaling: stop | warn
+    on_nonfinite: str = "stop"    # a non-finite step loss scaling does not skip: stop | warn
     grad_accum: int = 1           # micro batches per step (train.grad_accum): the length of every Batch
 
 
@@ -104,9 +105,13 @@ def build_train_step(c: Components, applying: Callable[[int], None]
             c.stage.check_flags(flags)   # (it may raise: nothing of this step is applied yet)
             norm = math.sqrt(sq) / scale
             mean_loss = total / (n * c.dist.world)
-            overflow = not (math.isfinite(norm) and math.isfinite(mean_loss))
-            nonfinite = overflow and c.policy.scaler is None   # fp16's loss scaling skips such steps
-            if overflow:   # (first: it waits for the gradients' copies to the host, which the names read)
+            # With loss scaling only non-finite gradients are an overflow, which the scaler skips and lowers the
+            # scale for (DeepSpeed's rule); any other non-finite step, a non-finite loss with finite gradients
+            # included, goes to train.on_nonfinite.
+            overflow = not math.isfinite(norm)
+            skip = overflow or not math.isfinite(mean_loss)
+            nonfinite = skip and (c.policy.scaler is None or not overflow)
+            if skip:   # (first: it waits for the gradients' copies to the host, which the names read)
                 c.update.skip()
             if nonfinite:
                 _nonfinite(c, state.step + 1, mean_loss, norm, c.stage.nonfinite_names(grads),
@@ -114,7 +119,9 @@ def build_train_step(c: Components, applying: Callable[[int], None]
             opt_state = state.opt_state
             precision = next_scale(c.policy.scaler, state.precision, overflow,
                                    culprits=lambda: c.stage.nonfinite_names(grads))
-            if not overflow:   # (clipped as torch.nn.utils.clip_grad_norm_ does)
+            if skip and not overflow:   # (warn) skipped for its loss alone: counted, the scale as for finite gradients
+                precision = replace(precision, skipped_steps=precision.skipped_steps + 1)
+            if not skip:   # (clipped as torch.nn.utils.clip_grad_norm_ does)
                 coef = 1.0 / scale * (c.grad_clip / (norm + 1e-6) if 0 < c.grad_clip < norm else 1.0)
                 opt_state = c.update.apply(grads, coef, opt_state, state.params, lr, partial(applying, state.step + 1))
         except BaseException:
@@ -125,7 +132,7 @@ def build_train_step(c: Components, applying: Callable[[int], None]
             raise
         c.stage.zero_grads()
         metrics = {"loss": mean_loss, "lr": lr, "grad_norm": norm, "loss_scale": scale,
-                   "skipped": overflow, **({"nonfinite": True} if nonfinite else {}), **c.stage.stats()}
+                   "skipped": skip, **({"nonfinite": True} if nonfinite else {}), **c.stage.stats()}
         return replace(state, step=state.step + 1, opt_state=opt_state, precision=precision,
                        rng=capture_rng(c.dist.device),
                        data=batch.position if batch.position is not None else state.data + 1), metrics

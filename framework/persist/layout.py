@@ -282,7 +282,8 @@ def with_saved_scalars(state: TrainState, saved: dict, rng: Sequence[torch.Tenso
     precision = PrecisionState(**saved["precision"])
     if not (saved["dynamic_loss_scale"] and policy.dynamic):
         precision = policy.continued(precision)
-    elif precision.cur_scale < policy.scaler.min_loss_scale:   # a minimum raised since: it holds from now on
-        precision = replace(precision, cur_scale=policy.scaler.min_loss_scale)
+    else:   # a minimum raised or a hysteresis lowered since: it holds from now on
+        precision = replace(precision, cur_scale=max(precision.cur_scale, policy.scaler.min_loss_scale),
+                            cur_hysteresis=min(precision.cur_hysteresis, policy.scaler.hysteresis))
     return replace(state, step=saved["step"], data=saved["data"], precision=precision, rng=rng,
                    opt_state=with_scalars(state.opt_state, state.params, scalars))

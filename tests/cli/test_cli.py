@@ -255,6 +255,30 @@ def test_an_fp16_run_with_skipped_steps_writes_strict_json(tmp_path):
     assert report.markdown_table([job], tmp_path).count("\n") == 3
 
 
+# An SGD step at lr 1e39 makes the masters inf: non-finite state at the end of a run (its loss was finite).
+DIVERGED = ["+stage=zero3", "stage.stage3_gather_16bit_weights_on_model_save=true", "train.steps=1",
+            "optimizer=sgd", "optimizer.lr=1e39", "scheduler=constant", "train.grad_clip=0",
+            *(o for o in SHORT if o.startswith("model."))]
+
+
+@pytest.mark.parametrize("extra,says", [
+    # stop: the end-of-run export is refused as a due checkpoint is, one line, exit 1, no export folder
+    ([], "error: not exporting model_16bit at step 1: the state holds non-finite values (NaN or inf) in rank 0: "
+         "'model."),
+    (["checkpoint.every=1"], "error: checkpoint: not saving step 1: the state holds non-finite values (NaN or inf) "
+                             "in rank 0: 'model."),
+    # warn: exported, with a warning naming the tensors
+    (["train.on_nonfinite=warn"], "warning: save_weights: NaN or inf values in '"),
+])
+def test_a_diverged_final_state_is_exported_only_under_warn(forkrun, tmp_path, extra, says):
+    p = cli(forkrun, tmp_path, *DIVERGED, f"checkpoint.dir={tmp_path / 'ck'}", *extra)
+    warn = "train.on_nonfinite=warn" in extra
+    assert p.returncode == (0 if warn else 1), p.stderr
+    assert says in (p.stderr if warn else error_lines(p)[-1]), p.stderr
+    assert (tmp_path / "run" / "model_16bit").exists() == warn
+    assert extra or len(error_lines(p)) == 1, p.stderr   # (nothing was exported: no warning about it either)
+
+
 def test_multirun_two_optimizers(forkrun, tmp_path):
     from framework.cli.train import job_key
     from framework.persist.checkpoint import checkpoint_root

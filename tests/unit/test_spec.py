@@ -293,6 +293,14 @@ def test_loss_scale_carries_over_only_between_dynamic_scalers():
     (s, sp), = make_state(2, 64)[:1]
     assert load_state_dict(s, sp, saved, policy=raised, names=SHAPES, world=2).precision == replace(
         fp16_state, cur_scale=1024.0)
+    # so does a hysteresis lowered since (the saved count of overflows still forgiven is at most the new one);
+    # a higher one leaves the saved count, refilled by the next window as in a run started with it
+    three = [(replace(s, precision=replace(fp16_state, cur_hysteresis=3)), sp) for s, sp in make_state(1, None, seed=0)]
+    for hysteresis, expected in ((2, 2), (1, 1), (3, 3), (5, 3)):
+        policy = replace(FP16, scaler=replace(FP16.scaler, hysteresis=hysteresis))
+        (s, sp), = make_state(2, 64)[:1]
+        got = load_state_dict(s, sp, saved_by(three, FP16), policy=policy, names=SHAPES, world=2).precision
+        assert got == replace(fp16_state, cur_hysteresis=expected), hysteresis
     # and from fp32 into fp16: the scaler starts where a new fp16 run would (its first growth a full window on)
     (s, sp), = make_state(1, None)
     got = load_state_dict(s, sp, saved_by(make_state(1, None, seed=0)), policy=FP16, names=SHAPES).precision

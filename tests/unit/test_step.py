@@ -90,6 +90,34 @@ def test_an_overflowing_step_has_one_number_with_and_without_loss_scaling():
     assert "gradients still overflow at step 1 " in errors[0] and errors[1].startswith("step 1: "), errors
 
 
+def test_fp16_a_nonfinite_loss_with_finite_gradients_is_no_overflow_but_goes_to_on_nonfinite():
+    """Loss scaling counts only non-finite gradients as an overflow (DeepSpeed's rule): an infinite loss whose
+    gradients are finite neither halves the scale nor spends hysteresis; it stops the run, or with
+    train.on_nonfinite=warn is skipped and counted, as without loss scaling."""
+    def loss_fn(m, mb):   # a constant infinity: the gradients stay finite
+        return nn.functional.mse_loss(m(mb[0].half()).float(), mb[1]) + torch.tensor(float("inf"))
+
+    batch = Batch(((torch.randn(4, 5), torch.randn(4, 1)),))
+    for mode in ("stop", "warn"):
+        cfg = framework.compose(["precision=fp16", "precision.initial_scale_power=8", "precision.hysteresis=2",
+                                 "optimizer=sgd", "scheduler=constant", "train.micro_batch=4", "logger=none",
+                                 f"train.on_nonfinite={mode}"])
+        torch.manual_seed(0)
+        with framework.initialize(TwoLayer(), loss_fn, cfg) as engine:
+            if mode == "stop":
+                with pytest.raises(framework.TrainingError, match=r"^step 1: the loss is inf .*non-finite gradients "
+                                                                  r"in: none\); stopping before the update"):
+                    engine.train_step(engine.state, batch)
+                continue
+            before = [p.clone() for p in engine.state.params]
+            state, m = engine.train_step(engine.state, batch)
+            state, m = engine.train_step(state, batch)
+    assert m["skipped"] and m["nonfinite"] and math.isfinite(m["grad_norm"])
+    p = state.precision
+    assert (p.cur_scale, p.cur_hysteresis, p.last_overflow_iter, p.skipped_steps) == (256.0, 2, -1, 2), p
+    assert state.applied_steps == 0 and all(torch.equal(a, b) for a, b in zip(before, state.params))
+
+
 class _InfGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

@@ -28,7 +28,7 @@ from framework.core.registry import closest_hint
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._load import batch_change, changed, job_values, load, other_job, same_run, verify
-from framework.persist.checkpoint._save import save
+from framework.persist.checkpoint._save import check_finite, save
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "shared", "verify"]
 
@@ -154,6 +154,12 @@ class Checkpointer:
         self._check_open("save")
         self.wait()
         self._pending = save(self, state, losses)
+
+    def check_finite(self, state, doing: str) -> None:
+        """A save's check that ``state`` is finite, alone, before ``doing`` (one line: what is not done, at which
+        step): non-finite state is a TrainingError on every rank. Collective."""
+        self._check_open("check")
+        check_finite(self, state, doing)
 
     def wait(self) -> None:
         """Wait for a save in flight; its error is raised here."""

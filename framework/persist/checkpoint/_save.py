@@ -64,13 +64,11 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     box is a host copy of exactly its bytes (DCP's writer clones views of larger storages: no second copy);
     ``zero_copy``: a mapped swap file's (``fmap``) boxes from its pages."""
     c = engine.components
-    specs = c.stage.piece_specs()
-    flats, per, scalars = pieces(state, specs)
-    layout = StateLayout.of(specs, dist=group, what="checkpoint layout gather")
-    keys = optim_keys(sorted(per), sorted(scalars))
+    layout, flats, per, scalars, keys = _share(engine, state, group)
     release = fmap.release if fmap is not None else None
-    nonfinite = nonfinite_items([(dcp_key(key, p.name, keys), h.of(t)) for p, h in layout.mine()
-                                 for key, t in flats[h.piece].items()], release)
+    # Checked on the host copies of the whole tensors (no device sync)
+    whole = {k: host_copy(t) for k, t in whole_tensors(c.module).items()} if group.rank == 0 else None
+    nonfinite = _nonfinite(layout, flats, keys, state, whole, release)
     # A replicated holding (ddp's) is written from one rank's copy (``share``): ``_agree_to_save`` compares these
     # digests, or a rank's copy changed alone would make a checkpoint that matches no rank.
     copies = read_per_device([((dcp_key(key, p.name, keys), h.lo, h.hi), bits_sum(h.of(t)))
@@ -84,16 +82,8 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     host_scalars = {p: host_copy(v) for p, v in scalars.items()}
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
         out[f"optim.{keys[path]}"] = torch.as_tensor(value, device="cpu").clone()
-    if group.rank == 0:   # buffers and frozen parameters, whole on every rank: rank 0's, written once
-        whole = {k: host_copy(t) for k, t in whole_tensors(c.module).items()}
+    if whole is not None:   # buffers and frozen parameters, whole on every rank: rank 0's, written once
         out.update(whole)
-        # Checked on their host copies (no device sync): a NaN forward under train.on_nonfinite=warn leaves
-        # NaN in BatchNorm's running statistics, which a resume would load into every rank. An inf may be by
-        # design (an additive mask): only a NaN is refused.
-        nonfinite = sorted({*nonfinite, *nonfinite_items(list(whole.items()), nan_only=True)})
-        scale = state.precision.cur_scale   # (a float, the same on every rank; a load refuses a bad one)
-        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-            nonfinite.append(f"precision.cur_scale ({scale!r})")
     # the files' bytes: the tensors', with room for DCP's per-item records, the JSON files and the metadata
     nbytes = tensor_bytes(t for v in out.values() for t in (v.tensors() if isinstance(v, glue().Boxes) else [v])) \
         + 4096 * len(out) + (64 << 10)
@@ -108,6 +98,50 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
         train["tied"] = tied
     return {"dcp": out, "layout": layout.saved(), "train": train, "rng": rng.capture(state.rng), "step": state.step,
             "nonfinite": nonfinite, "copies": copies, "bytes": nbytes, "release": release if zero_copy else None}
+
+
+def _share(engine, state, group: Group):
+    """This rank's ``StateLayout`` of ``state`` (collective), ``pieces``' flat pieces, per-element and scalar
+    optimizer paths, and the optimizer's DCP key parts."""
+    specs = engine.components.stage.piece_specs()
+    flats, per, scalars = pieces(state, specs)
+    layout = StateLayout.of(specs, dist=group, what="checkpoint layout gather")
+    return layout, flats, per, scalars, optim_keys(sorted(per), sorted(scalars))
+
+
+def _nonfinite(layout: StateLayout, flats, keys: dict[str, str], state, whole: dict | None, release=None) -> list[str]:
+    """The pre-save check of this rank's share: the masters and optimizer values holding NaN or inf (``release``
+    after each), and with ``whole`` (rank 0's buffers and frozen parameters) a NaN there or a loss scale that is
+    not a positive finite number. A NaN forward under train.on_nonfinite=warn leaves NaN in BatchNorm's running
+    statistics, which a resume would load into every rank; an inf there may be by design (an additive mask)."""
+    names = nonfinite_items([(dcp_key(key, p.name, keys), h.of(t)) for p, h in layout.mine()
+                             for key, t in flats[h.piece].items()], release)
+    if whole is not None:
+        names = sorted({*names, *nonfinite_items(list(whole.items()), nan_only=True)})
+        scale = state.precision.cur_scale   # (a float, the same on every rank; a load refuses a bad one)
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            names.append(f"precision.cur_scale ({scale!r})")
+    return names
+
+
+def _held(per_rank: list[list[str]]) -> str | None:
+    """The ranks' non-finite values (``_nonfinite``'s, exchanged) said, or None."""
+    bad = [f"rank {r}: {few(names)}" for r, names in enumerate(per_rank) if names]
+    return f"the state holds non-finite values (NaN or inf) in {'; '.join(bad)}" if bad else None
+
+
+def check_finite(ckpt, state, doing: str) -> None:
+    """The pre-save check of ``state`` alone (collective), before ``doing`` (e.g. an export): non-finite state stops
+    every rank alike, as a save refuses it under train.on_nonfinite=stop."""
+    engine, group = ckpt.engine, ckpt.group
+    with contextlib.ExitStack() as stack:   # offload=nvme: the swap file, mapped and checked
+        mapped, fmap = group.enter(stack, engine.mapped_state(state), "swap file check")
+        layout, flats, _, _, keys = _share(engine, mapped, group)
+        whole = whole_tensors(engine.components.module) if group.rank == 0 else None
+        names = _nonfinite(layout, flats, keys, mapped, whole, fmap.release if fmap is not None else None)
+    if held := _held(group.all_gather(names, "pre-save check")):
+        raise on_every_rank(TrainingError(f"{doing}: {held}; stopping. Lower the learning rate or check the data; "
+                                          f"train.on_nonfinite=warn writes such state with a warning"))
 
 
 def save(ckpt, state, losses: list[float] | None = None):
@@ -165,11 +199,10 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
     except FrameworkError as e:
         problem = f"rank {group.rank}: {e}"
     everyone = group.all_gather((snap["nonfinite"], claim, problem, snap["copies"]), "pre-save check")
-    bad = [f"rank {r}: {few(names)}" for r, (names, *_) in enumerate(everyone) if names]
-    refused = (f"checkpoint: not saving step {step}: the state holds non-finite values (NaN or inf) in "
-               f"{'; '.join(bad)}") if bad else None
+    held = _held([names for names, *_ in everyone])
+    refused = f"checkpoint: not saving step {step}: {held}" if held else None
     problems = [p for _, _, p, _ in everyone if p] + (   # (non-finite copies: said as such, below)
-        [] if bad else _differing([copies for *_, copies in everyone]))
+        [] if held else _differing([copies for *_, copies in everyone]))
     shorts = shortfalls([c for _, c, _, _ in everyone if c is not None]) if not problems else []
     if (refused or problems or shorts) and group.rank == 0 and staged16 is not None:
         shutil.rmtree(staged16, ignore_errors=True)
