@@ -46,6 +46,9 @@ def test_default_job_shortened(forkrun, tmp_path):
     assert summary["config"]["train"]["on_nonfinite"] == "warn"
     # the model as built: the data's vocabulary (the synthetic data's 64 ids), not the YAML's 65
     assert summary["config"]["model"]["vocab_size"] == summary["data"]["vocab_size"] == 64
+    # the parameter count of a plain module (zero3's, whose parameters are empty between uses: below)
+    assert summary["params"] == 64 * 32 + 16 * 32 + (12 * 32 * 32 + 2 * 32) + 32, summary["params"]
+    assert summary["peak_memory_per_rank"][0]["peak_rss_bytes"] > 50 * 2**20
     mem = {k: v["device"] + v["host"] for k, v in summary["memory_per_rank"][0]["items"].items()}
     assert {"params", "grads", "optimizer_state"} <= mem.keys()
     assert mem["optimizer_state"] == 2 * mem["params"]  # AdamW m and v in fp32
@@ -618,8 +621,8 @@ def test_failing_rank_exits_nonzero_with_message(forkrun, tmp_path):
 
 
 # zero1 and zero2 at 2 local ranks from the command line are the README test's (docs/stages.md, README.md); their
-# launch, records and parameter count (a plain module's) are the same code as zero3's here, whose count is the
-# one that differs (its parameters are empty between uses).
+# launch, records and parameter count (a plain module's: the first test here) are the same code as zero3's here,
+# whose count is the one that differs (its parameters are empty between uses).
 @pytest.mark.parametrize("stage", ["zero3"])
 def test_zero_stages_from_the_command_line(forkrun, tmp_path, stage):
     extra = ["stage.stage3_gather_16bit_weights_on_model_save=true"] if stage == "zero3" else []

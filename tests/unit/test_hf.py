@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 import framework
 from framework import ConfigError
 from framework.engine.build import component
-from framework.models.hf import HFConfig, HFInit, causal_lm_loss, materialize
+from framework.models.hf import HFConfig, HFInit, causal_lm_loss, config_vocab, materialize
 from framework.models.hf import build as hf_build
 from tests._hf import CONFIGS, build, hf_cfg, write_config
 
@@ -163,6 +164,23 @@ def test_bad_hf_config_is_one_clear_line(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as e:   # by compose: before the run folder, not on each rank
         framework.compose(args)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_multimodal_config_is_checked_at_its_text_models_sizes(tmp_path):
+    """gemma3 (as llama4, mllama) keeps vocab_size and max_position_embeddings in text_config only."""
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, max_position_embeddings=32)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=16)
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gemma3", text_config=text,
+                                                          vision_config=vision)))
+    base = ["model=hf", f"model.config={tmp_path}", "model.context=16"]
+    for extra, needle in ((["data.vocab_size=200"], "the data has 200 token ids but the model's vocabulary has 96"),
+                          (["model.context=64"], "max_position_embeddings (32)")):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            framework.compose([*base, *extra])
+    framework.compose([*base, "data.vocab_size=64"])
+    assert config_vocab(HFConfig(config=str(tmp_path), context=16)) == 96
 
 
 def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
