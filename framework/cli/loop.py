@@ -80,7 +80,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     logger = NullLogger()
     losses, evals = [], []
     ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point,   # collective
-                        batch_from_config=True)
+                        batch_from_config=True, data=data.identity())
     try:
         state = ckpt.resume(state)
         # The summary's train loss is the mean of the last log_every steps: those before the checkpoint too

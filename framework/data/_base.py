@@ -74,6 +74,12 @@ class DataSource:
     def describe(self) -> dict:
         raise NotImplementedError
 
+    def identity(self) -> dict | None:
+        """What a checkpoint records of the data (a resume refuses another vocabulary and notes other content):
+        ``path``, ``vocab`` (the characters the ids stand for, or None where unknown) and a content stamp,
+        ``bytes`` with ``sha256`` (or, where no checksum is at hand, ``stat``). None: the config says it all."""
+        return None
+
     def train_batch(self, position: int, *, micro_batch: int, grad_accum: int, rank: int,
                     world: int) -> Batch:
         if position < 0:
@@ -104,7 +110,8 @@ class CropSource(DataSource):
 
 
     def __init__(self, *, train: np.ndarray, val: np.ndarray, vocab_size: int, seed: int,
-                 context: int, kind: str, path: Path) -> None:
+                 context: int, kind: str, path: Path, identity: dict) -> None:
+        """``identity``: ``identity()``'s vocab and content stamp."""
         name = f"{kind} {path}"
         for split, arr in (("train", train), ("val", val)):
             if len(arr) < context + 1:
@@ -113,6 +120,7 @@ class CropSource(DataSource):
         self.train, self.val = train, val
         self.vocab_size, self.seed, self.context = vocab_size, seed, context
         self.kind, self.path = kind, path
+        self._identity = {"source": kind, "path": str(path), **identity}
 
     def _draw(self, split: str, n: int, gen: torch.Generator, rows: Tensor) -> Tensor:
         data = self.train if split == "train" else self.val
@@ -128,3 +136,6 @@ class CropSource(DataSource):
     def describe(self) -> dict:
         return {"source": self.kind, "vocab_size": self.vocab_size, "train_tokens": len(self.train),
                 "val_tokens": len(self.val), "path": str(self.path)}
+
+    def identity(self) -> dict:
+        return dict(self._identity)

@@ -26,11 +26,14 @@ class TextConfig:
     path: str
 
 
-def encode_file(source: str) -> tuple[Path, np.ndarray, str, int]:
-    """The UTF-8 file ``source`` -> (its path, int32 ids, vocabulary, length of the training split)."""
+def encode_file(source: str) -> tuple[Path, np.ndarray, str, int, dict]:
+    """The UTF-8 file ``source`` -> (its path, int32 ids, vocabulary, length of the training split, its ``bytes``
+    and ``sha256``)."""
     path = resolve_path(source)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
+        # (newlines as a text-mode read gives them)
+        text = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); "
                         f"point data.path at a UTF-8 file") from None
@@ -42,7 +45,8 @@ def encode_file(source: str) -> tuple[Path, np.ndarray, str, int]:
     if len(vocab) == 0:
         raise DataError(f"{path} is empty; point data.path at a non-empty text file")
     ids = np.searchsorted(vocab, points).astype(np.int32)
-    return path, ids, "".join(map(chr, vocab.tolist())), int(TRAIN_FRACTION * len(ids))
+    stamp = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    return path, ids, "".join(map(chr, vocab.tolist())), int(TRAIN_FRACTION * len(ids)), stamp
 
 
 def prepare_chars(source: str, out: Path) -> dict:
@@ -50,7 +54,7 @@ def prepare_chars(source: str, out: Path) -> dict:
     metadata. Each is written atomically, the metadata first with the tokens' checksum (a half-written pair is
     refused), then again with the token file's stat (sparing the reader the checksum). ``out`` must be new or
     this function's own earlier output."""
-    path, ids, chars, split = encode_file(source)
+    path, ids, chars, split, stamp = encode_file(source)
     if len(chars) > 1 << 16:
         raise DataError(f"{path} has {len(chars)} distinct characters, more than uint16 token ids hold")
     if out.is_dir():
@@ -71,8 +75,7 @@ def prepare_chars(source: str, out: Path) -> dict:
         raise DataError(f"--out {out}: its metadata file {meta_path(out)} is that of {out.parent / other} (token "
                         f"files of one stem share it); give the token file a stem of its own")
     tokens = ids.astype("<u2").tobytes()
-    meta = {"source": str(path), "source_bytes": path.stat().st_size,
-            "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+    meta = {"source": str(path), "source_bytes": stamp["bytes"], "source_sha256": stamp["sha256"],
             "tokens": str(out.name), "vocab_size": len(chars), "chars": chars,
             "train_tokens": split, "val_tokens": len(ids) - split, "val_fraction": 1.0 - TRAIN_FRACTION,
             "tokens_sha256": hashlib.sha256(tokens).hexdigest()}
@@ -94,11 +97,11 @@ def prepare_chars(source: str, out: Path) -> dict:
 
 class TextSource(CropSource):
     def __init__(self, cfg: TextConfig, *, seed: int, context: int) -> None:
-        path, ids, chars, split = encode_file(cfg.path)
+        path, ids, chars, split, stamp = encode_file(cfg.path)
         self.chars = chars
         self._index = {c: i for i, c in enumerate(self.chars)}
         super().__init__(train=ids[:split], val=ids[split:], vocab_size=len(chars), seed=seed,
-                         context=context, kind="text", path=path)
+                         context=context, kind="text", path=path, identity={"vocab": chars, **stamp})
 
     def encode(self, s: str) -> list[int]:
         return [self._index[c] for c in s]

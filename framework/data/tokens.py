@@ -54,15 +54,20 @@ class TokensSource(CropSource):
         except OSError as e:
             raise DataError(f"data.path={path}: cannot read it ({e.strerror}); fix its permissions or point "
                             "data.path at a readable file") from None
-        recorded = check_pair(path, data) and own is not None
+        found = check_pair(path, data)
+        recorded = found is not None and own is not None
         if not recorded and vocab < 1 << 16 and (top := _top_id(data)) >= vocab:
             # Once here rather than when a crop happens to reach it: mid-run, on one rank, after checkpoints
             # of a vocabulary the fix then changes. (prepare's recorded files hold ids below their vocab_size.)
             raise DataError(f"{path}: token id {top} >= vocab_size {vocab}; set data.vocab_size to the "
                             f"tokenizer's size (at least {top + 1})")
         split = int((1.0 - cfg.val_fraction) * len(data))
-        super().__init__(train=data[:split], val=data[split:], vocab_size=vocab,
-                         seed=seed, context=context, kind="tokens", path=path)
+        # the checksum and characters its metadata records (prepare's), else the file's stat
+        chars = found.get("chars") if found is not None else None
+        stamp = {"sha256": found["tokens_sha256"]} if found is not None else {"stat": tokens_stat(path)}
+        super().__init__(train=data[:split], val=data[split:], vocab_size=vocab, seed=seed, context=context,
+                         kind="tokens", path=path, identity={"vocab": chars if isinstance(chars, str) else None,
+                                                             "bytes": path.stat().st_size, **stamp})
 
 
 def meta_path(path: Path) -> Path:
@@ -85,20 +90,20 @@ def tokens_stat(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
-def check_pair(path: Path, data: np.ndarray) -> bool:
+def check_pair(path: Path, data: np.ndarray) -> dict | None:
     """Refuse a token file whose count or checksum is not that of the ``<stem>.meta.json`` naming it (a prepare
-    stopped between the two renames); the checksum is read only where ``tokens_stat`` differs. Whether the
-    file is the one its metadata's checksum records."""
+    stopped between the two renames); the checksum is read only where ``tokens_stat`` differs. The metadata
+    where its checksum records the file, else None."""
     meta, found = read_meta(path)
     if found.get("tokens") != path.name:
-        return False
+        return None
     counts, digest = (found.get("train_tokens"), found.get("val_tokens")), found.get("tokens_sha256")
     if (all(isinstance(c, int) for c in counts) and sum(counts) != len(data)) or \
             (isinstance(digest, str) and found.get("tokens_stat") != tokens_stat(path)
              and hashlib.sha256(data).hexdigest() != digest):
         raise DataError(f"{path} is not the token file {meta} describes (another token count or checksum: a "
                         f"prepare that was stopped, or a file changed by hand); run prepare again")
-    return isinstance(digest, str)
+    return found if isinstance(digest, str) else None
 
 
 _CHUNK = 1 << 24   # tokens _top_id reads at a time

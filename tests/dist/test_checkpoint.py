@@ -63,7 +63,7 @@ def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_
         state = replace(engine.state, rng=capture_rng(dist.device))
         # the fault tests' kill points inside a save (FRAMEWORK_FAULT=save-<N>:<point>@<rank>)
         ckpt = Checkpointer(cfg, engine, on_point=lambda point: fault(point, dist.rank),
-                            batch_from_config=batch_from_config)
+                            batch_from_config=batch_from_config, data=data.identity())
         try:
             state = ckpt.resume(state)
             first = (state.step, state.data, engine.state_dict(state))
@@ -522,6 +522,42 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path, monk
     monkeypatch.chdir(tmp_path)   # (latest looks in the run folders under the working directory too)
     resolved = preflight(_cfg(1, [], str(tmp_path), ["checkpoint.resume=latest"]), None)
     assert (resolved.checkpoint.resume, resolved.resume_given) == (str(tmp_path), "latest")
+
+
+def test_a_resume_refuses_data_whose_ids_changed_meaning_and_says_when_only_its_content_did(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """A token file prepared anew at the same data.path: with another vocabulary (its ids stand for other
+    characters, though the model's shapes fit) the resume is refused before anything is read; new text of the
+    same vocabulary (fine-tuning) resumes with a note; a checkpoint that recorded no data resumes as before."""
+    from framework.data import _base
+    from framework.data.text import prepare_chars
+    text, tokens, root = tmp_path / "t.txt", tmp_path / "t.bin", str(tmp_path / "ck")
+    data = ["data=tokens", f"data.path={tokens}"]   # (TINY's data.vocab_size=24: any 20 characters fit)
+    dist = _local()
+    words = "".join("abcdefghijklmnopqrst"[i * 7 % 20] for i in range(400))
+    text.write_text(words)
+    prepare_chars(str(text), tokens)
+    _train(dist, data, root, steps=K)
+    text.write_text(words + words[:40])   # more of the same characters
+    prepare_chars(str(text), tokens)
+    capsys.readouterr()
+    _train(dist, data, root, resume="auto", steps=K)
+    assert f"; the data in {tokens} changed since the save (800 -> 880 bytes, same vocabulary): training goes on " \
+           "with its new rows" in capsys.readouterr().out
+    text.write_text(words.replace("a", "u"))
+    prepare_chars(str(text), tokens)
+    with pytest.raises(ConfigError, match=rf"^checkpoint.resume=auto: {tmp_path}/ck/step-{K} was saved with other "
+                                          rf"data: the vocabulary of {tokens} changed \(20 -> 20 characters, adds 'u' "
+                                          r"and drops 'a'\), so its token ids now stand for other characters; restore "
+                                          r"the data file it was saved with to resume, or use another checkpoint.dir "
+                                          r"\(or run folder\) to start this run afresh$"):
+        _train(dist, data, root, resume="auto", steps=K)
+    monkeypatch.setattr(_base.CropSource, "identity", lambda self: None)   # saved before checkpoints recorded it
+    _train(dist, data, str(tmp_path / "old"), steps=K)
+    monkeypatch.undo()
+    capsys.readouterr()
+    _train(dist, data, str(tmp_path / "old"), resume="auto", steps=K)
+    assert "resumed from" in (out := capsys.readouterr().out) and "data" not in out.split("data position")[1], out
 
 
 class _Norm(torch.nn.Module):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 from pathlib import Path
@@ -176,6 +177,12 @@ def test_text_relative_to_cwd(tmp_path, monkeypatch):
     src = text.TextSource(text.TextConfig(path="tiny.txt"), seed=0, context=8)
     assert src.chars == "".join(sorted(set("hello world, héllo again ")))
     assert src.decode(src.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1).micro[0][0][0])
+    # what a checkpoint records of it: the characters the ids stand for and a stamp of the file's bytes
+    raw = (tmp_path / "tiny.txt").read_bytes()
+    assert src.identity() == {"source": "text", "path": str(tmp_path / "tiny.txt"), "vocab": src.chars,
+                              "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (tmp_path / "tiny.txt").write_bytes(b"ab\r\ncd\rab\n" * 20)   # newlines as a text-mode read gives them
+    assert text.TextSource(text.TextConfig(path="tiny.txt"), seed=0, context=8).chars == "\nabcd"
 
 
 @pytest.mark.parametrize("module, cfg", [

@@ -27,7 +27,8 @@ from framework.core.errors import CheckpointError, ConfigError, FrameworkError, 
 from framework.core.registry import closest_hint
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
-from framework.persist.checkpoint._load import batch_change, changed, job_values, load, other_job, same_run, verify
+from framework.persist.checkpoint._load import (batch_change, changed, data_change, job_values, load, other_job,
+                                                same_run, verify)
 from framework.persist.checkpoint._save import check_finite, save
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "shared", "verify"]
@@ -41,12 +42,15 @@ class Checkpointer:
     """Periodic saves and the resume of one training run, as ``cfg.checkpoint`` says."""
 
     def __init__(self, cfg, engine, job: str | None = None, run_dir: Path | None = None,
-                 on_point: Callable[[str], None] | None = None, batch_from_config: bool = False):
-        """``run_dir``, ``job``: see ``checkpoint_root``. ``on_point``: ``save``'s (fault tests).
+                 on_point: Callable[[str], None] | None = None, batch_from_config: bool = False,
+                 data: dict | None = None):
+        """``run_dir``, ``job``: see ``checkpoint_root``. ``on_point``: ``save``'s (fault tests). ``data``: the data's
+        ``DataSource.identity()``, saved with each checkpoint: a resume refuses data whose vocabulary changed since
+        (its ids would stand for other characters) and says when only its content did.
         ``batch_from_config``: each rank's batches are ``train.micro_batch`` x ``train.grad_accum`` rows (the
         command line's): a resume says when the global batch changed (in a loop of one's own they are not read)."""
         self.cfg, self.config, self.seed, self.engine = cfg.checkpoint, cfg.to_dict(), cfg.seed, engine
-        self.batch_from_config = batch_from_config
+        self.batch_from_config, self.data = batch_from_config, data
         self.resume_given = cfg.resume_given or cfg.checkpoint.resume   # what messages say (latest as typed)
         self.root = checkpoint_root(cfg, run_dir, job)
         self.on_nonfinite, self.on_point = cfg.train.on_nonfinite, on_point
@@ -87,7 +91,8 @@ class Checkpointer:
         errors, spent = [], ""   # SPENT once a read began (it may have written into the state)
         for i, folder in enumerate(folders):
             try:
-                read = load(self.engine, state, folder, group=self.group, seed=self.seed, same=(self.config, given))
+                read = load(self.engine, state, folder, group=self.group, seed=self.seed, same=(self.config, given),
+                            data=self.data)
                 spent = SPENT
                 state, body = read()
             except CheckpointError as e:
@@ -116,9 +121,12 @@ class Checkpointer:
             diff = changed(body["config"], self.config)
             batch = self.batch_from_config and batch_change(body["config"], body["world"], self.config,
                                                             self.group.world)
+            data = data_change(body.get("data_identity"), self.data)   # (another vocabulary: refused by load)
             self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
                       + (f"; config differs in {', '.join(diff)}" if diff else "")
-                      + (f"; {batch}" if batch else ""))
+                      + (f"; {batch}" if batch else "")
+                      + (f"; the data in {self.data['path']} changed since the save ({data[0]}, same vocabulary): "
+                         "training goes on with its new rows" if data else ""))
             return state
         # resume=off is refused where this run saves among checkpoints: there, another folder starts afresh
         ours = every and folders[0].parent.resolve() == self.root.resolve()

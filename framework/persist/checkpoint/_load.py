@@ -112,6 +112,27 @@ def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str |
             "train.grad_accum to keep it")
 
 
+def data_change(saved, mine) -> tuple[str, bool] | None:
+    """What differs between the data a checkpoint was saved with (``saved``: ``DataSource.identity()``, none in a
+    checkpoint of an older version) and this run's (``mine``): (what, whether the ids stand for other characters
+    now); None where nothing is known to differ. Contents are compared within one kind of source."""
+    if not isinstance(saved, dict) or not isinstance(mine, dict):
+        return None
+    then, now = saved.get("vocab"), mine.get("vocab")
+    if isinstance(then, str) and isinstance(now, str) and then != now:
+        parts = [f"{word} {few(chars)}" for word, chars in (("adds", [c for c in now if c not in then]),
+                                                            ("drops", [c for c in then if c not in now])) if chars]
+        return f"{len(then)} -> {len(now)} characters, {' and '.join(parts)}", True
+    if saved.get("source") != mine.get("source"):
+        return None
+    for key in ("sha256", "stat"):
+        if key in saved and key in mine:
+            size = saved.get("bytes"), mine.get("bytes")
+            return None if saved[key] == mine[key] else \
+                (f"{size[0]} -> {size[1]} bytes" if size[0] != size[1] else "the same size", False)
+    return None
+
+
 def verify(folder: Path, group: Group | None = None, resume: bool = False) -> dict:
     """The manifest, every file checked against it (each rank a share): every rank raises one CheckpointError
     naming the bad files. ``resume`` (or an export: neither reads ``model_16bit/``): damage there is a line."""
@@ -177,10 +198,12 @@ def _train_state(folder: Path, manifest: dict) -> dict:
     return body
 
 
-def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[dict, str] | None = None):
+def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[dict, str] | None = None,
+         data: dict | None = None):
     """Check ``folder`` against this engine and return ``read``, which loads it into ``state`` and returns (state,
     train state); both collective, only ``read`` writes. Damage: CheckpointError on every rank (auto falls back);
-    with ``same`` (this run's config dict, ``checkpoint.resume``), another model or optimizer: ConfigError."""
+    with ``same`` (this run's config dict, ``checkpoint.resume``), another model or optimizer, or with ``data``
+    (this run's ``DataSource.identity()``) data whose ids stand for other characters: ConfigError."""
     # Before anything is read: the checks below and the read take the trainable set from requires_grad, which a
     # change after initialize makes disagree with the stage's layout (a parameter left unread, or called missing).
     agree_load(group, "requires_grad check", lambda: engine.check_trainable("checkpoint resume"))
@@ -196,6 +219,11 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
         md = glue().read_metadata(folder / ".metadata")
         if same is not None and isinstance(body["config"], dict):   # (the state's keys only where no name says it)
             same_optimizer(folder, body["config"], *same)
+        if (change := data_change(body.get("data_identity"), data)) and change[1]:   # (before a shape names it)
+            raise ConfigError(f"checkpoint.resume={same[1] if same else folder}: {folder} was saved with other data: "
+                              f"the vocabulary of {data['path']} changed ({change[0]}), so its token ids now stand "
+                              f"for other characters; restore the data file it was saved with to resume, or use "
+                              f"another checkpoint.dir (or run folder) to start this run afresh")
         _fits(c, folder, body, md, layout, per, scalars, whole)   # names the parameter whose shape differs
         if same is not None and isinstance(body["config"], dict):
             same_run(folder, body["config"], *same, body.get("model_config"), architecture(c.module))

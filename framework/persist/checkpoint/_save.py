@@ -170,6 +170,8 @@ def save(ckpt, state, losses: list[float] | None = None):
             background = None
         snap = snapshot(engine, mapped, fmap, group, zero_copy=background is None)
         snap["train"]["recent_losses"] = [x for x in losses or () if math.isfinite(x)]   # (strict JSON)
+        if ckpt.data is not None:   # what the ids stand for, and a stamp of the content (a resume compares them)
+            snap["train"]["data_identity"] = ckpt.data
         # Fixed at submit: a background write keeps the settings of the save that made it.
         snap.update(writer=ckpt.writer, on_point=ckpt.on_point, keep_last=ckpt.cfg.keep_last)
         recheck = lambda: verify_map(fmap, "checked again after the checkpoint read it")  # noqa: E731
