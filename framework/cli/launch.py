@@ -36,7 +36,7 @@ from framework.comm.distributed import (agree, backend_notice, check_env, connec
                                        local_world_size, resolve_backend, run_world, slurm_tasks_here)
 from framework.core import files
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, Terminated, on_every_rank, say
-from framework.loggers import RunInfo
+from framework.loggers import RunInfo, check_records
 from framework.cli._rendezvous import LOCK, PREFIX, hold, peer_lost_path, ready_path, remove_dead
 from framework.cli.loop import train
 
@@ -56,6 +56,7 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     with signals_unwind(), contextlib.ExitStack() as held:
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
             held.callback(os.close, own_run_folder(run))
+            check_records(run.run_dir, "hydra.sweep.dir" if run.group else "hydra.run.dir")
             cfg = preflight(cfg, run.run_dir, run.job, run.sweep_dir,
                             own=lambda root: held.callback(os.close, own_checkpoint_dir(root)), naming=run.naming)
             restart_notice(cfg, run)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from framework.core import files
-from framework.core.errors import FrameworkError, Interrupted, Terminated, say
+from framework.core.errors import ConfigError, FrameworkError, Interrupted, Terminated, say
 from framework.core.room import FULL, free_note
 from framework.core.utils import under
 
@@ -104,17 +104,42 @@ class RunRecord:
 
     @contextlib.contextmanager
     def _room(self, name: str):
-        """An OSError of no room writing ``name`` as one line (the folder, the free space, the fix)."""
+        """An OSError writing ``name`` as one line: no room (the folder, the free space, the fix), or another (the
+        file, the fix)."""
         try:
             yield
         except OSError as e:
             if e.errno not in FULL:
-                raise
+                path = e.filename if isinstance(e.filename, str) else self.run_dir / name   # (not an fd's number)
+                raise FrameworkError(f"{_unwritable(path, e.strerror or str(e))}, or choose another run "
+                                     "folder") from None
             self._full = True
             raise FrameworkError(f"no room to write {name} in {self.run_dir} ({e.strerror or e}"
                                  f"{free_note(self.run_dir, '; {} free')}): free space, "
                                  f"raise the file size limit (ulimit -f) or quota, or choose a run folder on a "
                                  f"larger disk") from None
+
+
+def check_records(run_dir: Path, key: str) -> None:
+    """One line, before a run starts, for a record in ``run_dir`` it could not write: something other than a file in
+    the place of train.log, metrics.jsonl or summary.json (written anew: only its kind matters), or a log it may not
+    append to. ``key``: the setting that gives the run another folder."""
+    for name in ("train.log", "metrics.jsonl", "summary.json"):
+        path = run_dir / name
+        if files.is_link(path) or not os.path.lexists(path):   # (a link: refused where it is opened)
+            continue
+        problem = "a folder" if path.is_dir() else "not a file" if not path.is_file() else None
+        if problem is None and name != "summary.json":
+            try:
+                os.close(files.open_nofollow(path, os.O_WRONLY | os.O_APPEND))
+            except OSError as e:
+                problem = e.strerror or str(e)
+        if problem:
+            raise ConfigError(f"{_unwritable(path, problem)}, or give this run a folder of its own: {key}=PATH")
+
+
+def _unwritable(path, problem: str) -> str:
+    return f"cannot write {path} ({problem}): fix its permissions, move it away if it is not a file"
 
 
 def _json(obj, **kw) -> str:
@@ -269,7 +294,12 @@ class _Tee:
 def console_log(path: Path):
     """Within the block, stdout and stderr also go to ``path`` (appended: rank 0's train.log), and so does the
     error, Ctrl-C or SIGTERM that ends the run. A log that cannot be written ends nothing (a note says so)."""
-    log = _Sink(files.open_append(path), "(train.log cannot be written: {}; the console goes on alone)\n")
+    says = "(train.log cannot be written: {}; the console goes on alone)\n"
+    try:
+        log = _Sink(files.open_append(path), says)
+    except OSError as e:   # (the CLI refused such a folder before: ``check_records``)
+        log = _Sink(open(os.devnull, "w"), says)
+        log.gone = says.format(f"{path}: {e.strerror or e}")
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
     try:

@@ -235,6 +235,33 @@ def test_no_room_for_the_run_record_is_one_line(tmp_path):
     record.close()
 
 
+def test_a_record_that_cannot_be_written_is_one_line_before_the_run_starts(tmp_path, capsys):
+    """A folder (or a file it may not append to) in the place of train.log, metrics.jsonl or summary.json: one
+    line naming it and the fix before the run starts, not a traceback (summary.json's after training). Past that
+    check, opening metrics.jsonl says it in one line too, and train.log is a note (the console goes on)."""
+    from framework.cli.launch import launch
+    from framework.loggers import console_log
+    from tests._helpers import tiny_config
+
+    for name in ("train.log", "metrics.jsonl", "summary.json"):
+        run = tmp_path / name.split(".")[0]
+        (run / name).mkdir(parents=True)
+        with pytest.raises(ConfigError) as e:
+            launch(tiny_config("train.steps=1"), RunInfo(run, None, None))
+        assert str(e.value) == f"cannot write {run / name} (a folder): fix its permissions, move it away if it is " \
+                               "not a file, or give this run a folder of its own: hydra.run.dir=PATH"
+        assert sorted(p.name for p in run.iterdir()) == sorted(["run.lock", name])   # nothing else written
+    with pytest.raises(FrameworkError) as e:
+        _started(RunRecord(tmp_path / "metrics"))
+    assert str(e.value) == f"cannot write {tmp_path / 'metrics' / 'metrics.jsonl'} (Is a directory): fix its " \
+                           "permissions, move it away if it is not a file, or choose another run folder"
+    capsys.readouterr()
+    with console_log(tmp_path / "train" / "train.log"):
+        print("step 1")
+    assert capsys.readouterr().out == f"step 1\n(train.log cannot be written: {tmp_path / 'train' / 'train.log'}: " \
+                                      "Is a directory; the console goes on alone)\n"
+
+
 def test_a_train_log_without_room_ends_nothing_and_the_console_goes_on(tmp_path):
     """train.log on a full disk is as a console that is gone: noted once (on the console), the run and its
     console go on, and the error that ends the run is the run's own, not a failed write of the log's.
