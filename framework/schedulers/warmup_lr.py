@@ -129,7 +129,23 @@ def long_warmup_notes(key: str, warm: int, steps: int, schedule: Callable[[int],
 def notes(build_at: Callable[..., Callable[[int], float]], node, run) -> list[str]:
     """A component's ``notes`` (bound to its ``build``: the lr it notes is its own schedule's)."""
     return long_warmup_notes("warmup_num_steps", node.warmup_num_steps, run.train.steps,
-                             functools.partial(build_at, node, run.optimizer.lr))
+                             functools.partial(build_at, node, run.optimizer.lr)) + _held_floor(node, run)
+
+
+def _held_floor(node, run) -> list[str]:
+    """The note for a cosine whose ``total_num_steps`` ends before the run: its lr holds at the floor from then
+    on, where DeepSpeed's WarmupCosineLR, unclamped, would climb back up the cosine."""
+    steps, total = run.train.steps, getattr(node, "total_num_steps", None)
+    if not isinstance(node, WarmupCosineLRConfig) or total is None or total >= steps:
+        return []
+    warm = max(2, node.warmup_num_steps)
+    held = steps - (total if total > warm else warm + 1)   # the updates from the floor's first on
+    if held <= 0:
+        return []
+    return [f"note: scheduler.total_num_steps={total} is below train.steps={steps}: the lr holds at cos_min_ratio x "
+            f"optimizer.lr ({node.cos_min_ratio * run.optimizer.lr:.2e}) for the last {held} steps (DeepSpeed's "
+            f"WarmupCosineLR would climb back up its cosine); set scheduler.total_num_steps={steps} (or null: the "
+            f"run's length) to decay over the whole run"]
 
 
 def checked_by_build(build_at: Callable[..., Callable[[int], float]]):

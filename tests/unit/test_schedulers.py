@@ -270,3 +270,24 @@ def test_a_warmup_longer_than_the_run_is_noted(overrides, says):
     notes = [n for n in compose(overrides).notices if "warm-up" in n]
     assert notes == ([] if says is None else [notes[0]]) and all(n.startswith("note: ") for n in notes), notes
     assert says is None or (says in notes[0] and "\n" not in notes[0]), notes
+
+
+def test_a_warmup_cosine_lr_ending_before_the_run_holds_its_floor_with_a_note():
+    """The cosine stops at total_num_steps and holds cos_min_ratio x lr (DeepSpeed's, unclamped, would climb
+    back up): kept, and said at start-up with the steps it holds for; nothing where it ends with the run."""
+    from framework.config import compose
+
+    over = ["scheduler=warmup_cosine_lr", "scheduler.warmup_num_steps=2", "train.steps=12", "optimizer.lr=1e-3"]
+    lr_at = compose([*over, "scheduler.total_num_steps=5"]).scheduler
+    lr_at = warmup_lr.build_cosine(lr_at, 1e-3, 12)
+    assert [lr_at(k) for k in range(5, 12)] == pytest.approx([1e-7] * 7)   # steps 6 to 12
+
+    def held(*extra):
+        return [n for n in compose([*over, *extra]).notices if "total_num_steps" in n]
+    assert held("scheduler.total_num_steps=5") == [
+        "note: scheduler.total_num_steps=5 is below train.steps=12: the lr holds at cos_min_ratio x optimizer.lr "
+        "(1.00e-07) for the last 7 steps (DeepSpeed's WarmupCosineLR would climb back up its cosine); set "
+        "scheduler.total_num_steps=12 (or null: the run's length) to decay over the whole run"]
+    assert held("scheduler.total_num_steps=12") == held() == []
+    assert [n for n in compose(["scheduler=warmup_decay_lr", "scheduler.warmup_num_steps=2", "train.steps=12",
+                                "scheduler.total_num_steps=5"]).notices if "total_num_steps" in n] == []
