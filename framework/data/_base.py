@@ -110,13 +110,17 @@ class CropSource(DataSource):
 
 
     def __init__(self, *, train: np.ndarray, val: np.ndarray, vocab_size: int, seed: int,
-                 context: int, kind: str, path: Path, identity: dict) -> None:
-        """``identity``: ``identity()``'s vocab and content stamp."""
+                 context: int, kind: str, path: Path, identity: dict, val_fraction: float | None = None) -> None:
+        """``identity``: ``identity()``'s vocab and content stamp; ``val_fraction``: ``data.val_fraction``, where the
+        config sets the split (named when a split is too short)."""
         name = f"{kind} {path}"
         for split, arr in (("train", train), ("val", val)):
             if len(arr) < context + 1:
+                fix = "more data or a shorter context" if val_fraction is None else \
+                    f"more data, a shorter context or a {'larger' if split == 'val' else 'smaller'} " \
+                    f"data.val_fraction (now {val_fraction})"
                 raise DataError(f"{name}: the {split} split has {len(arr)} tokens, fewer than "
-                                f"context + 1 = {context + 1}; use more data or a shorter context")
+                                f"context + 1 = {context + 1}; use {fix}")
         self.train, self.val = train, val
         self.vocab_size, self.seed, self.context = vocab_size, seed, context
         self.kind, self.path = kind, path

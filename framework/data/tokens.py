@@ -67,7 +67,8 @@ class TokensSource(CropSource):
         stamp = {"sha256": found["tokens_sha256"]} if found is not None else {"stat": tokens_stat(path)}
         super().__init__(train=data[:split], val=data[split:], vocab_size=vocab, seed=seed, context=context,
                          kind="tokens", path=path, identity={"vocab": chars if isinstance(chars, str) else None,
-                                                             "bytes": path.stat().st_size, **stamp})
+                                                             "bytes": path.stat().st_size, **stamp},
+                         val_fraction=cfg.val_fraction)
 
 
 def meta_path(path: Path) -> Path:

@@ -51,6 +51,11 @@ class WandbLogger:
                                   dir=str(self.run_info.run_dir), config=config, reinit="finish_previous",
                                   **(dict(id=run_id, resume="allow") if run_id else {}))
         except Exception as e:   # (UsageError, CommError, pydantic's ValidationError, ...): one line, no traceback
+            if isinstance(e, OSError) and e.filename:   # its files: no setting or key of W&B's is at fault
+                raise ConfigError(f"logger=wandb: W&B cannot write its files in {self.run_info.run_dir / 'wandb'} "
+                                  f"({e.strerror or e}: {e.filename}); move away what is in the way there (a file "
+                                  f"where a folder belongs), fix its permissions or free space, or choose another "
+                                  f"run folder") from None
             why = " ".join(str(e).split(" For further information")[0].split())[:300] or type(e).__name__
             offline = ", or run with logger.mode=offline" if mode(self.cfg) in ONLINE else ""
             raise ConfigError(f"logger=wandb: W&B refused to start the run: {why}; check the logger.* settings "

@@ -484,6 +484,25 @@ def test_wandb_refusing_to_start_the_run_is_one_line(monkeypatch, tmp_path, cfg,
     assert ("or run with logger.mode=offline" in str(e.value)) == (cfg.get("mode") == "online"), e.value
 
 
+def test_wandb_failing_on_its_files_names_them_not_the_settings(monkeypatch, tmp_path):
+    """A file where W&B's folder belongs in the run folder: the error and the path, not the logger.* settings."""
+    from framework.loggers.wandb import WandbConfig, WandbLogger
+
+    _no_wandb_credentials(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "wandb").write_text("")
+    with pytest.raises(ConfigError) as e:
+        WandbLogger(WandbConfig(live=False), run=RunInfo(run, None, None)).start({}, 1)
+    assert str(e.value).startswith(f"logger=wandb: W&B cannot write its files in {run / 'wandb'} (Not a directory: "
+                                   f"{run / 'wandb'}/"), e.value
+    assert str(e.value).endswith("); move away what is in the way there (a file where a folder belongs), fix its "
+                                 "permissions or free space, or choose another run folder"), e.value
+    assert "WANDB_API_KEY" not in str(e.value) and "\n" not in str(e.value)
+
+
 def test_a_run_resumed_from_its_own_folder_continues_its_wandb_run(monkeypatch, tmp_path):
     """The W&B run id is kept in the run folder: a resume from the folder's checkpoints (``resumed``)
     passes it on, any other start is a new W&B run (and its id the one kept)."""
