@@ -32,6 +32,7 @@ from framework.memory.model import build_vocab, data_vocab, nvme_pools, predict,
 from framework.models.hf import HFConfig
 from framework.models.hf import causal_lm_class as hf_causal_lm_class
 from framework.models.hf import check_vocab as hf_check_vocab
+from framework.models.hf import config_hidden_size as hf_hidden_size
 from framework.models.hf import load_config as hf_load_config
 from framework.models.hf import trace_loss as hf_trace_loss
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
@@ -96,8 +97,7 @@ def resolve_model(value: str, overrides: list[str], context: int = HFConfig.cont
                               f"as the file states it; model.* keys set our GPT models){hint}")
         # A DeepSpeed file's "auto" sizes (10*h, 0.9*h*h, h*h) take this model's hidden size, as under
         # model=hf model.config=...; not the composed default model's (None: the file's "auto" is refused).
-        hidden = getattr(_text_config(module.config), "hidden_size", None)
-        cfg = compose(overrides, hidden_size=hidden if isinstance(hidden, int) else None, hidden_from_model=False)
+        cfg = compose(overrides, hidden_size=hf_hidden_size(module.config), hidden_from_model=False)
         if hf_causal_lm_class(module.config) is not None:   # one model=hf trains: the data's ids must fit it
             hf_check_vocab(data_vocab(cfg, context), module.config, value)   # (its data at its context)
         return module, cfg, True, {"size": _vocab_size(module), "from": "model"}

@@ -24,6 +24,7 @@ from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError, FrameworkError, TrainingError
 from framework.comm.distributed import Dist, agree, connect, disconnect, rank_and_world
 from framework.engine.materialize import materialize_buffers
+from framework.models.hf import config_hidden_size
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState, capture_rng
@@ -441,9 +442,9 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
 
 
 def hidden_size_of(module: nn.Module) -> int | None:
-    """The hidden size for DeepSpeed's "auto" bucket sizes (Hugging Face or our GPT), or None."""
-    for holder, name in [("config", "hidden_size"), ("config", "n_embd"), ("config", "d_model"), ("cfg", "d_model")]:
-        value = getattr(getattr(module, holder, None), name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
+    """The hidden size for DeepSpeed's "auto" bucket sizes (a Hugging Face model's config, read as transformers
+    reads it, or our GPT's), or None."""
+    if (value := config_hidden_size(getattr(module, "config", None))) is not None:
+        return value
+    value = getattr(getattr(module, "cfg", None), "d_model", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -129,8 +129,24 @@ def hidden_size(cfg: HFConfig) -> int | None:
             config = _transformers_config(key, file, raw)
         except Exception:  # noqa: BLE001 - build() says what is wrong
             return None
-        value = getattr(config, "hidden_size", None)
+        return config_hidden_size(config)
     return value if isinstance(value, int) else None
+
+
+def config_hidden_size(config: Any) -> int | None:
+    """A model config's hidden size as transformers' DeepSpeed integration reads it for the "auto" bucket sizes:
+    ``hidden_size`` (or ``n_embd`` / ``d_model``, of configs not from transformers), else the largest of
+    ``hidden_sizes``, else the same of its text config (a multimodal model's); None when it states none."""
+    for conf in (config, _text(config)):
+        value = next((v for v in (getattr(conf, k, None) for k in ("hidden_size", "n_embd", "d_model"))
+                      if isinstance(v, int) and not isinstance(v, bool)), None)
+        sizes = getattr(conf, "hidden_sizes", None)
+        if value is None and isinstance(sizes, (list, tuple)) and sizes \
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
+            value = max(sizes)
+        if value is not None:
+            return value
+    return None
 
 
 def config_vocab(cfg: HFConfig) -> int:

@@ -132,6 +132,11 @@ TYPOS = [
     (("optimizer", "name"), "AdamW", "did you mean 'optimizer.type'"),
     (("clip_grad_norm",), 0.5, "did you mean 'gradient_clipping'"),
     (("aio", "queue_size"), 8, "did you mean 'aio.queue_depth'"),
+    # our own batch keys (DeepSpeed ignores them: the run would keep the YAML's batch)
+    (("grad_accum",), 2, "did you mean 'gradient_accumulation_steps'"),
+    (("grad_accum_steps",), 2, "did you mean 'gradient_accumulation_steps'"),
+    (("micro_batch",), 2, "did you mean 'train_micro_batch_size_per_gpu'"),
+    (("global_batch_size",), 8, "did you mean 'train_batch_size'"),
     # a top-level key meant as a section (DeepSpeed ignores it: the run would go without the section)
     (("zero_optim",), {"stage": 3}, "did you mean 'zero_optimization'"),
     (("optim",), {"type": "AdamW"}, "did you mean 'optimizer'"),
@@ -205,6 +210,12 @@ MISPLACED = [
     ({"zero_optimization": {"stage": 2, "device": "cpu"}}, "'zero_optimization.device' belongs under"),
     ({"optimizer": {"type": "AdamW", "params": {"warmup_num_steps": 5}}},
      "'optimizer.params.warmup_num_steps' belongs under scheduler.params"),
+    # refused under optimizer.params too: the one fix is said wherever it stands
+    *((ds, f"'{where}max_grad_norm': no DeepSpeed section takes it; use the top-level gradient_clipping")
+      for ds, where in (({"max_grad_norm": 1.0}, ""), ({"optimizer": {"type": "AdamW", "max_grad_norm": 1}}, "optimizer."),
+                        ({"zero_optimization": {"stage": 2, "max_grad_norm": 1}}, "zero_optimization."),
+                        ({"fp16": {"max_grad_norm": 1}}, "fp16."),
+                        ({"scheduler": {"type": "WarmupLR", "max_grad_norm": 1}}, "scheduler."))),
     # DeepSpeed reads only type and params there, and ignores the rest: refused, as a key must do something
     ({"optimizer": {"type": "AdamW", "my_knob": 1}}, "optimizer: unknown key my_knob (DeepSpeed ignores it here); "
                                                      "remove it"),
@@ -285,6 +296,9 @@ def test_deprecated_alias_accepted_with_a_warning(ds, new):
     ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
     ({"optimizer": {"type": "AdamWW"}}, "did you mean 'adamw'"),
     ({"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["Block"]}}}, "use stage.gather_unit"),
+    # DeepSpeed's other checkpoint engine, as nebula; DeepSpeed runs it whenever the key is there
+    *(({"datastates_ckpt": v}, "'datastates_ckpt': DataStates-LLM asynchronous checkpointing is not implemented")
+      for v in ({"host_cache_size": 16}, {}, {"enabled": False})),
 ])
 def test_unimplemented_feature_is_an_error_saying_so(ds, needle):
     assert needle in error_of(ds)
@@ -292,10 +306,11 @@ def test_unimplemented_feature_is_an_error_saying_so(ds, needle):
 
 def test_inert_keys_listed_once_and_switched_off_features_accepted():
     ds = {"steps_per_print": 10, "wall_clock_breakdown": True, "prescale_gradients": False, "_comment": "x",
-          "sparse_attention": {"enabled": False}, "zero_optimization": {"stage": 0}}
+          "sparse_attention": {"enabled": False}, "datastates_ckpt": False, "zero_optimization": {"stage": 0}}
     notes = [n for n in framework.compose([], ds_config=ds).notices if n.startswith("note:")]
     assert len(notes) == 1
-    for key in ("steps_per_print", "wall_clock_breakdown", "prescale_gradients", "_comment", "sparse_attention"):
+    for key in ("steps_per_print", "wall_clock_breakdown", "prescale_gradients", "_comment", "sparse_attention",
+                "datastates_ckpt"):
         assert key in notes[0]
 
 
@@ -570,6 +585,19 @@ def test_auto_left_over_is_an_error():
     with pytest.raises(ConfigError, match="left over.*reduce_bucket_size"):
         framework.initialize(nn.Linear(4, 4), lambda m, b: m(b).sum(),
                              ds_config={"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}})
+
+
+@pytest.mark.parametrize("make,hidden", [
+    (lambda t: t.LlavaConfig(text_config={"model_type": "llama", "hidden_size": 64}), 64),   # text_config's
+    (lambda t: t.ConvNextConfig(), 768),   # the largest of hidden_sizes
+    (lambda t: t.GPT2Config(n_embd=48), 48),
+], ids=["llava", "convnext", "gpt2"])
+def test_auto_bucket_size_reads_the_hidden_size_as_transformers_does(make, hidden):
+    module = nn.Linear(4, 4)
+    module.config = make(pytest.importorskip("transformers"))
+    ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}, "train_micro_batch_size_per_gpu": 1}
+    with framework.initialize(module, lambda m, b: m(b).sum(), ds_config=ds) as engine:
+        assert engine.config.stage.reduce_bucket_size == hidden * hidden
 
 
 def test_offload_sections_and_mismatched_pin_memory():
@@ -898,6 +926,10 @@ DS019 = [
     ({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": False}}}, "error", "fp32_optimizer_states"),
     ({"managed_gradient_accumulation": True}, None, "managed_gradient_accumulation"),
     ({"managed_gradient_accumulation": False}, "error", "managed_gradient_accumulation=false is not supported"),
+    # as in DeepSpeed, AdamW decouples the decay whatever adam_w_mode says (Adam with false is L2: it does something)
+    ({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}, None,
+     "optimizer.params.adam_w_mode (type AdamW always decouples the weight decay, as in DeepSpeed; use type Adam "
+     "for L2 decay)"),
     # keys starting with "_" are comments, in every section
     *(({section: {**body, "_comment": "x"}}, None, f"{section}._comment (a comment)") for section, body in (
         ("activation_checkpointing", {"partition_activations": False}), ("aio", {}), ("data_types", {}),

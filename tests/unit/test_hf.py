@@ -167,7 +167,7 @@ def test_bad_hf_config_is_one_clear_line(tmp_path, overrides, needle):
 
 
 def test_a_multimodal_config_is_checked_at_its_text_models_sizes(tmp_path):
-    """gemma3 (as llama4, mllama) keeps vocab_size and max_position_embeddings in text_config only."""
+    """gemma3 (as llama4, mllama) keeps vocab_size, max_position_embeddings and hidden_size in text_config only."""
     text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, max_position_embeddings=32)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
@@ -179,7 +179,8 @@ def test_a_multimodal_config_is_checked_at_its_text_models_sizes(tmp_path):
                           (["model.context=64"], "max_position_embeddings (32)")):
         with pytest.raises(ConfigError, match=re.escape(needle)):
             framework.compose([*base, *extra])
-    framework.compose([*base, "data.vocab_size=64"])
+    ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}   # its hidden size too, as transformers
+    assert framework.compose([*base, "data.vocab_size=64"], ds_config=ds).stage.reduce_bucket_size == 32 * 32
     assert config_vocab(HFConfig(config=str(tmp_path), context=16)) == 96
 
 

@@ -51,7 +51,8 @@ FEATURES = {
     "curriculum_learning": "curriculum learning", "data_efficiency": "data efficiency (curriculum, random-LTD)",
     "progressive_layer_drop": "progressive layer drop", "quantize_training": "quantization-aware training",
     "eigenvalue": "eigenvalue computation", "hybrid_engine": "the RLHF hybrid engine",
-    "nebula": "Nebula checkpointing", "weight_quantization": "weight quantization", "elasticity": "elastic training",
+    "nebula": "Nebula checkpointing", "datastates_ckpt": "DataStates-LLM asynchronous checkpointing",
+    "weight_quantization": "weight quantization", "elasticity": "elastic training",
     "autotuning": "the autotuner", "sparse_gradients": "sparse gradients",
 }
 # The compile section: DeepCompile's switch and the settings it reads (DeepSpeed 0.19), and older
@@ -139,6 +140,9 @@ OPTIMIZER_REFUSED = {"amsgrad": (False, "AMSGrad is not implemented"),
                      "fp32_optimizer_states": (True, "optimizer states below fp32 are not implemented"),
                      "maximize": (False, "maximize is not implemented"),
                      "max_grad_norm": (None, "DeepSpeed rejects it too: use the top-level gradient_clipping")}
+# Keys no other DeepSpeed section takes either, with what to use instead, said wherever they stand (not "move it
+# there": under optimizer.params it is refused as above).
+NOWHERE = {"max_grad_norm": "no DeepSpeed section takes it; use the top-level gradient_clipping"}
 # DeepSpeed scheduler type (lower case) -> (our scheduler, its DeepSpeed defaults; REQUIRED: no default).
 # DeepSpeed's WarmupLR warms up to the optimizer's lr when warmup_max_lr is left out (since 0.17.2;
 # None here, as in our YAML); WarmupDecayLR keeps 0.001.
@@ -160,7 +164,10 @@ SCHEDULER_NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR", "wa
 MISNAMES = {"zero": "zero_optimization", "grad_clip": "gradient_clipping", "clip_grad": "gradient_clipping",
             "epsilon": "eps", "initial_loss_scale": "initial_scale_power", "learning_rate": "lr", "name": "type",
             "micro_batch_size": "train_micro_batch_size_per_gpu", "clip_grad_norm": "gradient_clipping",
-            "queue_size": "queue_depth"}
+            "queue_size": "queue_depth",
+            # batch keys (ours: train.grad_accum, train.micro_batch): DeepSpeed ignores them, the run's batch would stay
+            **dict.fromkeys(("grad_accum", "grad_accum_steps", "gradient_accumulation"), "gradient_accumulation_steps"),
+            "micro_batch": "train_micro_batch_size_per_gpu", "global_batch_size": "train_batch_size"}
 
 
 def _places() -> dict[str, tuple[str, ...]]:
@@ -235,6 +242,8 @@ def section_meant(key: str, value: Any) -> str | None:
 def switched_off(value: Any, key: str) -> bool:
     if key == "sequence_parallel_size":
         return value in (None, 1)
+    if key == "datastates_ckpt":   # DeepSpeed runs it whenever the key is there (newer DeepSpeed: unless false)
+        return value is False
     if isinstance(value, dict):
         return value == {} or value.get("enabled") is False
     return value in (None, False, 0)

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from framework.config.dsconfig._keys import AUTO, DS_FILE, close, misplaced, section_meant
+from framework.config.dsconfig._keys import AUTO, DS_FILE, NOWHERE, close, misplaced, section_meant
 
 KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 
@@ -62,6 +62,8 @@ class Translation:
                 self.warnings.append(f"'{pre}{key}' is deprecated; use '{aliases[key]}'")
             if key in known or key in aliases:
                 out[key] = value
+            elif key in NOWHERE:
+                self.error(f"'{pre}{key}': {NOWHERE[key]}")
             elif (where := misplaced(key, path)) is not None:
                 self.error(f"'{pre}{key}' belongs {where}; move it there")
             elif (near := close(key, [*known, *aliases])) is not None:

@@ -335,6 +335,9 @@ def optimizer(tr: Translation, node: Any) -> None:
     if extra:
         mode = tr.typed(params.get("adam_w_mode", True), "bool", "optimizer.params.adam_w_mode")
         name = "adamw" if low == "adamw" or mode is not False else "adam"
+        if low == "adamw" and mode is False:
+            tr.inert_key("optimizer.params.adam_w_mode", "type AdamW always decouples the weight decay, as in "
+                                                         "DeepSpeed; use type Adam for L2 decay")
     tr.choose("optimizer", name, "optimizer.type")
     if tr.typed(params.get("torch_adam", False), "bool", "optimizer.params.torch_adam") and name == "adamw":
         defaults = {**defaults, "weight_decay": 0.01}   # DeepSpeed builds torch.optim.AdamW
