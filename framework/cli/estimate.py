@@ -34,6 +34,7 @@ from framework.models.hf import causal_lm_class as hf_causal_lm_class
 from framework.models.hf import check_vocab as hf_check_vocab
 from framework.models.hf import config_hidden_size as hf_hidden_size
 from framework.models.hf import load_config as hf_load_config
+from framework.models.hf import text_config as hf_text_config
 from framework.models.hf import trace_loss as hf_trace_loss
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
@@ -150,15 +151,10 @@ def _omega_error(e: OmegaConfBaseException) -> str:
     return f"model.{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]
 
 
-def _text_config(conf):
-    """A Hugging Face config's text part (a multimodal one keeps its sizes in ``text_config``), or the config."""
-    return conf.get_text_config() if hasattr(conf, "get_text_config") else conf
-
-
 def _vocab_size(module: torch.nn.Module) -> int | None:
     """A Hugging Face model config's ``vocab_size`` or its text part's; None when it states none."""
     size = getattr(module.config, "vocab_size", None)
-    return getattr(_text_config(module.config), "vocab_size", None) if size is None else size
+    return getattr(hf_text_config(module.config), "vocab_size", None) if size is None else size
 
 
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:

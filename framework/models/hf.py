@@ -137,7 +137,7 @@ def config_hidden_size(config: Any) -> int | None:
     """A model config's hidden size as transformers' DeepSpeed integration reads it for the "auto" bucket sizes:
     ``hidden_size`` (or ``n_embd`` / ``d_model``, of configs not from transformers), else the largest of
     ``hidden_sizes``, else the same of its text config (a multimodal model's); None when it states none."""
-    for conf in (config, _text(config)):
+    for conf in (config, text_config(config)):
         value = next((v for v in (getattr(conf, k, None) for k in ("hidden_size", "n_embd", "d_model"))
                       if isinstance(v, int) and not isinstance(v, bool)), None)
         sizes = getattr(conf, "hidden_sizes", None)
@@ -151,7 +151,7 @@ def config_hidden_size(config: Any) -> int | None:
 
 def config_vocab(cfg: HFConfig) -> int:
     """The model's own ``vocab_size`` from config.json (nothing built): ``build`` keeps it whatever the data's."""
-    return _text(_transformers_config(*_raw_config(cfg))).vocab_size
+    return text_config(_transformers_config(*_raw_config(cfg))).vocab_size
 
 
 def load_config(path: str | Path, key: str = "model.config") -> tuple[Path, Any]:
@@ -189,7 +189,7 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
         raise ConfigError(f"{key}: {file} is not a valid {model_type} config: {one_line(e)}") from None
     # transformers accepts a layer count below 1 (range() of it is empty): a model of embeddings only would
     # train. (A multimodal config keeps its text model's sizes in text_config.)
-    text = _text(config)
+    text = text_config(config)
     for conf in {id(c): c for c in (config, text)}.values():
         for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
             value = getattr(conf, name, None)
@@ -200,14 +200,14 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
     return config
 
 
-def _text(config: Any) -> Any:
+def text_config(config: Any) -> Any:
     """The config holding the text model's sizes: a multimodal one (gemma3, llama4) keeps them in text_config."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def check_vocab(vocab_size: int | None, config: Any, where: str | Path) -> None:
     """The data's ``vocab_size`` token ids must all be ids of the model (``config``, read from ``where``)."""
-    model = _text(config).vocab_size
+    model = text_config(config).vocab_size
     if vocab_size is not None and vocab_size > model:
         raise ConfigError(f"the data has {vocab_size} token ids but the model's vocabulary has {model} "
                           f"(vocab_size in {where}); use data whose tokenizer fits the model "
@@ -221,7 +221,7 @@ def _checked_config(cfg: HFConfig, vocab_size: int | None) -> tuple[str, Path, A
     key, file, raw = _raw_config(cfg)
     config = _transformers_config(key, file, raw)
     check_vocab(vocab_size, config, cfg.pretrained or cfg.config)
-    limit = getattr(_text(config), "max_position_embeddings", None)   # absent for some architectures
+    limit = getattr(text_config(config), "max_position_embeddings", None)   # absent for some architectures
     if limit is not None and cfg.context > limit:
         raise ConfigError(f"model.context={cfg.context} exceeds the model's max_position_embeddings ({limit}); "
                           f"set model.context <= {limit}")
