@@ -58,6 +58,8 @@ class Engine(contextlib.AbstractContextManager):
         # The stage lays out the trainable parameters once, at setup: a requires_grad changed later would be
         # ignored (a frozen one still stepped, an unfrozen one never trained). Python bools: no tensor touched.
         self._trainable = [(name, p, p.requires_grad) for name, p in components.module.named_parameters()]
+        self._built = frozenset(id(p) for _, p, _ in self._trainable)
+        self._count = _count_known(components.module, self._built)
         components.stage.watch()   # (its version counters: an in-place edit of the weights is refused, ``check_unedited``)
 
     @property
@@ -147,8 +149,11 @@ class Engine(contextlib.AbstractContextManager):
         self._check_current(state, what)
 
     def check_trainable(self, what: str) -> None:
-        """TrainingError (beginning with ``what``) when a requires_grad differs from what it was at build: the
-        stage trains that set, and the current flags would save or load parameters where its layout has none."""
+        """TrainingError (beginning with ``what``) when a parameter was added to or removed from the module, or a
+        requires_grad differs from what it was at build: the stage trains that set, and the current flags would
+        save or load parameters where its layout has none."""
+        if _count_known(self.components.module, self._built) != self._count:
+            self._check_same_parameters(what)
         changed = [(name, was) for name, p, was in self._trainable if p.requires_grad != was]
         if changed:
             parts = [f"{len(names)} {kind} ({few(names, 3, str)})" for kind, names in
@@ -158,6 +163,21 @@ class Engine(contextlib.AbstractContextManager):
                                 f"changed after initialize: {' and '.join(parts)}; the engine trains the parameters "
                                 f"that required grad when it was built: set requires_grad before framework.initialize "
                                 f"(or set it back); to change what trains, build a new engine (close this one first)")
+
+    def _check_same_parameters(self, what: str) -> None:
+        """Refuse parameters added to or removed from the module since build (a LoRA layer injected after
+        initialize: the stage never trains it, its .grad grows, no save holds it). One replaced under its own
+        name (``load_state_dict(..., assign=True)``) is ``check_unedited``'s (a load puts the engine's back)."""
+        now = dict(self.components.module.named_parameters())
+        ids, names = {id(p) for p in now.values()}, {name for name, _, _ in self._trainable}
+        added = [n for n, p in now.items() if n not in names and id(p) not in self._built]
+        removed = [n for n, p, _ in self._trainable if n not in now and id(p) not in ids]
+        if added or removed:
+            parts = [f"{len(ns)} {kind} ({few(ns, 3, str)})" for kind, ns in (("added", added), ("removed", removed)) if ns]
+            raise TrainingError(f"{what}: the module's parameters changed after initialize: {' and '.join(parts)}; "
+                                f"the engine trains and saves the parameters the module had when it was built: add "
+                                f"(or remove) them before framework.initialize, or undo the change; to train another "
+                                f"set, build a new engine (close this one first)")
 
     def check_unedited(self, what: str) -> None:
         """TrainingError (beginning with ``what``) when trainable weights were written in place since initialize or
@@ -327,6 +347,24 @@ def _buffer_copies(module: nn.Module) -> dict[str, torch.Tensor]:
                     copies[id(buf)] = buf.detach().to("cpu", copy=True)
                 out[f"{path}.{name}" if path else name] = copies[id(buf)]
     return out
+
+
+def _count_known(module: nn.Module, known: frozenset) -> int | None:
+    """How many parameter slots ``module``'s tree holds (a tied one per slot), or None at the first parameter
+    whose id is not in ``known``. Run before every step: a plain walk, about three times faster than
+    ``module.parameters()``, which builds every name."""
+    seen, stack, count = set(), [module], 0
+    while stack:
+        sub = stack.pop()
+        if id(sub) not in seen:   # (a module reachable twice, or a cycle)
+            seen.add(id(sub))
+            for p in sub._parameters.values():
+                if p is not None:
+                    if id(p) not in known:
+                        return None
+                    count += 1
+            stack.extend(sub._modules.values())
+    return count
 
 
 class _Owner(weakref.ref):

@@ -750,6 +750,21 @@ def test_a_requires_grad_changed_after_initialize_is_refused_before_the_step_cha
             assert engine.state is state and all(torch.equal(a, b) for a, b in zip(before, state.params))
             assert all(p.grad is None for p in module.parameters())   # no forward, no backward ran
             layer.requires_grad_(not flag)   # set back: training goes on
+        # A parameter added after initialize (a LoRA layer injected) was never trained nor saved, and its .grad
+        # grew; one removed was still stepped and saved.
+        first = module[0]
+        for change, undo, needle in [(lambda: module[2].register_parameter("lora", torch.nn.Parameter(torch.ones(3))),
+                                      lambda: delattr(module[2], "lora"), r"1 added \(2\.lora\)"),
+                                     (lambda: module.__setitem__(0, torch.nn.Identity()),
+                                      lambda: module.__setitem__(0, first), r"2 removed \(0\.weight, 0\.bias\)")]:
+            change()
+            with pytest.raises(framework.TrainingError, match=r"^train_step: the module's parameters changed after "
+                               r"initialize: " + needle + r"; .*add \(or remove\) them before framework\.initialize"):
+                engine.train_step(state, batch)
+            with pytest.raises(framework.TrainingError, match=r"^state_dict or checkpoint save: the module's parameters"):
+                engine.state_dict(state)
+            assert all(p.grad is None for p in module.parameters())
+            undo()
         state = Checkpointer(cfg, engine, run_dir=tmp_path).resume(state)   # flags as at initialize: resumed
         assert state.step == 1
         state, _ = engine.train_step(state, batch)
