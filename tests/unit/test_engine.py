@@ -771,6 +771,38 @@ def test_a_requires_grad_changed_after_initialize_is_refused_before_the_step_cha
         assert state.step == 2
 
 
+@pytest.mark.parametrize("stage", ["ddp", "zero2", "zero3"])
+def test_a_backward_pass_of_the_users_own_between_steps_is_told_apart_from_loss_fns(stage):
+    """An input saliency between steps was blamed on loss_fn. Under ddp, zero1 and zero2 its gradients are
+    refused at the next step, which zero_grad(set_to_none=True) lets go on, and torch.autograd.grad leaves none;
+    zero3 refuses the backward pass itself."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    batch = framework.Batch(((x, y),))
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    with framework.initialize(module, loss, tiny_config(f"+stage={stage}", "scheduler=constant")) as engine:
+        state, _ = engine.train_step(engine.state, batch)
+        inputs = x.clone().requires_grad_(True)
+        if stage == "zero3":
+            with pytest.raises(framework.TrainingError, match=r"^zero3: a backward pass ran outside train_step's \(in "
+                               r"loss_fn, or on the module's output between steps: .*which zero3 does not support"):
+                module(inputs).sum().backward()
+        else:
+            torch.autograd.grad(module(inputs).sum(), inputs)
+            state, _ = engine.train_step(state, batch)
+            module(inputs).sum().backward()
+            with pytest.raises(framework.TrainingError, match=rf"^{stage}: .* already had a gradient .*: a backward "
+                               r"pass ran outside train_step's \(in loss_fn, or on the module's output between steps: "
+                               r".*module\.zero_grad\(set_to_none=True\) after your own backward pass, or take "
+                               r"gradients with torch\.autograd\.grad\(out, inputs\)"):
+                engine.train_step(state, batch)
+            module(inputs).sum().backward()
+            module.zero_grad(set_to_none=True)
+        state, _ = engine.train_step(state, batch)
+        assert state.step == (2 if stage == "zero3" else 3)
+
+
 def test_initialize_notes_trainable_parameters_cast_to_another_dtype_on_rank_0(capsys):
     """A float64 (or, in an fp32 run, 16-bit) trainable parameter trains in the working dtype: said once, not
     left to a Float/Double mismatch deep in forward; an fp32 model under bf16 is the ordinary case (no note)."""
