@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import sys
 import weakref
 from dataclasses import replace
@@ -395,6 +396,17 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     if not callable(loss_fn):
         raise ConfigError(f"initialize: loss_fn must be callable as loss_fn(module, micro_batch) -> scalar loss, "
                           f"got {type(loss_fn).__name__}")
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):   # (a builtin's or an extension's callable: not checked)
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(None, None)
+        except TypeError as e:   # (else Python's TypeError from inside the first step)
+            name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+            raise ConfigError(f"initialize: loss_fn is called as loss_fn(module, micro_batch), which {name}{signature} "
+                              f"cannot take ({e}); give it those two positional parameters") from None
     if cfg is not None and not isinstance(cfg, Config):
         raise ConfigError(f"initialize: cfg must be a framework Config, got {type(cfg).__name__}; build one with "
                           f"framework.compose([...overrides]) (or pass ds_config=/overrides=)")

@@ -465,6 +465,9 @@ def test_a_module_with_nothing_to_train_is_refused_by_initialize():
 @pytest.mark.parametrize("args,needle", [
     ((lambda x: x, lambda m, mb: m(mb[0]).sum(), None), r"module must be a torch\.nn\.Module, got function$"),
     ((torch.nn.Linear(3, 1), None, None), r"loss_fn must be callable .*got NoneType$"),
+    ((torch.nn.Linear(3, 1), lambda mb: mb, None), r"loss_fn is called as loss_fn\(module, micro_batch\), which "
+     r"<lambda>\(mb\) cannot take \(too many positional arguments\); give it those two positional parameters$"),
+    ((torch.nn.Linear(3, 1), lambda m, *, mb: mb, None), r"loss_fn is called as loss_fn\(module, micro_batch\)"),
     ((torch.nn.Linear(3, 1), lambda m, mb: m(mb[0]).sum(), ["+stage=zero2"]),
      r"cfg must be a framework Config, got list; build one with framework\.compose"),
     ((torch.nn.Linear(3, 1), lambda m, mb: m(mb[0]).sum(), {"optimizer": {"lr": 1}}), r"cfg must be a framework Config, got dict; build one"),
@@ -474,6 +477,8 @@ def test_initialize_refuses_arguments_of_the_wrong_type_in_one_line(args, needle
     with pytest.raises(framework.ConfigError, match="^initialize: " + needle) as e:
         framework.initialize(module, loss_fn, cfg if cfg is not None else tiny_config())
     assert "\n" not in str(e.value)
+    for loss_fn in (lambda m, mb, scale=1.0: m(mb[0]).sum(), lambda *args: None, max):   # (max: no signature)
+        framework.initialize(torch.nn.Linear(3, 1), loss_fn, tiny_config()).close()
     # overrides as one string (not a list of them): compose's own line, not a parse error of its first character
     with pytest.raises(framework.ConfigError, match=r"overrides must be a list of strings, not the string "
                                                     r"'optimizer\.lr=0\.1'; pass \['optimizer\.lr=0\.1'\]$"):
