@@ -423,6 +423,12 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
                              f"({few(owned, 3, str)}) {'are' if len(owned) != 1 else 'is'} trained by another open "
                              f"engine; close that one first (engine.close() or end its with block), or build a fresh "
                              f"module (one sharing no submodule or parameter with that engine's)")
+    lazy = [n for n, t in (*module.named_parameters(), *module.named_buffers())
+            if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    if lazy:   # (else torch's message from inside the stage's layout, which blames load_state_dict)
+        raise ConfigError(f"initialize: {few(lazy, 3, str)} {'are' if len(lazy) != 1 else 'is'} not initialised yet "
+                          f"(a lazy module, such as nn.LazyLinear): run one forward on a dummy batch before "
+                          f"framework.initialize, which gives them their shapes")
     if not any(p.requires_grad for p in module.parameters()):
         raise FrameworkError("initialize: the module has no parameters with requires_grad=True: nothing to "
                              "train; unfreeze at least one (p.requires_grad_(True))")

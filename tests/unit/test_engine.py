@@ -617,6 +617,19 @@ def test_a_complex_trainable_parameter_is_refused_by_initialize():
         framework.initialize(module, lambda m, mb: m(mb[0]).sum(), tiny_config("+stage=zero3"))
 
 
+def test_an_uninitialised_lazy_module_is_refused_by_initialize_until_a_forward_gives_it_its_shapes():
+    """torch's own error came from inside the stage's layout and blamed load_state_dict."""
+    module = torch.nn.Sequential(torch.nn.LazyLinear(2), torch.nn.LazyBatchNorm1d())
+    for stage in ("ddp", "zero3"):
+        with pytest.raises(framework.ConfigError, match=r"^initialize: 0\.weight, 0\.bias, 1\.weight and 3 more are "
+                                                        r"not initialised yet \(a lazy module, such as nn\.LazyLinear\): "
+                                                        r"run one forward on a dummy batch before framework\.initialize"):
+            framework.initialize(module, lambda m, mb: m(mb[0]).sum(), tiny_config(f"+stage={stage}"))
+    module(torch.randn(2, 3))
+    with framework.initialize(module, lambda m, mb: m(mb[0]).sum(), tiny_config("+stage=zero3")) as engine:
+        engine.train_step(engine.state, framework.Batch(((torch.randn(4, 3),),)))
+
+
 def test_a_step_reads_the_device_once():
     """The gradient norm and the loss come to the host together: the step itself waits for the device
     once (on CUDA each read is a wait for the queue)."""
