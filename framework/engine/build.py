@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import sys
 import weakref
 from dataclasses import replace
@@ -59,6 +60,8 @@ class Engine(contextlib.AbstractContextManager):
         # The stage lays out the trainable parameters once, at setup: a requires_grad changed later would be
         # ignored (a frozen one still stepped, an unfrozen one never trained). Python bools: no tensor touched.
         self._trainable = [(name, p, p.requires_grad) for name, p in components.module.named_parameters()]
+        self._built = frozenset(id(p) for _, p, _ in self._trainable)
+        self._count = _count_known(components.module, self._built)
         components.stage.watch()   # (its version counters: an in-place edit of the weights is refused, ``check_unedited``)
 
     @property
@@ -148,8 +151,11 @@ class Engine(contextlib.AbstractContextManager):
         self._check_current(state, what)
 
     def check_trainable(self, what: str) -> None:
-        """TrainingError (beginning with ``what``) when a requires_grad differs from what it was at build: the
-        stage trains that set, and the current flags would save or load parameters where its layout has none."""
+        """TrainingError (beginning with ``what``) when a parameter was added to or removed from the module, or a
+        requires_grad differs from what it was at build: the stage trains that set, and the current flags would
+        save or load parameters where its layout has none."""
+        if _count_known(self.components.module, self._built) != self._count:
+            self._check_same_parameters(what)
         changed = [(name, was) for name, p, was in self._trainable if p.requires_grad != was]
         if changed:
             parts = [f"{len(names)} {kind} ({few(names, 3, str)})" for kind, names in
@@ -159,6 +165,21 @@ class Engine(contextlib.AbstractContextManager):
                                 f"changed after initialize: {' and '.join(parts)}; the engine trains the parameters "
                                 f"that required grad when it was built: set requires_grad before framework.initialize "
                                 f"(or set it back); to change what trains, build a new engine (close this one first)")
+
+    def _check_same_parameters(self, what: str) -> None:
+        """Refuse parameters added to or removed from the module since build (a LoRA layer injected after
+        initialize: the stage never trains it, its .grad grows, no save holds it). One replaced under its own
+        name (``load_state_dict(..., assign=True)``) is ``check_unedited``'s (a load puts the engine's back)."""
+        now = dict(self.components.module.named_parameters())
+        ids, names = {id(p) for p in now.values()}, {name for name, _, _ in self._trainable}
+        added = [n for n, p in now.items() if n not in names and id(p) not in self._built]
+        removed = [n for n, p, _ in self._trainable if n not in now and id(p) not in ids]
+        if added or removed:
+            parts = [f"{len(ns)} {kind} ({few(ns, 3, str)})" for kind, ns in (("added", added), ("removed", removed)) if ns]
+            raise TrainingError(f"{what}: the module's parameters changed after initialize: {' and '.join(parts)}; "
+                                f"the engine trains and saves the parameters the module had when it was built: add "
+                                f"(or remove) them before framework.initialize, or undo the change; to train another "
+                                f"set, build a new engine (close this one first)")
 
     def check_unedited(self, what: str) -> None:
         """TrainingError (beginning with ``what``) when trainable weights were written in place since initialize or
@@ -330,6 +351,24 @@ def _buffer_copies(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _count_known(module: nn.Module, known: frozenset) -> int | None:
+    """How many parameter slots ``module``'s tree holds (a tied one per slot), or None at the first parameter
+    whose id is not in ``known``. Run before every step: a plain walk, about three times faster than
+    ``module.parameters()``, which builds every name."""
+    seen, stack, count = set(), [module], 0
+    while stack:
+        sub = stack.pop()
+        if id(sub) not in seen:   # (a module reachable twice, or a cycle)
+            seen.add(id(sub))
+            for p in sub._parameters.values():
+                if p is not None:
+                    if id(p) not in known:
+                        return None
+                    count += 1
+            stack.extend(sub._modules.values())
+    return count
+
+
 class _Owner(weakref.ref):
     """The open engine training a parameter, held weakly in an attribute of the parameter (no registry
     outside it: a module sharing a submodule or a tied weight with the engine's sees it too); a copy or a
@@ -358,6 +397,17 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     if not callable(loss_fn):
         raise ConfigError(f"initialize: loss_fn must be callable as loss_fn(module, micro_batch) -> scalar loss, "
                           f"got {type(loss_fn).__name__}")
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):   # (a builtin's or an extension's callable: not checked)
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(None, None)
+        except TypeError as e:   # (else Python's TypeError from inside the first step)
+            name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+            raise ConfigError(f"initialize: loss_fn is called as loss_fn(module, micro_batch), which {name}{signature} "
+                              f"cannot take ({e}); give it those two positional parameters") from None
     if cfg is not None and not isinstance(cfg, Config):
         raise ConfigError(f"initialize: cfg must be a framework Config, got {type(cfg).__name__}; build one with "
                           f"framework.compose([...overrides]) (or pass ds_config=/overrides=)")
@@ -374,6 +424,12 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
                              f"({few(owned, 3, str)}) {'are' if len(owned) != 1 else 'is'} trained by another open "
                              f"engine; close that one first (engine.close() or end its with block), or build a fresh "
                              f"module (one sharing no submodule or parameter with that engine's)")
+    lazy = [n for n, t in (*module.named_parameters(), *module.named_buffers())
+            if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    if lazy:   # (else torch's message from inside the stage's layout, which blames load_state_dict)
+        raise ConfigError(f"initialize: {few(lazy, 3, str)} {'are' if len(lazy) != 1 else 'is'} not initialised yet "
+                          f"(a lazy module, such as nn.LazyLinear): run one forward on a dummy batch before "
+                          f"framework.initialize, which gives them their shapes")
     if not any(p.requires_grad for p in module.parameters()):
         raise FrameworkError("initialize: the module has no parameters with requires_grad=True: nothing to "
                              "train; unfreeze at least one (p.requires_grad_(True))")

@@ -128,9 +128,10 @@ class Gatherer:
         """A backward pass starts (at the first unit output's gradient, or the loss's); queues its end once."""
         if self.final is None:   # outside the stage's backward
             raise TrainingError(
-                "zero3: a backward pass ran outside train_step's (loss_fn called loss.backward(), "
-                "torch.autograd.backward or torch.autograd.grad, e.g. with create_graph=True); under zero3 "
-                "loss_fn must only return the loss, and train_step runs the one backward pass per micro batch")
+                "zero3: a backward pass ran outside train_step's (in loss_fn, or on the module's output between "
+                "steps: loss.backward(), torch.autograd.backward or torch.autograd.grad, e.g. with "
+                "create_graph=True), which zero3 does not support: loss_fn must only return the loss, train_step "
+                "runs the one backward pass per micro batch, and no other may run on the module's output")
         if not self.in_backward:
             self.in_backward = True
             for u in self.units:

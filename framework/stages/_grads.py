@@ -151,9 +151,11 @@ def check_no_grads(entries: list[Entry], stage: str) -> None:
         for p, _ in entries:
             p.grad = None
         raise TrainingError(
-            f"{stage}: {few(stray, 4)} already had a gradient when train_step started its backward pass: loss_fn "
-            f"ran a backward pass itself (loss.backward() or torch.autograd.backward, e.g. with create_graph=True). "
-            f"loss_fn must only return the loss; train_step runs the backward pass")
+            f"{stage}: {few(stray, 4)} already had a gradient when train_step started its backward pass: a backward "
+            f"pass ran outside train_step's (in loss_fn, or on the module's output between steps: loss.backward() or "
+            f"torch.autograd.backward, e.g. with create_graph=True). loss_fn must only return the loss (train_step "
+            f"runs the backward pass); between steps, call module.zero_grad(set_to_none=True) after your own "
+            f"backward pass, or take gradients with torch.autograd.grad(out, inputs), which leaves .grad alone")
 
 
 def late_gradient(who: str, reduced: str) -> TrainingError:

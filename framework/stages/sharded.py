@@ -216,7 +216,7 @@ class Zero2Stage(ShardedStage):
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self.sync = sync
-        check_no_grads(self.named, "zero2")  # .grad are freed per bucket: any here came from loss_fn
+        check_no_grads(self.named, "zero2")  # .grad are freed per bucket: any here came from a backward outside ours
         self.launcher.arm()
 
         def backward():

@@ -465,6 +465,9 @@ def test_a_module_with_nothing_to_train_is_refused_by_initialize():
 @pytest.mark.parametrize("args,needle", [
     ((lambda x: x, lambda m, mb: m(mb[0]).sum(), None), r"module must be a torch\.nn\.Module, got function$"),
     ((torch.nn.Linear(3, 1), None, None), r"loss_fn must be callable .*got NoneType$"),
+    ((torch.nn.Linear(3, 1), lambda mb: mb, None), r"loss_fn is called as loss_fn\(module, micro_batch\), which "
+     r"<lambda>\(mb\) cannot take \(too many positional arguments\); give it those two positional parameters$"),
+    ((torch.nn.Linear(3, 1), lambda m, *, mb: mb, None), r"loss_fn is called as loss_fn\(module, micro_batch\)"),
     ((torch.nn.Linear(3, 1), lambda m, mb: m(mb[0]).sum(), ["+stage=zero2"]),
      r"cfg must be a framework Config, got list; build one with framework\.compose"),
     ((torch.nn.Linear(3, 1), lambda m, mb: m(mb[0]).sum(), {"optimizer": {"lr": 1}}), r"cfg must be a framework Config, got dict; build one"),
@@ -474,6 +477,8 @@ def test_initialize_refuses_arguments_of_the_wrong_type_in_one_line(args, needle
     with pytest.raises(framework.ConfigError, match="^initialize: " + needle) as e:
         framework.initialize(module, loss_fn, cfg if cfg is not None else tiny_config())
     assert "\n" not in str(e.value)
+    for loss_fn in (lambda m, mb, scale=1.0: m(mb[0]).sum(), lambda *args: None, max):   # (max: no signature)
+        framework.initialize(torch.nn.Linear(3, 1), loss_fn, tiny_config()).close()
     # overrides as one string (not a list of them): compose's own line, not a parse error of its first character
     with pytest.raises(framework.ConfigError, match=r"overrides must be a list of strings, not the string "
                                                     r"'optimizer\.lr=0\.1'; pass \['optimizer\.lr=0\.1'\]$"):
@@ -610,6 +615,19 @@ def test_a_complex_trainable_parameter_is_refused_by_initialize():
     with pytest.raises(framework.ConfigError, match=r"^initialize: complex trainable parameters are not "
                                                     r"supported \(c\); .*torch\.view_as_complex"):
         framework.initialize(module, lambda m, mb: m(mb[0]).sum(), tiny_config("+stage=zero3"))
+
+
+def test_an_uninitialised_lazy_module_is_refused_by_initialize_until_a_forward_gives_it_its_shapes():
+    """torch's own error came from inside the stage's layout and blamed load_state_dict."""
+    module = torch.nn.Sequential(torch.nn.LazyLinear(2), torch.nn.LazyBatchNorm1d())
+    for stage in ("ddp", "zero3"):
+        with pytest.raises(framework.ConfigError, match=r"^initialize: 0\.weight, 0\.bias, 1\.weight and 3 more are "
+                                                        r"not initialised yet \(a lazy module, such as nn\.LazyLinear\): "
+                                                        r"run one forward on a dummy batch before framework\.initialize"):
+            framework.initialize(module, lambda m, mb: m(mb[0]).sum(), tiny_config(f"+stage={stage}"))
+    module(torch.randn(2, 3))
+    with framework.initialize(module, lambda m, mb: m(mb[0]).sum(), tiny_config("+stage=zero3")) as engine:
+        engine.train_step(engine.state, framework.Batch(((torch.randn(4, 3),),)))
 
 
 def test_a_step_reads_the_device_once():
@@ -750,10 +768,57 @@ def test_a_requires_grad_changed_after_initialize_is_refused_before_the_step_cha
             assert engine.state is state and all(torch.equal(a, b) for a, b in zip(before, state.params))
             assert all(p.grad is None for p in module.parameters())   # no forward, no backward ran
             layer.requires_grad_(not flag)   # set back: training goes on
+        # A parameter added after initialize (a LoRA layer injected) was never trained nor saved, and its .grad
+        # grew; one removed was still stepped and saved.
+        first = module[0]
+        for change, undo, needle in [(lambda: module[2].register_parameter("lora", torch.nn.Parameter(torch.ones(3))),
+                                      lambda: delattr(module[2], "lora"), r"1 added \(2\.lora\)"),
+                                     (lambda: module.__setitem__(0, torch.nn.Identity()),
+                                      lambda: module.__setitem__(0, first), r"2 removed \(0\.weight, 0\.bias\)")]:
+            change()
+            with pytest.raises(framework.TrainingError, match=r"^train_step: the module's parameters changed after "
+                               r"initialize: " + needle + r"; .*add \(or remove\) them before framework\.initialize"):
+                engine.train_step(state, batch)
+            with pytest.raises(framework.TrainingError, match=r"^state_dict or checkpoint save: the module's parameters"):
+                engine.state_dict(state)
+            assert all(p.grad is None for p in module.parameters())
+            undo()
         state = Checkpointer(cfg, engine, run_dir=tmp_path).resume(state)   # flags as at initialize: resumed
         assert state.step == 1
         state, _ = engine.train_step(state, batch)
         assert state.step == 2
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero2", "zero3"])
+def test_a_backward_pass_of_the_users_own_between_steps_is_told_apart_from_loss_fns(stage):
+    """An input saliency between steps was blamed on loss_fn. Under ddp, zero1 and zero2 its gradients are
+    refused at the next step, which zero_grad(set_to_none=True) lets go on, and torch.autograd.grad leaves none;
+    zero3 refuses the backward pass itself."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    batch = framework.Batch(((x, y),))
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    with framework.initialize(module, loss, tiny_config(f"+stage={stage}", "scheduler=constant")) as engine:
+        state, _ = engine.train_step(engine.state, batch)
+        inputs = x.clone().requires_grad_(True)
+        if stage == "zero3":
+            with pytest.raises(framework.TrainingError, match=r"^zero3: a backward pass ran outside train_step's \(in "
+                               r"loss_fn, or on the module's output between steps: .*which zero3 does not support"):
+                module(inputs).sum().backward()
+        else:
+            torch.autograd.grad(module(inputs).sum(), inputs)
+            state, _ = engine.train_step(state, batch)
+            module(inputs).sum().backward()
+            with pytest.raises(framework.TrainingError, match=rf"^{stage}: .* already had a gradient .*: a backward "
+                               r"pass ran outside train_step's \(in loss_fn, or on the module's output between steps: "
+                               r".*module\.zero_grad\(set_to_none=True\) after your own backward pass, or take "
+                               r"gradients with torch\.autograd\.grad\(out, inputs\)"):
+                engine.train_step(state, batch)
+            module(inputs).sum().backward()
+            module.zero_grad(set_to_none=True)
+        state, _ = engine.train_step(state, batch)
+        assert state.step == (2 if stage == "zero3" else 3)
 
 
 def test_initialize_notes_trainable_parameters_cast_to_another_dtype_on_rank_0(capsys):
