@@ -365,7 +365,7 @@ def _count_known(module: nn.Module, known: frozenset) -> int | None:
                     if id(p) not in known:
                         return None
                     count += 1
-            stack.extend(sub._modules.values())
+            stack.extend(m for m in sub._modules.values() if m is not None)   # (a slot may hold None)
     return count
 
 

@@ -731,6 +731,24 @@ def test_zero2_trains_on_after_ctrl_c_in_a_backward_pass(overlap, where, monkeyp
     assert run({"autograd": 0, "third reduction": 3, "next-to-last reduction": per_step - 1}[where])[0] == clean
 
 
+def test_a_module_with_an_empty_submodule_slot_trains():
+    """A submodule slot may hold None (``register_module(name, None)``): the per-step check of the module's
+    parameters passes over it."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.register_module("unused", None)
+
+        def forward(self, x):
+            return self.a(x)
+
+    cfg = framework.compose(["scheduler=constant", "logger=none"])
+    with framework.initialize(Net(), lambda m, mb: m(mb[0]).pow(2).mean(), cfg) as engine:
+        _, metrics = engine.train_step(engine.state, framework.Batch(((torch.ones(2, 4),),)))
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
 @pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])
 def test_a_requires_grad_changed_after_initialize_is_refused_before_the_step_changes_anything(stage, tmp_path):
     """The stage lays out the trainable set once: a layer frozen later was still stepped (its zero gradient,
