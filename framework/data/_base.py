@@ -77,7 +77,7 @@ class DataSource:
     def identity(self) -> dict | None:
         """What a checkpoint records of the data (a resume refuses another vocabulary and notes other content):
         ``path``, ``vocab`` (the characters the ids stand for, or None where unknown) and a content stamp,
-        ``bytes`` with ``sha256`` (or, where no checksum is at hand, ``stat``). None: the config says it all."""
+        ``bytes`` with ``sha256`` where a checksum is at hand (text: of its ids). None: the config says it all."""
         return None
 
     def train_batch(self, position: int, *, micro_batch: int, grad_accum: int, rank: int,

@@ -101,7 +101,10 @@ class TextSource(CropSource):
         self.chars = chars
         self._index = {c: i for i, c in enumerate(self.chars)}
         super().__init__(train=ids[:split], val=ids[split:], vocab_size=len(chars), seed=seed,
-                         context=context, kind="text", path=path, identity={"vocab": chars, **stamp})
+                         context=context, kind="text", path=path,
+                         # the checksum of the ids: the file's newlines written another way change no row
+                         identity={"vocab": chars, "bytes": stamp["bytes"],
+                                   "sha256": hashlib.sha256(ids.tobytes()).hexdigest()})
 
     def encode(self, s: str) -> list[int]:
         return [self._index[c] for c in s]

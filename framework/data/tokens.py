@@ -62,9 +62,9 @@ class TokensSource(CropSource):
             raise DataError(f"{path}: token id {top} >= vocab_size {vocab}; set data.vocab_size to the "
                             f"tokenizer's size (at least {top + 1})")
         split = int((1.0 - cfg.val_fraction) * len(data))
-        # the checksum and characters its metadata records (prepare's), else the file's stat
+        # the checksum and characters its metadata records (prepare's), else its size alone
         chars = found.get("chars") if found is not None else None
-        stamp = {"sha256": found["tokens_sha256"]} if found is not None else {"stat": tokens_stat(path)}
+        stamp = {"sha256": found["tokens_sha256"]} if found is not None else {}
         super().__init__(train=data[:split], val=data[split:], vocab_size=vocab, seed=seed, context=context,
                          kind="tokens", path=path, identity={"vocab": chars if isinstance(chars, str) else None,
                                                              "bytes": path.stat().st_size, **stamp},

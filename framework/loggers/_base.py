@@ -122,14 +122,16 @@ class RunRecord:
 
 def check_records(run_dir: Path, key: str) -> None:
     """One line, before a run starts, for a record in ``run_dir`` it could not write: something other than a file in
-    the place of train.log, metrics.jsonl or summary.json (written anew: only its kind matters), or a log it may not
-    append to. ``key``: the setting that gives the run another folder."""
+    the place of train.log, metrics.jsonl or summary.json, or a train.log it may not append to (an earlier run's
+    metrics.jsonl and summary.json are replaced or set aside by a rename, which the folder's permissions decide; a
+    resume that appends to metrics.jsonl says so in one line where it opens it). ``key``: the setting that gives
+    the run another folder."""
     for name in ("train.log", "metrics.jsonl", "summary.json"):
         path = run_dir / name
         if files.is_link(path) or not os.path.lexists(path):   # (a link: refused where it is opened)
             continue
         problem = "a folder" if path.is_dir() else "not a file" if not path.is_file() else None
-        if problem is None and name != "summary.json":
+        if problem is None and name == "train.log":
             try:
                 os.close(files.open_nofollow(path, os.O_WRONLY | os.O_APPEND))
             except OSError as e:

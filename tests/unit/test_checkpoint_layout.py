@@ -207,3 +207,16 @@ def test_an_hf_checkpoint_without_its_recorded_config_is_compared_by_path():
              {"n_head": 2, "text_config": {"a": 1}})
     with pytest.raises(ConfigError, match=r"another model \(its config: n_head 2 vs 4; saved vs this run\)"):
         same_run("f", saved, mine, "auto", {"n_head": 2}, {"n_head": 4})
+
+
+def test_the_data_a_resume_says_changed_is_judged_by_checksum_else_by_size():
+    """A checksum on both sides decides (text's is of its ids); without one, only a size that differs is said:
+    a copied or touched token file changes no content."""
+    from framework.persist.checkpoint._load import data_change
+    tokens = {"source": "tokens", "path": "t.bin", "vocab": None, "bytes": 800}
+    assert data_change(tokens, {**tokens}) is None
+    assert data_change(tokens, {**tokens, "bytes": 880}) == ("800 -> 880 bytes", False)
+    text = {"source": "text", "path": "t.txt", "vocab": "ab", "bytes": 100, "sha256": "1"}
+    assert data_change(text, {**text, "bytes": 104}) is None   # (CRLF newlines: the same ids)
+    assert data_change(text, {**text, "sha256": "2"}) == ("the same size", False)
+    assert data_change(text, {**text, "vocab": "abc"}) == ("2 -> 3 characters, adds 'c'", True)

@@ -177,12 +177,18 @@ def test_text_relative_to_cwd(tmp_path, monkeypatch):
     src = text.TextSource(text.TextConfig(path="tiny.txt"), seed=0, context=8)
     assert src.chars == "".join(sorted(set("hello world, héllo again ")))
     assert src.decode(src.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1).micro[0][0][0])
-    # what a checkpoint records of it: the characters the ids stand for and a stamp of the file's bytes
+    # what a checkpoint records of it: the characters the ids stand for, the file's size and a checksum of the ids
     raw = (tmp_path / "tiny.txt").read_bytes()
+    ids = src.encode(raw.decode("utf-8"))
     assert src.identity() == {"source": "text", "path": str(tmp_path / "tiny.txt"), "vocab": src.chars,
-                              "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+                              "bytes": len(raw), "sha256": hashlib.sha256(np.array(ids, np.int32).tobytes()).hexdigest()}
+    (tmp_path / "tiny.txt").write_bytes(b"ab\ncd\nab\n" * 20)
+    unix = text.TextSource(text.TextConfig(path="tiny.txt"), seed=0, context=8).identity()
     (tmp_path / "tiny.txt").write_bytes(b"ab\r\ncd\rab\n" * 20)   # newlines as a text-mode read gives them
-    assert text.TextSource(text.TextConfig(path="tiny.txt"), seed=0, context=8).chars == "\nabcd"
+    windows = text.TextSource(text.TextConfig(path="tiny.txt"), seed=0, context=8)
+    assert windows.chars == "\nabcd"
+    # the same rows: the same checksum (a resume says nothing of it), whatever the file's size
+    assert windows.identity()["sha256"] == unix["sha256"] and windows.identity()["bytes"] != unix["bytes"]
 
 
 @pytest.mark.parametrize("module, cfg", [

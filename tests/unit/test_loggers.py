@@ -2,6 +2,7 @@
 checks and exit code, on one process without training."""
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -260,6 +261,27 @@ def test_a_record_that_cannot_be_written_is_one_line_before_the_run_starts(tmp_p
         print("step 1")
     assert capsys.readouterr().out == f"step 1\n(train.log cannot be written: {tmp_path / 'train' / 'train.log'}: " \
                                       "Is a directory; the console goes on alone)\n"
+
+
+def test_an_earlier_runs_records_it_may_not_append_to_are_no_reason_to_refuse(tmp_path, monkeypatch):
+    """metrics.jsonl and summary.json of an earlier run are set aside (or replaced) by a rename, which the folder's
+    permissions decide, not the file's: a read-only one is no reason to refuse the run; a train.log is appended."""
+    from framework.core import files
+    from framework.loggers._base import check_records
+
+    for name in ("train.log", "metrics.jsonl", "summary.json"):
+        (tmp_path / name).write_text("earlier run\n")
+    opened = files.open_nofollow
+
+    def read_only(path, flags, *args):   # (as root, which this suite may run as, a chmod 400 file stays writable)
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(13, "Permission denied")
+        return opened(path, flags, *args)
+    monkeypatch.setattr(files, "open_nofollow", read_only)
+    with pytest.raises(ConfigError, match=re.escape(f"cannot write {tmp_path / 'train.log'} (Permission denied)")):
+        check_records(tmp_path, "hydra.run.dir")
+    (tmp_path / "train.log").unlink()
+    check_records(tmp_path, "hydra.run.dir")
 
 
 def test_a_train_log_without_room_ends_nothing_and_the_console_goes_on(tmp_path):
