@@ -398,7 +398,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
         raise ConfigError(f"initialize: loss_fn must be callable as loss_fn(module, micro_batch) -> scalar loss, "
                           f"got {type(loss_fn).__name__}")
     try:
-        signature = inspect.signature(loss_fn)
+        signature = inspect.signature(loss_fn, follow_wrapped=False)   # (a decorator's wrapper is what is called)
     except (TypeError, ValueError):   # (a builtin's or an extension's callable: not checked)
         signature = None
     if signature is not None:

@@ -201,8 +201,12 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
 
 
 def text_config(config: Any) -> Any:
-    """The config holding the text model's sizes: a multimodal one (gemma3, llama4) keeps them in text_config."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    """The config holding the text model's sizes: a multimodal one (gemma3, llama4) keeps them in text_config; the
+    config itself where it has none or several (musicgen's text encoder and decoder: transformers raises)."""
+    try:
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+    except ValueError:
+        return config
 
 
 def check_vocab(vocab_size: int | None, config: Any, where: str | Path) -> None:

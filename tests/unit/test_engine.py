@@ -4,6 +4,7 @@ catch a missing event and a host buffer allocated in device memory."""
 import contextlib
 import dataclasses
 import copy
+import functools
 import gc
 import threading
 import weakref
@@ -477,7 +478,17 @@ def test_initialize_refuses_arguments_of_the_wrong_type_in_one_line(args, needle
     with pytest.raises(framework.ConfigError, match="^initialize: " + needle) as e:
         framework.initialize(module, loss_fn, cfg if cfg is not None else tiny_config())
     assert "\n" not in str(e.value)
-    for loss_fn in (lambda m, mb, scale=1.0: m(mb[0]).sum(), lambda *args: None, max):   # (max: no signature)
+    def supplies_scale(fn):   # a decorator's wrapper, which is what is called, takes (module, micro_batch)
+        @functools.wraps(fn)
+        def wrapper(m, mb):
+            return fn(m, mb, 2.0)
+        return wrapper
+
+    @supplies_scale
+    def scaled(m, mb, scale):
+        return scale * m(mb[0]).sum()
+
+    for loss_fn in (lambda m, mb, scale=1.0: m(mb[0]).sum(), lambda *args: None, max, scaled):   # (max: no signature)
         framework.initialize(torch.nn.Linear(3, 1), loss_fn, tiny_config()).close()
     # overrides as one string (not a list of them): compose's own line, not a parse error of its first character
     with pytest.raises(framework.ConfigError, match=r"overrides must be a list of strings, not the string "

@@ -184,6 +184,21 @@ def test_a_multimodal_config_is_checked_at_its_text_models_sizes(tmp_path):
     assert config_vocab(HFConfig(config=str(tmp_path), context=16)) == 96
 
 
+def test_a_config_with_several_text_parts_is_read_as_it_is():
+    """musicgen's config has a text encoder and a decoder: transformers' get_text_config raises; the sizes are then
+    the config's own (initialize reads its hidden size for "auto" bucket sizes, with or without a DeepSpeed file)."""
+    from transformers import EncodecConfig, MusicgenConfig, T5Config
+    from transformers.models.musicgen.configuration_musicgen import MusicgenDecoderConfig
+
+    from framework.models.hf import config_hidden_size, text_config
+    cfg = MusicgenConfig(text_encoder=T5Config(d_model=8, num_layers=1, num_heads=2, vocab_size=32).to_dict(),
+                         audio_encoder=EncodecConfig(num_filters=2, hidden_size=8, upsampling_ratios=[2, 2]).to_dict(),
+                         decoder=MusicgenDecoderConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                                       vocab_size=32).to_dict())
+    assert text_config(cfg) is cfg
+    assert config_hidden_size(cfg) == getattr(cfg, "hidden_size", None)
+
+
 def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):   # when the config is checked
         framework.compose(["model=hf", f"model.config={tmp_path / 'nope.json'}"])
