@@ -59,10 +59,13 @@ def _stall(dist):
 
     from framework.persist.checkpoint._group import Group
 
-    # A group of its own with a 3 s timeout (collective: both ranks create it first).
+    # A group of its own with a 3 s timeout (collective: both ranks create it first). The barrier lines the ranks
+    # up first: on a loaded machine one may get the task seconds after the other, and the 3 s are for the stall.
+    td.barrier()
     group = td.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
     short = Dist(dist.rank, dist.world, dist.local_rank, dist.device, dist.backend, 3.0, dist.peers)
-    made = Group(short, 1800)   # made within dist.timeout_s, then waits checkpoint.timeout_s
+    # made within dist.timeout_s (here a generous one: not the stall), then waits checkpoint.timeout_s
+    made = Group(Dist(dist.rank, dist.world, dist.local_rank, dist.device, dist.backend, 60.0, dist.peers), 1800)
     waits = made.pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     made.close()
     if dist.rank == 1:
