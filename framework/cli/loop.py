@@ -154,8 +154,9 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         if cfg.notices:
             summary["ds_config_notices"] = list(cfg.notices)
         # stage3_gather_16bit_weights_on_model_save: consolidated safetensors (collective; nothing when off). Under
-        # train.on_nonfinite=stop a diverged state is refused as its checkpoint would be (warn: written, warned about).
-        if t.on_nonfinite == "stop" and engine.components.stage.weights_on_save():
+        # train.on_nonfinite=stop a diverged state is refused as its checkpoint would be (warn: written, warned about);
+        # with checkpoints on, the last step's save (or the checkpoint resumed at the end) has checked it already.
+        if t.on_nonfinite == "stop" and not cfg.checkpoint.every and engine.components.stage.weights_on_save():
             ckpt.check_finite(state, f"not exporting model_16bit at step {state.step}")
         if save_on_model_save(engine, run.run_dir / "model_16bit") is not None:
             summary["exported"] = "model_16bit"

@@ -121,16 +121,12 @@ def notes(cfg: HFConfig, run: Any) -> list[str]:
 
 
 def hidden_size(cfg: HFConfig) -> int | None:
-    """The hidden size from config.json (nothing built), else transformers' default for its model_type."""
-    key, file, raw = _raw_config(cfg)
-    value = next((raw[k] for k in ("hidden_size", "n_embd", "d_model") if k in raw), None)
-    if value is None:
-        try:
-            config = _transformers_config(key, file, raw)
-        except Exception:  # noqa: BLE001 - build() says what is wrong
-            return None
-        return config_hidden_size(config)
-    return value if isinstance(value, int) else None
+    """The hidden size of config.json read as transformers reads it (its default for the model_type where the file
+    states none; nothing built)."""
+    try:
+        return config_hidden_size(_transformers_config(*_raw_config(cfg)))
+    except Exception:  # noqa: BLE001 - build() says what is wrong
+        return None
 
 
 def config_hidden_size(config: Any) -> int | None:
