@@ -22,9 +22,8 @@ from framework.persist.tensorfiles import is_output, output_dir, plan_files, sav
 
 def resolve(checkpoint) -> Path:
     """The DCP step folder of ``checkpoint``: itself; in a folder of our committed step folders the newest, as
-    ``checkpoint.resume=auto`` picks it (one a save's commit moved aside read where it lies; said when ``latest``
-    names another: a save that failed to update it);
-    else what its ``latest`` points at (a symbolic link, or a file holding the step folder's name)."""
+    ``checkpoint.resume=auto`` picks it (one a commit moved aside read where it lies; said when ``latest`` names
+    another: a save that failed to update it); else what its ``latest`` points at (a link, or a file naming it)."""
     path, seen = Path(checkpoint), set()
     found = [] if (path / ".metadata").is_file() else stepfolders.scan(path, around=True)[0]   # (renames nothing)
     if found:

@@ -88,9 +88,8 @@ class StateLayout:
                 if any(o.rank != h.rank and (o.lo, o.hi) == (h.lo, h.hi) for o in p.holdings)]
 
     def share(self) -> list[tuple[Param, Holding, int, int]]:
-        """This rank's part of writing every parameter once: (parameter, holding, lo, hi). Over the ranks the parts
-        tile each parameter exactly once; replicated elements are spread, parameter i starting with rank
-        ``i % world``. Needs a gathered layout."""
+        """This rank's part of writing every parameter once: (parameter, holding, lo, hi); over the ranks the parts
+        tile each parameter, replicated elements spread (parameter i from rank ``i % world``). Gathered layouts."""
         out = []
         for i, p in enumerate(self.params.values()):
             order = sorted(p.holdings, key=lambda h: (h.rank - i) % self.world)
@@ -111,9 +110,8 @@ class StateLayout:
 
 
 def pieces(state: TrainState, specs: Sequence[PieceSpec] | None = None) -> tuple[list[dict], dict, dict]:
-    """Each master piece's flat tensors ({'master': its values, optimizer path: its state}), and the optimizer's
-    per-element and scalar leaves by path (``optimizer_leaves``). ``specs``: the stage's, checked to describe the
-    pieces one for one (a stage bug otherwise)."""
+    """Each master piece's flat tensors ({'master': its values, optimizer path: its state}), and ``optimizer_leaves``.
+    ``specs``: the stage's, checked to describe the pieces one for one (a stage bug otherwise)."""
     if specs is not None and [s.numel for s in specs] != [p.numel() for p in state.params]:
         raise ValueError(f"piece specs of {[s.numel for s in specs]} elements for master pieces of "
                          f"{[p.numel() for p in state.params]}")
@@ -140,8 +138,8 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
              {"range": (lo, hi), "master": 1-D tensor, "optim": {path: 1-D tensor}}, ...]}},
          "whole": {key: tensor}}   # only with ``whole``: the module's buffers and frozen parameters
 
-    ``range``: of the flattened parameter. Each piece is copied to the host once (one transfer,
-    not one per parameter) and its fragments are views of that copy."""
+    ``range``: of the flattened parameter. Each piece is copied to the host once (one transfer, not one per
+    parameter) and its fragments are views of that copy."""
     flats, per, scalars = pieces(state, specs)
     mine = StateLayout.of(specs, rank=rank, world=world).mine()
     host = {k: {key: host_copy(t) for key, t in flats[k].items()} for k in {h.piece for _, h in mine}}
@@ -260,9 +258,8 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
 
 
 def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_only: bool = False) -> list[str]:
-    """The names among ``items`` ((name, tensor)) whose tensor holds NaN or inf (one sync per device);
-    ``release(t)`` after each. ``nan_only``: flagged for a NaN only, as the buffers and frozen parameters are
-    (``nonfinite``)."""
+    """The names among ``items`` ((name, tensor)) whose tensor holds NaN or inf (one sync per device); ``release(t)``
+    after each. ``nan_only``: as ``nonfinite``'s."""
     flags = []
     for n, t in items:
         if (flag := nonfinite(t, nan_only)) is not None:

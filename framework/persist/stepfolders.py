@@ -37,8 +37,7 @@ _LEFTOVER = (".tmp", ".old", ".del", f".{WEIGHTS16}")
 
 
 def files_of(folder: Path) -> list[str]:
-    """The files the manifest lists, sorted: every one but the manifest, ``model_16bit/<name>`` for those in that
-    subfolder (a link there, or as it, is refused)."""
+    """The files a manifest lists, sorted: all but itself, ``model_16bit/<name>`` in that subfolder (no links)."""
     names = [p.name for p in folder.iterdir() if p.name != MANIFEST and (p.is_file() or p.is_symlink())]
     sub = folder / WEIGHTS16
     files.refuse_links(sub)
@@ -53,27 +52,24 @@ _SAVED = re.compile(r"(.+\.distcp|\.metadata|rng-\d+\.json|" + re.escape(TRAIN_S
 
 
 def a_save_writes(name: str) -> bool:
-    """Whether ``name`` (as ``files_of`` gives it) is one a save may write; others (an editor's swap file, a
-    user's notes) are no part of a checkpoint, and no damage."""
+    """Whether a save may write ``name`` (``files_of``'s); others (an editor's swap file, a user's notes) are no
+    part of a checkpoint, and no damage."""
     return _SAVED.fullmatch(name) is not None
 
 
-def _open(folder: Path, name: str) -> int:
-    """``folder/name`` read-only, never through a link (in ``model_16bit/<file>`` neither the subfolder nor the file)."""
-    sub, _, base = name.rpartition("/")
-    if not sub:
-        return files.open_nofollow(folder / name, os.O_RDONLY)
-    files.refuse_links(folder / sub)   # by name (a link made since fails the open: O_NOFOLLOW)
-    dir_fd = files.open_nofollow(folder / sub, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        return os.open(base, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def file_entry(folder: Path, name: str, *, own: bool = True) -> dict:
-    """The manifest's entry of a file: its size and sha256; ``own``: made owner-only too (DCP uses the umask)."""
-    with os.fdopen(_open(folder, name), "rb") as f:
+    """The manifest's entry of a file: its size and sha256; ``own``: made owner-only too (DCP uses the umask). Read
+    never through a link (in ``model_16bit/<file>`` neither the subfolder nor the file)."""
+    sub, _, base = name.rpartition("/")
+    fd = None if sub else files.open_nofollow(folder / name, os.O_RDONLY)
+    if fd is None:
+        files.refuse_links(folder / sub)   # by name (a link made since fails the open: O_NOFOLLOW)
+        dir_fd = files.open_nofollow(folder / sub, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fd = os.open(base, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+    with os.fdopen(fd, "rb") as f:
         if own:
             os.fchmod(f.fileno(), 0o600)
         h = hashlib.sha256()   # (hashlib.file_digest is Python 3.11+; we support 3.10)
@@ -164,18 +160,13 @@ def committed_step(path: Path) -> Path | None:
     return None
 
 
-def scan(root: Path, around: bool = False) -> tuple[list[Path], list[str]]:
+def scan(root: Path, around: bool = False, manifests: bool = False) -> tuple[list, list[str]]:
     """The committed ``step-<N>`` folders under ``root`` (holding a manifest), newest commit first (``seq``, then
     the step: a rewound run goes on from its own newest save), and a note for each ``step-<N>`` that is not one.
     One whose manifest does not parse is damage, listed last: a resume tries it (and fails, naming the damage)
     rather than starting afresh over it. ``around``: a step a save's commit left without its folder (``interrupted``,
-    as a resume restores) is listed where it lies, for a reader that may rename nothing there."""
-    found, notes = _committed(root, around)
-    return [p for p, _ in found], notes
-
-
-def _committed(root: Path, around: bool = False) -> tuple[list[tuple[Path, dict | None]], list[str]]:
-    """``scan``'s folders, each with its manifest (None: it does not parse), and its notes; one read each."""
+    as a resume restores) is listed where it lies, for a reader that may rename nothing there. ``manifests``: each
+    folder as (folder, its manifest or None where it does not parse)."""
     if not root.is_dir():
         return [], []
     out, notes = [], []
@@ -194,7 +185,8 @@ def _committed(root: Path, around: bool = False) -> tuple[list[tuple[Path, dict 
                     notes.append(f"{str(e).removeprefix('checkpoint ')}; a damaged checkpoint, tried last")
                 else:
                     notes.append(f"{str(e).removeprefix('checkpoint ')}; ignored")
-    return [(p, manifest) for *_, p, manifest in sorted(out, key=lambda e: e[:3], reverse=True)], sorted(notes)
+    found = [(p, manifest) for *_, p, manifest in sorted(out, key=lambda e: e[:3], reverse=True)]
+    return (found if manifests else [p for p, _ in found]), sorted(notes)
 
 
 def seq(manifest: dict) -> int:
@@ -204,8 +196,7 @@ def seq(manifest: dict) -> int:
 
 
 def next_seq(root: Path) -> int:
-    """The commit number of the next save under ``root``: above every committed folder's."""
-    return 1 + max((seq(m) for _, m in _committed(root)[0] if m is not None), default=0)
+    return 1 + max((seq(m) for _, m in scan(root, manifests=True)[0] if m is not None), default=0)
 
 
 def held_for(folder: Path) -> Path | None:
@@ -220,8 +211,8 @@ def step_of(folder: Path) -> int:
 
 
 def commit(tmp: Path, final: Path, on_point) -> str | None:
-    """Rename ``step-N.tmp`` to ``step-N`` (an older one moved aside first), then point ``latest`` at it. Rank 0
-    only; ``on_point(name)``: for fault tests. A failure after the rename (the commit point) is returned, to warn."""
+    """Rename ``step-N.tmp`` to ``step-N`` (an older one moved aside first), then point ``latest`` at it; rank 0.
+    A failure after the rename (the commit point) is returned, to warn. ``on_point(name)``: fault tests'."""
     root = final.parent
     files.refuse_links(final, root / f"{final.name}.old", root / f"{LATEST}.tmp")
     aside = None
@@ -250,7 +241,7 @@ def prune(root: Path, newest: Path, keep_last: int) -> tuple[list[Path], list[Pa
     no permission): those are no checkpoint any more, and the next save tries again."""
     if keep_last <= 0:
         return [], []
-    chain = [(p, m) for p, m in _committed(root)[0] if step_of(p) <= step_of(newest)]
+    chain = [(p, m) for p, m in scan(root, manifests=True)[0] if step_of(p) <= step_of(newest)]
     good = next((p for p, m in chain if m is not None and m.get("verified") is True), None)
     older = [(p, m) for p, m in chain if step_of(p) < step_of(newest)]
     gone, left = [], []
@@ -278,9 +269,9 @@ def remove_stale(root: Path, keep: Path | None = None) -> None:
 
 
 def interrupted(root: Path, aside_only: bool = False) -> list[tuple[Path, Path]]:
-    """(folder, ``step-<N>``) for each step a save interrupted inside ``commit`` (or one under way there) left
-    without its ``step-<N>`` folder: a complete ``step-<N>.tmp`` (its manifest written) holds it, else the
-    ``step-<N>.old`` moved aside. ``aside_only``: only where a ``step-<N>.old`` is there (a resume)."""
+    """(folder, ``step-<N>``) for each step a save interrupted inside ``commit`` (or under way there) left without
+    its folder: a complete ``step-<N>.tmp`` (manifest written) holds it, else the ``step-<N>.old`` moved aside.
+    ``aside_only``: only where a ``step-<N>.old`` is there (a resume)."""
     out = []
     for p in sorted(root.iterdir()) if root.is_dir() else []:
         m = _AROUND.fullmatch(p.name)

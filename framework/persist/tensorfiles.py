@@ -37,10 +37,9 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 class WeightsSource(contextlib.AbstractContextManager):
-    """Tensors by name (``meta``: name -> (shape, dtype), a dtype this loader does not read kept as its name), read
-    by flat element range from ``tensors`` or the safetensors files ``paths`` (an index's: ``weight_map`` names each
-    one's file); ``bytes_read``: the bytes handed out. A range is one positioned read of its bytes, never a map: a
-    map's touched pages stay resident, so a model larger than memory would not load."""
+    """Tensors by name (``meta``: name -> (shape, dtype or, unread here, its name)), read by flat element range from
+    ``tensors`` or the safetensors files ``paths`` (``weight_map``: an index's file of each). A range is one positioned
+    read, never a map: a map's touched pages stay resident, so a model larger than memory would not load."""
 
     def __init__(self, where: str, tensors: dict[str, torch.Tensor] | None = None, paths: Sequence[Path] = (),
                  weight_map: dict[str, Path] | None = None):
@@ -135,8 +134,8 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 def open_weights(source: str | os.PathLike) -> WeightsSource:
-    """A reader for ``source``: a ``.safetensors`` file, a ``model.safetensors.index.json`` (or a
-    folder holding it, or ``model.safetensors``, or ``pytorch_model.bin``), or a torch state-dict file."""
+    """A reader for ``source``: a ``.safetensors`` file, a ``model.safetensors.index.json``, a torch state-dict
+    file, or a folder holding one (``weights_file``)."""
     path = Path(source)
     if path.is_dir():
         if (found := weights_file(path)) is None:
@@ -166,8 +165,7 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from ``5GB``, ``500MB``, ``1.5GiB`` or an integer (Hugging Face's convention:
-    KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)."""
+    """Bytes from ``5GB``, ``1.5GiB`` or an integer (Hugging Face's convention: KB, MB, GB are powers of 1000)."""
     try:
         n = size if isinstance(size, int) and not isinstance(size, bool) else units.parse_size(size)
     except ValueError:
@@ -231,7 +229,7 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_
 
 
 def output_dir(out_dir: str | os.PathLike, dtype: torch.dtype | None, what: str) -> Path:
-    """``out_dir`` as a Path, once ``dtype`` (for the floating tensors) is one safetensors has. An empty name is
+    """``out_dir`` as a Path, once ``dtype`` (the floating tensors') is one safetensors has. An empty name is
     refused: Path("") is the current directory, where the save would replace a model already there."""
     allowed = [t for t in _ST_NAMES if t.is_floating_point]
     if dtype is not None and dtype not in allowed:
@@ -255,8 +253,7 @@ def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
     """While held: each planned file as ``<name>.tmp`` at its final size with its header (the data a hole the
     writers fill), the folder locked (``LOCK``) against another save, which would remove or rename these files; an
     earlier save's outputs stay until ``finish_files``. Refused: a folder in a committed checkpoint step, one another
-    save is writing, and (OSError ENOSPC) a file system without room. On leaving, the ``.tmp`` files still there (a
-    failed save's) and the lock file are removed."""
+    save is writing, a file system without room (ENOSPC). On leaving, the ``.tmp`` files and the lock are removed."""
     with _writing(out_dir, plans, what):
         step = stepfolders.committed_step(out_dir)
         if step is not None:
@@ -292,7 +289,7 @@ def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
 
 
 def remove_tmp(out_dir: Path) -> None:
-    """Remove the ``.tmp`` output files (and a new index not yet renamed) in ``out_dir`` (a link is removed, never followed)."""
+    """Remove the ``.tmp`` outputs and a new index not yet renamed (a link is removed, never followed)."""
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):   # (no folder: no files)
         for old in out_dir.iterdir():
             if old.name == INDEX + ".new" or (old.name.endswith(".tmp") and _OUTPUT.fullmatch(old.name[:-4])):
@@ -300,8 +297,8 @@ def remove_tmp(out_dir: Path) -> None:
 
 
 def finish_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_weights") -> list[Path]:
-    """Flush and rename the ``.tmp`` files, write the index when there are several files, then remove the
-    outputs of an earlier save there that this one did not replace (its other shards, its index)."""
+    """Flush and rename the ``.tmp`` files, write the index of several, then remove the outputs of an earlier save
+    that this one did not replace (its other shards, its index)."""
     with _writing(out_dir, plans, what):
         for plan in plans:
             with os.fdopen(files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_RDWR), "rb") as f:
@@ -326,10 +323,9 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
 
 def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype: torch.dtype | None, *,
                dist=None, **writer_options) -> list[Path]:
-    """The files ``plans`` lays out, filled by ``write(writer)`` (a ``Writer``): ``create_files``, the writes,
-    ``finish_files``, then the warnings on what was written; the paths. With ``dist`` every rank writes its share,
-    rank 0 creates and finishes the files, each phase agreed (every rank raises alike). On any failure the
-    ``.tmp`` files are removed: an earlier save there stays whole."""
+    """The files ``plans`` lays out, filled by ``write(writer)`` (a ``Writer``), then the warnings on what was
+    written; the paths. With ``dist`` every rank writes its share, rank 0 creates and finishes the files, each phase
+    agreed (every rank raises alike). On any failure the ``.tmp`` files go: an earlier save there stays whole."""
     main = dist is None or dist.is_main
 
     def phase(fn, name: str):
@@ -347,15 +343,21 @@ def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype
         phase(lambda: finish_files(out_dir, plans, what) if main else None, "finish files")
     everyone = [counts] if dist is None else dist.all_gather_object(
         counts, what=f"{what}: overflow count, non-finite names")
-    if main:
-        warn_written(sum(n for n, _ in everyone), {n for _, names in everyone for n in names}, dtype, what)
+    overflow, bad = sum(n for n, _ in everyone), {n for _, names in everyone for n in names}
+    if main and overflow:
+        print(f"warning: {what}: {overflow} finite value(s) beyond the {dtype_name(dtype)} range (largest "
+              f"{torch.finfo(dtype).max:g}) were written as inf; save as bf16 or fp32 to keep them",
+              file=sys.stderr, flush=True)
+    if main and bad:
+        print(f"warning: {what}: NaN or inf values in {few(sorted(bad))} were written as they are: the weights hold "
+              f"a diverged state (save from a checkpoint before it to get usable ones)", file=sys.stderr, flush=True)
     return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
 
 
 class Writer(contextlib.AbstractContextManager):
     """Values into the ``.tmp`` files ``create_files`` made, at their entries' offsets, converted ``WRITE_CHUNK``
-    elements at a time where they lie, one file open at a time; overflows counted and (``check``) NaN or inf flagged on their devices, read
-    once in ``finish``. ``release(part)``: after each chunk (a mapped swap file's pages leave as written)."""
+    elements at a time where they lie, one file open at a time; overflows counted and (``check``) NaN or inf flagged
+    on their devices, read once in ``finish``. ``release(part)``: after each chunk (a mapped swap file frees pages)."""
 
     def __init__(self, out_dir: Path, plans: Sequence[FilePlan], what: str, check: bool = True, release=None):
         self.out_dir, self.plans, self.what, self.check, self.release = out_dir, plans, what, check, release
@@ -363,7 +365,7 @@ class Writer(contextlib.AbstractContextManager):
         self._flags: list[tuple[str | None, torch.Tensor]] = []   # (None, overflow count) or (name, non-finite flag)
 
     def write(self, e: Entry, at: int, values: torch.Tensor, nan_only: bool = False) -> None:
-        """Flat ``values`` as elements [at, at + len) of ``e``; ``nan_only``: flag a NaN only (``nonfinite``)."""
+        """Flat ``values`` as elements [at, at + len) of ``e``; ``nan_only``: as ``nonfinite``'s."""
         with _writing(self.out_dir, self.plans, self.what):
             if self._open is None or self._open[0] != e.file:
                 self._close()
@@ -386,19 +388,18 @@ class Writer(contextlib.AbstractContextManager):
         got = read_per_device(self._flags)
         return sum(n for name, n in got if name is None), sorted({name for name, n in got if name is not None and n})
 
-    def _close(self) -> None:
-        """fsync and close the open file (an error still closes it)."""
+    def _close(self, sync: bool = True) -> None:
+        """fsync (``sync``) and close the open file (an error still closes it)."""
         if self._open is not None:
             fd, self._open = self._open[1], None
             try:
-                os.fsync(fd)
+                if sync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
 
     def __exit__(self, *exc) -> None:
-        if self._open is not None:   # (after an error: closed, not synced; the .tmp files are removed)
-            os.close(self._open[1])
-            self._open = None
+        self._close(sync=False)   # (after an error: not synced, the .tmp files are removed)
 
 
 def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
@@ -420,9 +421,8 @@ def read_per_device(items: Sequence[tuple[Any, torch.Tensor]]) -> list[tuple[Any
 
 
 def nonfinite(src: torch.Tensor, nan_only: bool = False) -> torch.Tensor | None:
-    """A flag on its device: ``src`` holds NaN or inf (``nan_only``: NaN; a buffer or frozen parameter
-    may hold inf by design, an additive mask),
-    from its min and max (no temporary of ``src``'s size); None where there is nothing to flag."""
+    """A flag on its device: ``src`` holds NaN or inf (``nan_only``: NaN; a buffer or frozen parameter may hold inf
+    by design, an additive mask), from its min and max (no temporary of ``src``'s size); None: nothing to flag."""
     if not src.is_floating_point() or not src.numel():
         return None
     mm = _min_max(src)
@@ -434,9 +434,8 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bits_sum(src: torch.Tensor) -> torch.Tensor:
-    """An int64 on ``src``'s device: the sum of its elements' raw bits read as integers of their own width, wrapping
-    around, a bit-exact digest (such sums do not depend on the order) that two copies of the same values share; in
-    the integers' own type, so no wider copy is made."""
+    """An int64 on ``src``'s device: its elements' raw bits summed as integers of their own width (no wider copy),
+    wrapping around: a bit-exact digest, independent of the order, that two copies of the same values share."""
     bits = _BITS[src.element_size()]
     return src.reshape(-1).view(bits).sum(dtype=bits).to(torch.int64)
 
@@ -449,19 +448,6 @@ def _min_max(t: torch.Tensor) -> torch.Tensor:
     flat = t.reshape(-1)
     parts = torch.stack([torch.stack(flat[i:i + _CHUNK].float().aminmax()) for i in range(0, flat.numel(), _CHUNK)])
     return torch.stack([parts[:, 0].min(), parts[:, 1].max()])
-
-
-def warn_written(overflow: int, nonfinite_names: Sequence[str], dtype: torch.dtype | None, what: str) -> None:
-    """A warning line for the values that overflowed in the conversion to ``dtype``, one for the tensors written
-    with NaN or inf (``Writer.finish``'s counts)."""
-    if overflow:
-        print(f"warning: {what}: {overflow} finite value(s) beyond the {dtype_name(dtype)} range (largest "
-              f"{torch.finfo(dtype).max:g}) were written as inf; save as bf16 or fp32 to keep them",
-              file=sys.stderr, flush=True)
-    if nonfinite_names:
-        print(f"warning: {what}: NaN or inf values in {few(sorted(nonfinite_names))} were written as they are: the "
-              f"weights hold a diverged state (save from a checkpoint before it to get usable ones)", file=sys.stderr,
-              flush=True)
 
 
 @contextlib.contextmanager

@@ -88,12 +88,11 @@ def _targets(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor]
 
 
 def load_weights(engine, source, *, strict: bool = True) -> None:
-    """Load consolidated weights into ``engine``'s model (masters, zero3 shards, buffers; not the optimizer
-    state). Collective. ``source``: a path (``open_weights``) or an open ``WeightsSource``; a tied parameter takes
-    any of its names; values are converted to each target's dtype. Missing and unexpected names (``strict``),
-    shape and dtype-kind mismatches: one ``ConfigError`` before anything is written; a tensor holding NaN or inf
-    (buffers and frozen parameters: NaN) one as it is read, after which the engine refuses to step or save until
-    a load finishes (its weights are partly the file's)."""
+    """Load consolidated weights (a path, ``open_weights``, or an open ``WeightsSource``) into ``engine``'s model:
+    masters, zero3 shards, buffers, not the optimizer state; a tied parameter takes any of its names, values converted
+    to each target's dtype. Collective. Missing and unexpected names (``strict``), shape and dtype-kind mismatches: one
+    ``ConfigError`` before anything is written; NaN or inf (buffers, frozen parameters: NaN) one as it is read, after
+    which the engine refuses to step or save until a load finishes (its weights are partly the file's)."""
     if not isinstance(source, (str, os.PathLike, WeightsSource)):
         raise ConfigError(f"load_weights: source must be a path (a weights file or folder), got "
                           f"{type(source).__name__}; a {{name: tensor}} dict in memory goes into the module before "
@@ -196,9 +195,9 @@ def _same_values(src: WeightsSource, a: str, b: str, t: Target) -> bool:
 
 def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                  max_shard_size: int | str = "5GB") -> list[Path]:
-    """The model's weights and persistent buffers as consolidated safetensors in ``out_dir`` (tied weights once;
-    an index beyond ``max_shard_size``), from the masters as ``dtype`` (default: the master dtype; a 16-bit one
-    gives the working parameters bit for bit). Collective; returns the written paths."""
+    """The model's weights and persistent buffers as consolidated safetensors in ``out_dir`` (tied weights once; an
+    index beyond ``max_shard_size``), the masters as ``dtype`` (default theirs; a 16-bit one gives the working
+    parameters bit for bit). Collective; the paths."""
     dist = engine.components.dist
     out_dir = output_dir(out_dir, dtype, "save_weights")
     # offload=nvme: read from the mapped swap file, checked. (``_targets`` picks the tensors by the stage's layout,

@@ -46,9 +46,9 @@ class Checkpointer:
                  data: dict | None = None):
         """``run_dir``, ``job``: see ``checkpoint_root``. ``on_point``: ``save``'s (fault tests). ``data``: the data's
         ``DataSource.identity()``, saved with each checkpoint: a resume refuses data whose vocabulary changed since
-        (its ids would stand for other characters) and says when only its content did.
-        ``batch_from_config``: each rank's batches are ``train.micro_batch`` x ``train.grad_accum`` rows (the
-        command line's): a resume says when the global batch changed (in a loop of one's own they are not read)."""
+        (its ids would stand for other characters) and says when only its content did. ``batch_from_config``: each
+        rank's batches are ``train.micro_batch`` x ``train.grad_accum`` rows (the command line's; a loop of one's
+        own does not read them): a resume says when the global batch changed."""
         self.cfg, self.config, self.seed, self.engine = cfg.checkpoint, cfg.to_dict(), cfg.seed, engine
         self.batch_from_config, self.data = batch_from_config, data
         self.resume_given = cfg.resume_given or cfg.checkpoint.resume   # what messages say (latest as typed)
@@ -75,8 +75,7 @@ class Checkpointer:
     def resume(self, state):
         """The state loaded from the checkpoint ``checkpoint.resume`` selects, or ``state`` (saying why). Collective."""
         self._check_open("resume")
-        resume, every = self.cfg.resume, self.cfg.every
-        given = self.resume_given
+        resume, every, given = self.cfg.resume, self.cfg.every, self.resume_given
         # Rank 0 looks, every rank gets its answer (or its error: no rank is left waiting).
         what = "checkpoint.resume=off" if resume == "off" else \
             f"looking for checkpoint.resume={resume} in {self.root} (another checkpoint.dir starts afresh)"
@@ -96,9 +95,12 @@ class Checkpointer:
                 spent = SPENT
                 state, body = read()
             except CheckpointError as e:
+                # Read where it lay (step-N.tmp or .old: another run's commit under way), and that commit has put
+                # step-N in place since: a read that lost that race is no damage; step-N is tried next. Rank 0 looks.
                 final = stepfolders.held_for(folder)
-                if final is not None and self._committed_since(final):   # read where it lay: in step-N now
-                    folders.insert(i + 1, final)   # (tried next: the loop goes on there)
+                if final is not None and self.group.all_gather(self.rank == 0 and final.is_dir(),
+                                                               "resume: step moved in")[0]:
+                    folders.insert(i + 1, final)
                     continue
                 if resume != "auto" and len(folders) == 1:   # the one folder asked for: no other choice
                     raise on_every_rank(CheckpointError(f"{e}{spent}"), e.every_rank) from None
@@ -135,12 +137,6 @@ class Checkpointer:
         raise on_every_rank(CheckpointError(   # (each fallback came after an agreed one: so does this)
             f"checkpoint.resume={given}: every checkpoint in {folders[0].parent} is damaged or not finite (the "
             f"folders are kept; {way}): " + " | ".join(errors) + spent))
-
-    def _committed_since(self, final: Path) -> bool:
-        """Whether the commit of the step read where it lay (``step-N.tmp`` or ``.old``, another run's commit under
-        way) has put ``final`` (``step-N``) in place since: a read that lost that race is no damage. Rank 0 looks
-        (collective)."""
-        return self.group.all_gather(self.rank == 0 and final.is_dir(), "resume: step moved in")[0]
 
     def maybe_save(self, state, last: bool = False, metrics: dict | None = None,
                    losses: list[float] | None = None) -> None:
@@ -348,23 +344,17 @@ def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
 
 def _scan(root: Path, owned: bool) -> tuple[list[Path], list[str]]:
     """``stepfolders.scan`` of ``root``, a step a save's commit moved aside counted (or the resume would go back a
-    save interval): put back first where this run ``owned`` the folder (saves there: the CLI holds its lock), else
-    read where it lies: another run's commit may be under way there, and a reader renames nothing. Rank 0 only."""
-    if owned:
-        restore(root)
+    save interval): put back first (``stepfolders.restore``) where this run ``owned`` the folder (saves there: the
+    CLI holds its lock), else read where it lies: another run's commit may be under way there, and a reader renames
+    nothing. Rank 0 only."""
+    if owned and root.is_dir() and not root.is_symlink():
+        try:
+            stepfolders.restore(root, aside_only=True)
+        except OSError as e:   # e.g. a folder this user may only read: resumed from what is there, said
+            print(f"checkpoint: cannot restore an interrupted save's step folder in {root} ({e.strerror or e}); "
+                  "looking at the committed ones only", flush=True)
     return stepfolders.scan(root, around=not owned)
 
-
-def restore(root: Path) -> None:
-    """Put back a committed step a save killed inside its commit moved aside (``stepfolders.restore``), in a folder
-    this run saves into. Rank 0 only."""
-    if not root.is_dir() or root.is_symlink():
-        return
-    try:
-        stepfolders.restore(root, aside_only=True)
-    except OSError as e:   # e.g. a folder this user may only read: resumed from what is there, said
-        print(f"checkpoint: cannot restore an interrupted save's step folder in {root} ({e.strerror or e}); "
-              "looking at the committed ones only", flush=True)
 
 def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None,
            values: dict | None = None) -> tuple[list[Path], list[str]]:
@@ -400,7 +390,7 @@ def candidates(resume: str, root: Path, sweep_dir: Path | None = None, owned: Pa
     if not os.path.lexists(path) and stepfolders.step_of(path) >= 0:
         # a save of that step killed (or under way) inside its commit moved it aside: put back, or read where it lies
         if mine(path.parent):
-            restore(path.parent)
+            _scan(path.parent, owned=True)   # (for its restore)
         else:
             path = next((p for p, final in stepfolders.interrupted(path.parent, aside_only=True) if final == path),
                         path)

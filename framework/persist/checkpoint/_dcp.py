@@ -28,8 +28,8 @@ from framework.core.errors import CheckpointError, FrameworkError, one_line
 
 
 def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Rectangular boxes ``(offsets, sizes)`` of a row-major tensor of ``shape`` that tile its
-    flattened elements [lo, hi) in order; each box is contiguous in the flattened order."""
+    """Rectangular boxes ``(offsets, sizes)`` of a row-major tensor of ``shape``, each contiguous, that tile its
+    flattened elements [lo, hi) in order."""
     shape = tuple(shape)
     if lo >= hi:
         return []
@@ -115,8 +115,8 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner for ``Boxes`` and plain tensor targets; it never loads a pickled object.
-    ``release(t)``: called with each target once DCP filled it."""
+    """DCP's default load planner for ``Boxes`` and tensors; it never loads a pickled object. ``release(t)``: each
+    target once DCP filled it."""
 
     def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
@@ -197,8 +197,8 @@ def single_process_quiet():
 
 def read(folder: Path, metadata, targets: dict, release: Callable[[torch.Tensor], None] | None = None,
          **kwargs: Any) -> None:
-    """DCP's load of ``targets`` (``Boxes`` or tensors by key) from ``folder``; ``kwargs``: the group or ``no_dist``.
-    A failure is one CheckpointError (naming a record torch refuses to unpickle)."""
+    """DCP's load of ``targets`` (``Boxes`` or tensors by key) from ``folder`` (``kwargs``: the group or ``no_dist``);
+    a failure is one CheckpointError (naming a record torch refuses to unpickle)."""
     try:
         with single_process_quiet():
             dcp.load(targets, storage_reader=SafeReader(folder, metadata), planner=LoadPlanner(release), **kwargs)
@@ -215,8 +215,7 @@ def read(folder: Path, metadata, targets: dict, release: Callable[[torch.Tensor]
 
 
 def _unpicklable(folder, metadata) -> str | None:
-    """The first record of a DCP folder ``torch.load(weights_only=True)`` refuses (DCP does not say which), named by
-    file, key and offset; None if every record loads."""
+    """The first record ``torch.load(weights_only=True)`` refuses (DCP does not say which), by file, key and offset."""
     storage = getattr(metadata, "storage_data", None) or {}
     for index, info in sorted(storage.items(), key=lambda kv: (str(kv[1].relative_path), kv[1].offset)):
         if getattr(info, "transform_descriptors", None):

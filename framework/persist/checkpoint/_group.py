@@ -23,8 +23,8 @@ def glue():
 
 
 class Group:
-    """The checkpoint's collectives on their own gloo group: a background save never shares a group with training
-    (concurrent collectives on one group can deadlock), and its timeout is ``checkpoint.timeout_s``."""
+    """The checkpoint's collectives on their own gloo group (``checkpoint.timeout_s``): a background save never
+    shares a group with training (concurrent collectives on one group can deadlock)."""
 
     def __init__(self, dist, timeout_s: float):
         self.rank, self.world, self.timeout_s, self.dist = dist.rank, dist.world, timeout_s, dist
@@ -136,9 +136,8 @@ def _stop(e: BaseException) -> KeyboardInterrupt | SystemExit | None:
 
 
 def _write_error(e: BaseException, tmp: Path, need: int) -> str:
-    """One line for a failed write: a full disk (torch's zip writer says "unexpected pos") names the folder, the
-    free and needed bytes; EFBIG, tested first (the zip writer's "unexpected pos" hides it too), a file size
-    limit: more room would not help."""
+    """One line for a failed write: a full disk (torch's zip writer says "unexpected pos") with the free and needed
+    bytes; EFBIG first (that "unexpected pos" hides it too): a file size limit, where more room would not help."""
     found = glue().causes(e)
     if any(isinstance(c, OSError) and c.errno == errno.EFBIG for c in found):
         return (f"a file size limit stopped the writes in {tmp.parent} (the checkpoint needs about {size(need)}): "

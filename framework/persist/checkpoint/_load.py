@@ -71,8 +71,8 @@ def job_values(config: dict, keys) -> dict:
 
 
 def other_job(saved: dict, mine: dict) -> list[tuple[str, str]]:
-    """``KEY=VALUE`` of ``saved`` (a checkpoint's config) and of this job (``mine``: ``job_values``) for each key
-    whose values differ: the checkpoint of another job of a sweep."""
+    """(``KEY=VALUE`` of ``saved``, a checkpoint's config, of ``mine``: ``job_values``) for each key whose values
+    differ: the checkpoint of another job of a sweep."""
     theirs = job_values(saved, mine)
     return [(f"{k}={theirs[k]}", f"{k}={mine[k]}") for k in mine if theirs[k] != mine[k]]
 
@@ -98,11 +98,10 @@ def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str | None:
-    """What the resume line says when the global batch (micro_batch x grad_accum x world) of the saving run
-    differs from this run's (where a changed world size shows: ``_UNLISTED``); else None."""
+    """The resume line's note where the global batch (micro_batch x grad_accum x world: a changed world size shows
+    here, ``_UNLISTED``) of the saving run differs from this run's."""
     def rows(cfg: dict, world: int):
-        train = cfg.get("train") if isinstance(cfg, dict) else None
-        micro, accum = (train.get("micro_batch"), train.get("grad_accum")) if isinstance(train, dict) else (None, None)
+        micro, accum = get_key(cfg, "train.micro_batch"), get_key(cfg, "train.grad_accum")
         return micro * accum * world if isinstance(micro, int) and isinstance(accum, int) else None
 
     before, now = rows(saved, saved_world), rows(mine, world)
@@ -273,8 +272,8 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
 
 
 def _rng_of(c, folder: Path, body: dict, seed: int):
-    """(torch, host) generator states: each rank its own under the same world size, else re-derived. Saved on
-    another kind of device, the CPU's and host's are kept, the device generator's derived (or dropped)."""
+    """(torch, host) generator states: each rank its own under the same world size, else re-derived; saved on
+    another kind of device, the CPU's and host's kept, the device generator's derived (or dropped)."""
     rank, device = c.dist.rank, c.dist.device
     derived = rng.derive(seed, body["step"], rank, device)
     if body["world"] != c.dist.world:

@@ -37,8 +37,7 @@ _TORCH_NAMES = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer",
 
 
 def optim_keys(per: list[str], scalars: list[str]) -> dict[str, str]:
-    """Optimizer leaf path ('0.mu') -> DCP key part ('exp_avg'); the chain index is kept only
-    where two leaves would get one name."""
+    """Optimizer leaf path ('0.mu') -> DCP key part ('exp_avg'), the index kept where two leaves share a name."""
     short = {p: _TORCH_NAMES.get(p.rsplit(".", 1)[-1], p.rsplit(".", 1)[-1]) for p in [*per, *scalars]}
     names = list(short.values())
     return {p: (n if names.count(n) == 1 else p) for p, n in short.items()}
@@ -50,8 +49,8 @@ def dcp_key(key: str, name: str, keys: dict[str, str]) -> str:
 
 
 def dcp_values(parts, flats, keys: dict[str, str], take=None) -> dict:
-    """``parts`` ((parameter, holding, lo, hi): elements [lo, hi) of that holding) as DCP values:
-    ``Boxes`` of the flat tensors ``flats[piece]`` ({'master' or optimizer path: tensor}) by DCP key."""
+    """``parts`` ((parameter, holding, lo, hi): elements [lo, hi) of that holding) as ``Boxes`` of the flat tensors
+    ``flats[piece]`` ({'master' or optimizer path: tensor}) by DCP key."""
     out: dict[str, tuple[tuple[int, ...], list]] = {}
     for p, h, a, b in parts:
         for key, t in flats[h.piece].items():
@@ -101,8 +100,7 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
 
 
 def _share(engine, state, group: Group):
-    """This rank's ``StateLayout`` of ``state`` (collective), ``pieces``' flat pieces, per-element and scalar
-    optimizer paths, and the optimizer's DCP key parts."""
+    """This rank's ``StateLayout`` of ``state`` (collective), ``pieces(state)`` and the optimizer's DCP key parts."""
     specs = engine.components.stage.piece_specs()
     flats, per, scalars = pieces(state, specs)
     layout = StateLayout.of(specs, dist=group, what="checkpoint layout gather")
@@ -242,8 +240,7 @@ def _differing(copies: list[list]) -> list[str]:
 
 
 def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
-    """Write and commit the snapshot (collective), each phase ending in ``agree_save``. ``recheck``: run after the
-    files are written, before the commit."""
+    """Write and commit the snapshot (collective), each phase ending in ``agree_save``; ``recheck``: before commit."""
     t0 = time.perf_counter()
     group, root, config = ckpt.group, ckpt.root, ckpt.config
     step, rank = snap["step"], group.rank
