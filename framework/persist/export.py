@@ -5,7 +5,9 @@ time, so peak memory stays near one tensor. Not a checkpoint: ConfigError; a dam
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import itertools
 import os
 import re
 import sys
@@ -126,47 +128,30 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     check_output(out_dir, overwrite)
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
-    # The outermost folder this export makes (None: --to exists), removed again if it fails; from the path as
-    # the kernel resolves its "..", so that a folder of the user's named through one is never taken for it.
-    made = target = Path(os.path.abspath(out_dir))
-    while not os.path.lexists(made.parent) and made.parent != made:
-        made = made.parent
-    made = None if os.path.lexists(made) else made
+    # The folders this export makes, innermost first, removed again (each only while empty) if it fails; from the
+    # path as the kernel resolves its "..", so that a folder of the user's named through one is never taken for it.
+    target = Path(os.path.abspath(out_dir))
+    made = list(itertools.takewhile(lambda p: not os.path.lexists(p), (target, *target.parents)))
 
     def write(writer) -> None:
         for e in (e for plan in plans for e in plan.entries):
             value = ckpt.read([e.name])[e.name].reshape(-1)
             writer.write(e, 0, value)
             del value
-            _trim()   # (the tensor is freed once written)
+            # The freed heap memory back to the OS: glibc keeps DCP's freed read buffers, and an export's footprint
+            # would ratchet up (measured: 12-34 MB instead of about one 4 MiB tensor).
+            with contextlib.suppress(OSError, AttributeError):   # not glibc: nothing to do
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
 
     try:   # (an OSError the writes do not name as theirs is a checkpoint read)
         return save_files(out_dir, plans, "export", write, dtype, check=False)
     except BaseException:   # an earlier export there stays whole (finish_files replaces it last)
-        _remove_made(target, made)
+        for folder in made:
+            try:
+                folder.rmdir()   # (only an empty folder; a link is not followed)
+            except OSError:
+                break
         raise
-
-
-def _remove_made(out_dir: Path, made: Path | None) -> None:
-    """Remove the folders up to ``made`` that a failed export created, each only while empty."""
-    if made is None:
-        return
-    for folder in (out_dir, *out_dir.parents):
-        try:
-            folder.rmdir()   # (only an empty folder; a link is not followed)
-        except OSError:
-            return
-        if folder == made:
-            return
-
-
-def _trim() -> None:
-    """Hand freed heap memory back to the OS: glibc keeps DCP's freed read buffers, and an export's footprint
-    would ratchet up (measured: 12-34 MB instead of about one 4 MiB tensor)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def get_fp32_state_dict_from_checkpoint(checkpoint) -> dict[str, torch.Tensor]:

@@ -23,8 +23,7 @@ from framework.persist.rng import derive
 
 @dataclass(frozen=True)
 class Holding:
-    """Elements [lo, hi) of a flattened parameter, held by ``rank`` in its master piece ``piece``
-    from element ``at`` on."""
+    """Elements [lo, hi) of a flattened parameter, held by ``rank`` in its master piece ``piece`` from ``at`` on."""
 
     rank: int
     lo: int
@@ -56,8 +55,7 @@ class StateLayout:
     @classmethod
     def of(cls, specs: Sequence[PieceSpec], *, rank: int = 0, world: int = 1, dist: Any = None,
            what: str = "layout gather") -> "StateLayout":
-        """The layout of this rank's pieces; with ``dist`` (its rank, world and ``all_gather_object(obj, what)``)
-        every rank's: collective."""
+        """The layout of this rank's pieces; with ``dist`` (rank, world, ``all_gather_object``) every rank's."""
         mine: dict[str, tuple[tuple[int, ...], list]] = {}
         for k, spec in enumerate(specs):
             for s in spec.spans:
@@ -82,14 +80,13 @@ class StateLayout:
         return [(p, h) for p in self.params.values() for h in p.holdings if h.rank == self.rank]
 
     def replicated(self) -> list[tuple[Param, Holding]]:
-        """This rank's holdings another rank holds the same range of (ddp: every parameter), of which ``share``
-        writes one rank's copy. Needs a gathered layout."""
+        """Of a gathered layout: this rank's holdings whose range another rank holds too (ddp: all)."""
         return [(p, h) for p, h in self.mine()
                 if any(o.rank != h.rank and (o.lo, o.hi) == (h.lo, h.hi) for o in p.holdings)]
 
     def share(self) -> list[tuple[Param, Holding, int, int]]:
         """This rank's part of writing every parameter once: (parameter, holding, lo, hi); over the ranks the parts
-        tile each parameter, replicated elements spread (parameter i from rank ``i % world``). Gathered layouts."""
+        tile each parameter, replicated elements spread (parameter i from rank ``i % world``). A gathered layout's."""
         out = []
         for i, p in enumerate(self.params.values()):
             order = sorted(p.holdings, key=lambda h: (h.rank - i) % self.world)

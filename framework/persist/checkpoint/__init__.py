@@ -206,10 +206,9 @@ _RUN_TREES = ("outputs", "multirun")
 def find_latest(root: Path, sweep_dir: Path | None = None, owned: Path | None = None,
                 values: dict | None = None) -> Path | None:
     """The newest committed checkpoint (by commit time) in ``root`` and the ``checkpoints`` folders one to three
-    levels under the run trees, or None; a multirun job passes over its sweep's (``sweep_dir``) other jobs' and
-    (outside ``root``) any saved with other values of the keys that name it (``values``: ``job_values``), saying
-    so. A step a save's commit moved aside counts (``_scan``: put back in ``owned``, the folder this run saves
-    into)."""
+    levels under the run trees, or None; a multirun job passes over its sweep's (``sweep_dir``) other jobs' and,
+    outside ``root``, any saved with other ``values`` of the keys that name it, saying so. A step a commit moved
+    aside counts (``_scan``; put back in ``owned``, the folder this run saves into)."""
     skip = Path(sweep_dir).resolve() if sweep_dir is not None else None
     roots = {root, *(p for tree in _RUN_TREES for depth in ("*", "*/*", "*/*/*")
                      for p in (Path.cwd() / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink()
