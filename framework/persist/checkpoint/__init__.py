@@ -343,16 +343,22 @@ def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
 
 def _scan(root: Path, owned: bool) -> tuple[list[Path], list[str]]:
     """``stepfolders.scan`` of ``root``, a step a save's commit moved aside counted (or the resume would go back a
-    save interval): put back first (``stepfolders.restore``) where this run ``owned`` the folder (saves there: the
-    CLI holds its lock), else read where it lies: another run's commit may be under way there, and a reader renames
-    nothing. Rank 0 only."""
-    if owned and root.is_dir() and not root.is_symlink():
-        try:
-            stepfolders.restore(root, aside_only=True)
-        except OSError as e:   # e.g. a folder this user may only read: resumed from what is there, said
-            print(f"checkpoint: cannot restore an interrupted save's step folder in {root} ({e.strerror or e}); "
-                  "looking at the committed ones only", flush=True)
+    save interval): put back first where this run ``owned`` the folder (saves there: the CLI holds its lock), else
+    read where it lies: another run's commit may be under way there, and a reader renames nothing. Rank 0 only."""
+    if owned:
+        restore(root)
     return stepfolders.scan(root, around=not owned)
+
+
+def restore(root: Path) -> None:
+    """``stepfolders.restore`` in a folder this run saves into; rank 0 only."""
+    if not root.is_dir() or root.is_symlink():
+        return
+    try:
+        stepfolders.restore(root, aside_only=True)
+    except OSError as e:   # e.g. a folder this user may only read: resumed from what is there, said
+        print(f"checkpoint: cannot restore an interrupted save's step folder in {root} ({e.strerror or e}); "
+              "looking at the committed ones only", flush=True)
 
 
 def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None,
@@ -389,7 +395,7 @@ def candidates(resume: str, root: Path, sweep_dir: Path | None = None, owned: Pa
     if not os.path.lexists(path) and stepfolders.step_of(path) >= 0:
         # a save of that step killed (or under way) inside its commit moved it aside: put back, or read where it lies
         if mine(path.parent):
-            _scan(path.parent, owned=True)   # (for its restore)
+            restore(path.parent)
         else:
             path = next((p for p, final in stepfolders.interrupted(path.parent, aside_only=True) if final == path),
                         path)
