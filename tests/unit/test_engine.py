@@ -760,6 +760,31 @@ def test_a_module_with_an_empty_submodule_slot_trains():
     assert torch.isfinite(torch.tensor(metrics["loss"]))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_a_torch_jit_scripted_submodule_trains_as_its_plain_twin_and_a_scripted_root_is_refused_where_hooked(stage):
+    """A ScriptModule's ``_parameters`` is no dict (the per-step edit check failed on it) and it takes no Python
+    hooks: zero3 gathers it, children and all, with its parent's unit. The root has to take zero3's hooks."""
+    def net(script):
+        torch.manual_seed(0)
+        inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.jit.script(inner) if script else inner)
+
+    cfg, loss = tiny_config(f"+stage={stage}", "scheduler=constant"), lambda m, mb: m(mb[0]).pow(2).mean()
+    runs = []
+    for script in (False, True):
+        with framework.initialize(net(script), loss, cfg) as engine:
+            losses = [engine.train_step(engine.state, framework.Batch(((torch.ones(2, 4),),)))[1]["loss"]
+                      for _ in range(2)]
+            runs.append((losses, engine.consolidated_state_dict()))
+    (plain, plain_sd), (scripted, scripted_sd) = runs
+    assert plain == scripted and all(torch.equal(plain_sd[k], scripted_sd[k]) for k in plain_sd)
+    if stage == "zero3":
+        with pytest.raises(framework.ConfigError, match=r"^initialize: the module is torch\.jit\.script'ed, .*"
+                                                        r"stage=zero3 needs on the root: pass a plain nn\.Module"):
+            framework.initialize(torch.jit.script(net(False)), loss, cfg)
+
+
 @pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])
 def test_a_requires_grad_changed_after_initialize_is_refused_before_the_step_changes_anything(stage, tmp_path):
     """The stage lays out the trainable set once: a layer frozen later was still stepped (its zero gradient,
