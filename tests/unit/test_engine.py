@@ -401,6 +401,36 @@ def test_after_close_zero3_shards_on_nvme_are_refused_not_read_as_zeros(tmp_path
             use()
 
 
+@pytest.mark.parametrize("fault,says", [
+    ("write_at", r"No space left on device; free space or point offload\.nvme_path at a larger disk"),
+    ("mkstemp", r"Permission denied; fix its permissions or set offload\.nvme_path to a writable folder"),
+    ("read_into", r"construction spill in .*: Input/output error; check the disk"),
+])
+def test_a_failed_zero3_parameter_spill_to_nvme_is_one_line_naming_the_folder(tmp_path, monkeypatch, fault, says):
+    """The shards spilled while the model is built (after the pre-flight: the disk may fill or lose its permissions
+    since), and read back into their swap file: an OSError there was a bare traceback."""
+    import errno
+    import os
+    import tempfile
+
+    import framework.offload._diskshards as diskshards
+    code = {"write_at": errno.ENOSPC, "mkstemp": errno.EACCES, "read_into": errno.EIO}[fault]
+    real_mkstemp = tempfile.mkstemp
+
+    def fail(*args, **kwargs):
+        if fault == "mkstemp" and kwargs.get("prefix") != ".construction-":   # (the pre-flight's probe passes)
+            return real_mkstemp(*args, **kwargs)
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr(*(diskshards, fault) if fault != "mkstemp" else (tempfile, "mkstemp"), fail)
+    cfg = tiny_config("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "offload=nvme",
+                      "offload.params=nvme", f"offload.nvme_path={tmp_path}/swap")
+    module, _ = build_gpt(cfg)
+    with pytest.raises(SwapIOError, match=r"^nvme: cannot (spill|read) the zero3 parameter shards .*" + says) as e:
+        framework.initialize(module, gpt_loss, cfg)
+    assert f"{tmp_path}/swap" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "swap").exists()   # the swap folder initialize made is removed
+
+
 OFFLOAD = ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=1500", "offload.overlap_step=true",
            "train.grad_clip=0"]
 
