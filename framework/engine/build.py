@@ -471,6 +471,10 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     offload = component(cfg, "offload").build(cfg.offload, accelerator=dist.acc)
     offload.connect(dist)
     stage = component(cfg, "stage").build(cfg.stage, dist=dist, offload=offload)
+    if isinstance(module, torch.jit.ScriptModule) and (stage.forward_gathers or policy.auto_cast):
+        raise ConfigError(f"initialize: the module is torch.jit.script'ed, and a ScriptModule takes no Python hooks, "
+                          f"which {'stage=' + cfg.choices['stage'] if stage.forward_gathers else 'precision.auto_cast'} "
+                          f"needs on the root: pass a plain nn.Module that holds it as a submodule and calls it in forward")
     # (config-only: refused before the module is touched)
     schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr, total_steps=cfg.train.steps)
     # Buffers whole on every rank; parameters move to dist.device as the stage lays them out.

@@ -3,6 +3,7 @@ fills it, swapped out to its swap file at the end of setup, and made resident in
 ``DiskStore`` pool while a gather loads it or the step copies back into it."""
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 
@@ -12,12 +13,17 @@ from framework.comm.accelerator import Event
 from framework.core.errors import ConfigError, FrameworkError, SwapIOError
 from framework.core.files import make_dirs, read_into, write_at
 from framework.core.footprint import Footprint
+from framework.core.room import FULL
 from framework.offload._disk import NVMePlacement
 from framework.offload._diskstore import DiskStore, park_tensor, pool_layout
 from framework.offload._nvmespec import NVMeOffloadConfig
+from framework.offload._swapfile import os_reason
 from framework.offload._swapfolder import preflight
 from framework.offload.base import Piece
 from framework.offload.cpu import HostShards
+
+
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)   # a folder this process may not write
 
 
 class DiskShards(HostShards):
@@ -31,6 +37,7 @@ class DiskShards(HostShards):
         self.spilled: dict[int, int] = {}                # id(shard) -> its offset in the spill
         self.held: tuple[int, int] | None = None         # (group, key): a shard kept resident
         self.read_error: BaseException | None = None     # a failed read, until ranks agree on it
+        self.spill_error: SwapIOError | None = None      # a failed spill, until the swap file's pre-flight agrees on it
         self.closed = False                              # the swap file is gone: its shards hold nothing
 
     def bind(self, placement: NVMePlacement) -> None:
@@ -54,13 +61,26 @@ class DiskShards(HostShards):
         """Appended to an unlinked temporary file, its memory released: nothing model-sized stays resident."""
         if id(shard) not in self.keys:
             return
-        if self.spill is None:
-            folder = self.p.folder()
-            make_dirs(folder)   # (0700; removed at close when this run made it)
-            self.spill, path = tempfile.mkstemp(prefix=".construction-", suffix=".spill", dir=folder)
-            os.unlink(path)   # its space is freed when the descriptor closes, whatever ends the process
-        at = self.spilled[id(shard)] = os.fstat(self.spill).st_size   # appended at its end
-        write_at(self.spill, shard.detach(), at)   # (a host shard)
+        if self.spill_error is not None:   # (its values are not needed: the run stops at the end of setup)
+            return park_tensor(shard)
+        folder = self.p.folder()
+        try:   # (the pre-flight saw a writable folder with room: another process may have taken either since)
+            if self.spill is None:
+                make_dirs(folder)   # (0700; removed at close when this run made it)
+                self.spill, path = tempfile.mkstemp(prefix=".construction-", suffix=".spill", dir=folder)
+                os.unlink(path)   # its space is freed when the descriptor closes, whatever ends the process
+            at = self.spilled[id(shard)] = os.fstat(self.spill).st_size   # appended at its end
+            write_at(self.spill, shard.detach(), at)   # (a host shard)
+        except OSError as e:
+            self._close_spill()
+            fix = ("free space or point offload.nvme_path at a larger disk" if e.errno in FULL else
+                   "fix its permissions or set offload.nvme_path to a writable folder" if e.errno in _NOT_WRITABLE else
+                   "check the disk, or set offload.nvme_path to a folder on another one")
+            # said by ``_preflight``, agreed: the other ranks are in construction's broadcasts, none may stop alone
+            self.spill_error = SwapIOError(
+                f"nvme: cannot spill the zero3 parameter shards to {folder} while the model is built (a temporary file "
+                f"there, before their swap file is written): {os_reason(e)}; {fix}", path=folder,
+                what="construction spill", errno=e.errno)
         park_tensor(shard)
 
     def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -88,10 +108,17 @@ class DiskShards(HostShards):
         if at is None:
             return None
 
-        def fill():
-            short = read_into(self.spill, shard, at)
-            if short is not None:
-                raise OSError(f"construction spill: short read at {short}")
+        def fill():   # (``write_swap`` stops every rank on its error)
+            try:
+                short = read_into(self.spill, shard, at)
+                why = None if short is None else f"short read at {short}"
+            except OSError as e:
+                why = os_reason(e)
+            if why is not None:
+                raise SwapIOError(f"nvme: cannot read the zero3 parameter shards back from their construction spill "
+                                  f"in {self.p.folder()} (offset {at}): {why}; check the disk, or set "
+                                  f"offload.nvme_path to a folder on another one", path=self.p.folder(), offset=at,
+                                  what="construction spill", errno=None)
         return fill
 
     def _close_spill(self) -> None:
@@ -102,6 +129,8 @@ class DiskShards(HostShards):
 
     def _preflight(self) -> None:
         """Room on the disk, a writable folder, buffers that hold the largest shard: one line otherwise."""
+        if self.spill_error is not None:
+            raise self.spill_error
         store, spec = self.store, self.spec
         size = next(iter(store.entries.values())).swapped[0].element_size()
         largest = max(e.swapped[0].numel() for e in store.entries.values())

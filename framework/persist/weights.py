@@ -194,10 +194,11 @@ def _same_values(src: WeightsSource, a: str, b: str, t: Target) -> bool:
 
 
 def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
-                 max_shard_size: int | str = "5GB") -> list[Path]:
+                 max_shard_size: int | str = "5GB", check: bool = True) -> list[Path]:
     """The model's weights and persistent buffers as consolidated safetensors in ``out_dir`` (tied weights once; an
     index beyond ``max_shard_size``), the masters as ``dtype`` (default theirs; a 16-bit one gives the working
-    parameters bit for bit). Collective; the paths."""
+    parameters bit for bit). Collective; the paths. ``check``: warn of NaN or inf written (off where the caller
+    checks the same values itself: a checkpoint's state check)."""
     dist = engine.components.dist
     out_dir = output_dir(out_dir, dtype, "save_weights")
     # offload=nvme: read from the mapped swap file, checked. (``_targets`` picks the tensors by the stage's layout,
@@ -223,15 +224,15 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
             # what was read from the mapped pages is what was checked: the extents again after the write
             verify_map(fmap, "checked again after the export read it")
 
-        return save_files(out_dir, plans, "save_weights", write, dtype, dist=dist,
+        return save_files(out_dir, plans, "save_weights", write, dtype, dist=dist, check=check,
                           release=fmap.release if fmap is not None else None)
 
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
-                    max_shard_size: int | str = "5GB") -> list[Path]:
+                    max_shard_size: int | str = "5GB", check: bool = True) -> list[Path]:
     """``save_weights`` plus a Hugging Face model's config (and generation config), for ``from_pretrained``.
     Collective."""
-    paths = save_weights(engine, out_dir, dtype=dtype, max_shard_size=max_shard_size)
+    paths = save_weights(engine, out_dir, dtype=dtype, max_shard_size=max_shard_size, check=check)
     module, dist = engine.components.module, engine.components.dist
     config = getattr(module, "config", None)
     if not is_hf_model(module):   # (a subclass of a transformers model too; transformers is not imported)
@@ -257,8 +258,9 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
     return paths + [Path(out_dir) / "config.json"]
 
 
-def save_on_model_save(engine, out_dir) -> list[Path] | None:
+def save_on_model_save(engine, out_dir, check: bool = True) -> list[Path] | None:
     """``save_pretrained`` of the working-dtype weights when ``stage.stage3_gather_16bit_weights_on_model_save``
     (DeepSpeed's key) is set. Collective on the default group: call it from the training thread."""
     c = engine.components
-    return save_pretrained(engine, out_dir, dtype=c.policy.param_dtype) if c.stage.weights_on_save() else None
+    return save_pretrained(engine, out_dir, dtype=c.policy.param_dtype, check=check) if c.stage.weights_on_save() \
+        else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from framework.core.errors import ConfigError
@@ -16,6 +17,9 @@ DEFAULT_GATHER_UNIT = ("Block",)
 # Modules whose own forward reads their children's weights directly, not through the children's forwards
 # (MultiheadAttention passes out_proj.weight to a functional call): a child's hooks would never gather them.
 _READS_CHILDREN = (nn.MultiheadAttention,)
+# A torch.jit.script'ed module takes no Python hooks and runs its children inside TorchScript: its parent's
+# hooks gather all of it.
+_NO_HOOKS = (torch.jit.ScriptModule,)
 
 
 @dataclass(frozen=True)
@@ -129,10 +133,10 @@ def _gathered_by(module: nn.Module) -> dict[int, nn.Module]:
         if id(m) in by:   # pre-order, as named_modules (a shared module goes where it is first met)
             return
         # (containers go with their parent too: their children are judged on their own)
-        own = parent is None or not whole and type(m).forward is not nn.Module.forward
+        own = parent is None or not whole and not isinstance(m, _NO_HOOKS) and type(m).forward is not nn.Module.forward
         by[id(m)] = m if own else by[id(parent)]
         for c in m.children():
-            visit(c, m, whole or isinstance(m, _READS_CHILDREN))
+            visit(c, m, whole or isinstance(m, _READS_CHILDREN + _NO_HOOKS))
 
     visit(module, None, False)
     return by

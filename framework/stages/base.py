@@ -89,8 +89,9 @@ class BaseStage:
     def edited(self) -> list[str]:
         """The trainable parameters written in place, or replaced on their module (``load_state_dict(...,
         assign=True)``), since ``watch`` (Python ints and identities compared: no tensor read)."""
-        return [n for n, p, v, owners in self.watched
-                if (p._version != v or any(m._parameters.get(a) is not p for m, a in owners)) and not self.in_edit(p)]
+        return [n for n, p, v, owners in self.watched   # (a ScriptModule's _parameters has no .get)
+                if (p._version != v or any(a not in m._parameters or m._parameters[a] is not p for m, a in owners))
+                and not self.in_edit(p)]
 
     def in_edit(self, p: torch.Tensor) -> bool:   # whether a block that settles p's edits at its exit is open
         return False

@@ -351,33 +351,43 @@ def test_the_early_ram_bound_counts_the_pools_zero3_makes(tmp_path, monkeypatch)
 
 
 def _refused_on_rank_1(dist, folder, why):
+    import errno
+
     import framework.offload._disk as disk
+    import framework.offload._diskshards as diskshards
 
     path = f"{folder}/afile/r1" if dist.rank == 1 and why == "path" else f"{folder}/r{dist.rank}"
     cfg = tiny_config(*BASE, "+stage=zero3", "stage.stage3_param_persistence_threshold=0", "offload=nvme",
-                      f"offload.nvme_path={path}")
-    real = disk.available_ram
+                      f"offload.nvme_path={path}", *(["offload.params=nvme"] if why == "spill" else []))
+    real, write_at = disk.available_ram, diskshards.write_at
     if dist.rank == 1 and why == "ram":   # this rank's host has no room for the swap pools; rank 0's has
         disk.available_ram = lambda: 1 << 10
+    if dist.rank == 1 and why == "spill":   # this rank's disk fills after the pre-flight
+        def full(*args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        diskshards.write_at = full
     try:
         framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, dist).close()
     except framework.FrameworkError as e:
         return type(e).__name__, str(e)
     finally:
-        disk.available_ram = real
+        disk.available_ram, diskshards.write_at = real, write_at
     return None
 
 
 @pytest.mark.parametrize("why,says", [("ram", "offload: the swap buffer pools need at least"),
-                                      ("path", "offload.nvme_path={}/afile/r1: cannot create it")])
+                                      ("path", "offload.nvme_path={}/afile/r1: cannot create it"),
+                                      ("spill", "nvme: cannot spill the zero3 parameter shards to {}/r1 while")])
 def test_a_rank_refused_by_the_early_bound_stops_every_rank(pools, tmp_path, why, says):
     """zero3's early disk, swap folder and host-memory check is judged per rank: a rank it refuses must not
     leave the others waiting in the set-up's collectives; every rank raises, rank 0 naming rank 1's reason,
-    and the swap folder rank 0 made is removed."""
+    and the swap folder rank 0 made is removed. So does a failed spill of the parameter shards while the model
+    is built (after that check: the disk filled since), at the parameter swap file's pre-flight."""
     (tmp_path / "afile").write_text("")
     says = says.format(tmp_path)
     results = pools(2).run(_refused_on_rank_1, str(tmp_path), why, timeout=120)
-    assert results[1] is not None and results[1][0] == "ConfigError" and results[1][1].startswith(says), results
+    assert results[1] is not None and results[1][0] == ("SwapIOError" if why == "spill" else "ConfigError") \
+        and results[1][1].startswith(says), results
     assert results[0] is not None and f"failed on another rank: rank 1: {says}" in results[0][1], results
     assert os.listdir(tmp_path) == ["afile"]
 

@@ -401,6 +401,36 @@ def test_after_close_zero3_shards_on_nvme_are_refused_not_read_as_zeros(tmp_path
             use()
 
 
+@pytest.mark.parametrize("fault,says", [
+    ("write_at", r"No space left on device; free space or point offload\.nvme_path at a larger disk"),
+    ("mkstemp", r"Permission denied; fix its permissions or set offload\.nvme_path to a writable folder"),
+    ("read_into", r"construction spill in .*: Input/output error; check the disk"),
+])
+def test_a_failed_zero3_parameter_spill_to_nvme_is_one_line_naming_the_folder(tmp_path, monkeypatch, fault, says):
+    """The shards spilled while the model is built (after the pre-flight: the disk may fill or lose its permissions
+    since), and read back into their swap file: an OSError there was a bare traceback."""
+    import errno
+    import os
+    import tempfile
+
+    import framework.offload._diskshards as diskshards
+    code = {"write_at": errno.ENOSPC, "mkstemp": errno.EACCES, "read_into": errno.EIO}[fault]
+    real_mkstemp = tempfile.mkstemp
+
+    def fail(*args, **kwargs):
+        if fault == "mkstemp" and kwargs.get("prefix") != ".construction-":   # (the pre-flight's probe passes)
+            return real_mkstemp(*args, **kwargs)
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr(*(diskshards, fault) if fault != "mkstemp" else (tempfile, "mkstemp"), fail)
+    cfg = tiny_config("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "offload=nvme",
+                      "offload.params=nvme", f"offload.nvme_path={tmp_path}/swap")
+    module, _ = build_gpt(cfg)
+    with pytest.raises(SwapIOError, match=r"^nvme: cannot (spill|read) the zero3 parameter shards .*" + says) as e:
+        framework.initialize(module, gpt_loss, cfg)
+    assert f"{tmp_path}/swap" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "swap").exists()   # the swap folder initialize made is removed
+
+
 OFFLOAD = ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=1500", "offload.overlap_step=true",
            "train.grad_clip=0"]
 
@@ -758,6 +788,31 @@ def test_a_module_with_an_empty_submodule_slot_trains():
     with framework.initialize(Net(), lambda m, mb: m(mb[0]).pow(2).mean(), cfg) as engine:
         _, metrics = engine.train_step(engine.state, framework.Batch(((torch.ones(2, 4),),)))
     assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_a_torch_jit_scripted_submodule_trains_as_its_plain_twin_and_a_scripted_root_is_refused_where_hooked(stage):
+    """A ScriptModule's ``_parameters`` is no dict (the per-step edit check failed on it) and it takes no Python
+    hooks: zero3 gathers it, children and all, with its parent's unit. The root has to take zero3's hooks."""
+    def net(script):
+        torch.manual_seed(0)
+        inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.jit.script(inner) if script else inner)
+
+    cfg, loss = tiny_config(f"+stage={stage}", "scheduler=constant"), lambda m, mb: m(mb[0]).pow(2).mean()
+    runs = []
+    for script in (False, True):
+        with framework.initialize(net(script), loss, cfg) as engine:
+            losses = [engine.train_step(engine.state, framework.Batch(((torch.ones(2, 4),),)))[1]["loss"]
+                      for _ in range(2)]
+            runs.append((losses, engine.consolidated_state_dict()))
+    (plain, plain_sd), (scripted, scripted_sd) = runs
+    assert plain == scripted and all(torch.equal(plain_sd[k], scripted_sd[k]) for k in plain_sd)
+    if stage == "zero3":
+        with pytest.raises(framework.ConfigError, match=r"^initialize: the module is torch\.jit\.script'ed, .*"
+                                                        r"stage=zero3 needs on the root: pass a plain nn\.Module"):
+            framework.initialize(torch.jit.script(net(False)), loss, cfg)
 
 
 @pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])

@@ -154,8 +154,9 @@ def save(ckpt, state, losses: list[float] | None = None):
         if group.rank == 0:
             files.make_dirs(root)
         staged16 = root / f"step-{state.step}.model_16bit"
-        try:   # (save_weights checks the room for its files first, and names the folder on a full disk)
-            save_on_model_save(engine, staged16)
+        try:   # (save_weights checks the room for its files first, and names the folder on a full disk; the state
+            # check below reads the same masters: one line for NaN or inf, and the folder removed, not a warning)
+            save_on_model_save(engine, staged16, check=False)
         except FrameworkError as e:
             if group.rank == 0:
                 shutil.rmtree(staged16, ignore_errors=True)
