@@ -258,6 +258,12 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     sharded = [p for p in params if isinstance(p, ShardedParameter)]
     whole = [p for p in params if not isinstance(p, ShardedParameter)]   # frozen ones: the same on every rank
+    if modifier_rank is not None and sharded:   # (every rank passes the same value: all refuse alike)
+        world = sharded[0].zero3_unit.gatherer.dist.world
+        # Before any collective: an invalid root fails the exit's broadcast at once, reported as a dead peer.
+        if not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world):
+            raise FrameworkError(f"framework.gathered(modifier_rank={modifier_rank!r}): the ranks are 0..{world - 1}; "
+                                 f"pass the rank whose edits the block's exit writes (usually 0)")
     for p in sharded:   # (before any collective: every rank of the pass is at the same point)
         g = p.zero3_unit.gatherer
         # (an always-gathered parameter is not released at the block's exit: its gradient arrives as usual)
