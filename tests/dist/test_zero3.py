@@ -1501,6 +1501,11 @@ def _modifier_exits(dist):
                     p.fill_(0.5)
         with framework.gathered(model.parameters()):
             out["frozen"] = all(bool((p == 0.5).all()) for p in model.parameters())
+        try:   # frozen ones alone: refused, not said to be a ddp/zero1/zero2 call (no sharded one leads to the ranks)
+            with framework.gathered(model[0].parameters(), modifier_rank=0):
+                out["frozen_alone"] = "entered"
+        except framework.FrameworkError as e:
+            out["frozen_alone"] = str(e)
     return out
 
 
@@ -1511,6 +1516,8 @@ def test_gathered_with_modifier_rank_keeps_loads_and_discards_outer_edits(pools,
     for out in [_modifier_exits(_local())] if world == 1 else pools(2).run(_modifier_exits, timeout=120):
         refused = [f"framework.gathered(modifier_rank={r}): the ranks are 0..{world - 1}; pass the rank whose edits "
                    f"the block's exit writes (usually 0)" for r in (world, -1)]
+        assert out.pop("frozen_alone").startswith("framework.gathered(modifier_rank=...) was given no ZeRO-3 sharded "
+                                                  "parameter (frozen parameters under zero3, and every parameter")
         assert out == {"fp32": (True, True), "bf16": (True, True), "outer": (True, True), "bad_rank": refused,
                        "frozen": True}
 
