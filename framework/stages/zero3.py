@@ -253,11 +253,17 @@ def _refuse_compiled(module: nn.Module) -> None:
 def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     """The full values of ``params`` on every rank inside the block (collective), like DeepSpeed's
     GatheredParameters: with ``modifier_rank`` that rank's values are broadcast on exit into every shard
-    and master copy, and into the whole (frozen) parameters among them on every rank. A train_step inside the
-    block is refused."""
+    and master copy, and into the whole (frozen) parameters among them on every rank (given with a sharded one,
+    through which the block reaches the engine's ranks). A train_step inside the block is refused."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     sharded = [p for p in params if isinstance(p, ShardedParameter)]
     whole = [p for p in params if not isinstance(p, ShardedParameter)]   # frozen ones: the same on every rank
+    if modifier_rank is not None and sharded:   # (every rank passes the same value: all refuse alike)
+        world = sharded[0].zero3_unit.gatherer.dist.world
+        # Before any collective: an invalid root fails the exit's broadcast at once, reported as a dead peer.
+        if not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world):
+            raise FrameworkError(f"framework.gathered(modifier_rank={modifier_rank!r}): the ranks are 0..{world - 1}; "
+                                 f"pass the rank whose edits the block's exit writes (usually 0)")
     for p in sharded:   # (before any collective: every rank of the pass is at the same point)
         g = p.zero3_unit.gatherer
         # (an always-gathered parameter is not released at the block's exit: its gradient arrives as usual)
@@ -267,10 +273,12 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                 f"the block releases it on exit, before the backward pass needs it and its gradient arrives; "
                 f"read it in its own module's forward (call that module, or compute the term inside a module's "
                 f"forward), or enter the block under torch.no_grad() for a value that is not trained")
-    if modifier_rank is not None and whole and not sharded:
-        raise FrameworkError("framework.gathered(modifier_rank=...) needs ZeRO-3 sharded parameters (none of those "
-                             "given is one): under ddp, zero1 and zero2 every rank holds whole parameters; load "
-                             "weights into the engine with framework.load_weights or engine.load_state_dict")
+    if modifier_rank is not None and whole and not sharded:   # (a whole parameter leads to no engine's ranks)
+        raise FrameworkError("framework.gathered(modifier_rank=...) was given no ZeRO-3 sharded parameter (frozen "
+                             "parameters under zero3, and every parameter under ddp, zero1 and zero2, are whole on "
+                             "every rank), and without one it has no engine to broadcast the edits on: load weights "
+                             "into the engine with framework.load_weights or engine.load_state_dict, or under zero3 "
+                             "give frozen parameters together with a trainable one (say module.parameters())")
     units = list({id(p.zero3_unit): p.zero3_unit for p in sharded}.values())
     # Held: forwards inside the block (and nested blocks) leave the units gathered; a train_step is refused.
     held, written = [], False

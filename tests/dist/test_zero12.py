@@ -428,13 +428,21 @@ def _edited_in_place(dist, folder):
             engine.train_step(engine.state, Batch((micro,)))
             with framework.gathered(list(model.parameters())):
                 off = max((p.float() - 0.5).abs().max().item() for p in model.parameters())
+            try:   # no rank 2 at world size 2: every stage refuses on entry (ddp, zero1, zero2: any modifier_rank)
+                with framework.gathered(list(model.parameters()), modifier_rank=dist.world):
+                    refused.append("entered")
+            except framework.FrameworkError as e:
+                refused.append(str(e))
         out[stage] = refused, engine.state.step, off
     return out
 
 
 def test_weights_changed_in_place_after_initialize_are_refused_in_every_composition(pools, tmp_path):
     for stage, (refused, step, off) in pools(2).run(_edited_in_place, str(tmp_path), timeout=180)[0].items():
-        assert len(refused) == 3, (stage, refused)
+        assert len(refused) == 4, (stage, refused)
+        assert refused[3].startswith("framework.gathered(modifier_rank=2): the ranks are 0..1" if stage == "zero3" else
+                                     "framework.gathered(modifier_rank=...) was given no ZeRO-3 sharded parameter"), \
+            (stage, refused[3])
         assert refused[0].startswith("train_step: the weights of 4 trainable parameters (0.weight, 0.bias, 2.weight "
                                      "and 1 more) were changed in place (or replaced) after framework.initialize (e.g. "
                                      "module.load_state_dict)"), refused[0]

@@ -1483,6 +1483,14 @@ def _modifier_exits(dist):
                 model.b.weight.mul_(2.0)
     with framework.gathered([model.b.weight, model.b.bias]):
         out["outer"] = (torch.equal(model.b.bias, bias), torch.equal(model.b.weight, 2 * weight))
+    # A rank outside 0..world-1 is refused on entry, before any collective (its broadcast failed as a dead peer).
+    out["bad_rank"] = []
+    for rank in (dist.world, -1):
+        try:
+            with framework.gathered([model.b.weight], modifier_rank=rank):
+                out["bad_rank"].append("entered")
+        except framework.FrameworkError as e:
+            out["bad_rank"].append(str(e))
     # Frozen parameters (whole on every rank) among those asked for: modifier_rank's values reach every rank.
     model = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
     model[0].requires_grad_(False)
@@ -1493,6 +1501,11 @@ def _modifier_exits(dist):
                     p.fill_(0.5)
         with framework.gathered(model.parameters()):
             out["frozen"] = all(bool((p == 0.5).all()) for p in model.parameters())
+        try:   # frozen ones alone: refused, not said to be a ddp/zero1/zero2 call (no sharded one leads to the ranks)
+            with framework.gathered(model[0].parameters(), modifier_rank=0):
+                out["frozen_alone"] = "entered"
+        except framework.FrameworkError as e:
+            out["frozen_alone"] = str(e)
     return out
 
 
@@ -1501,7 +1514,12 @@ def test_gathered_with_modifier_rank_keeps_loads_and_discards_outer_edits(pools,
     # The exit writes what the block changed against what the shards hold now: a load inside the block
     # equals a plain load exactly, and an outer block's edit without modifier_rank is still discarded.
     for out in [_modifier_exits(_local())] if world == 1 else pools(2).run(_modifier_exits, timeout=120):
-        assert out == {"fp32": (True, True), "bf16": (True, True), "outer": (True, True), "frozen": True}
+        refused = [f"framework.gathered(modifier_rank={r}): the ranks are 0..{world - 1}; pass the rank whose edits "
+                   f"the block's exit writes (usually 0)" for r in (world, -1)]
+        assert out.pop("frozen_alone").startswith("framework.gathered(modifier_rank=...) was given no ZeRO-3 sharded "
+                                                  "parameter (frozen parameters under zero3, and every parameter")
+        assert out == {"fp32": (True, True), "bf16": (True, True), "outer": (True, True), "bad_rank": refused,
+                       "frozen": True}
 
 
 def test_an_error_inside_gathered_leaves_it_without_a_collective():
