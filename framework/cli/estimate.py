@@ -247,9 +247,8 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         return nvme_rows(params, largest, gpus, nodes, keys, **widths, **pools)
 
     sized = ("the engine's pools for this model" if module is not None else
-             "without a model's structure: every tile and parameter slot at its largest, but not the two "
-             "pinned buffers that gradient partitions are copied through on their way to disk (model= counts "
-             "them)")
+             "without a model's structure: every tile and parameter slot at its largest, but not the two pinned "
+             "buffers that gradient partitions are copied through on their way to disk (model= counts them)")
     if largest is not None:
         table("zero3", "DeepSpeed ZeRO-3 (estimate_zero3_model_states_mem_needs; model states only, sub_group_size "
                        "does not enter):", zero3_rows(params, largest, gpus, nodes, factor))

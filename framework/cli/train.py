@@ -276,8 +276,7 @@ BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 def _naming(overrides: list[str], swept: frozenset[str]) -> list:
     """The overrides that say which job a sweep's job is: all but unswept ``NOT_IDENTITY`` ones (left out of its
     folder's name under an explicit checkpoint.dir, so a relaunch with more train.steps resumes the job)."""
-    return [o for o in parse_overrides(overrides) if o.key_or_group in swept
-            or not under(o.key_or_group, NOT_IDENTITY)]
+    return [o for o in parse_overrides(overrides) if o.key_or_group in swept or not under(o.key_or_group, NOT_IDENTITY)]
 
 
 def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
