@@ -52,7 +52,8 @@ def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: di
             else:
                 key, eq, value = arg.partition("=")
                 if not eq:
-                    raise ConfigError(f"{tool}: expected key=value, got {arg!r} (see python -m framework.{tool} --help)")
+                    raise ConfigError(f"{tool}: expected key=value, got {arg!r} "
+                                      f"(see python -m framework.{tool} --help)")
                 top = key.lstrip("+~").split(".")[0].split("@")[0]
                 if key in own_keys:
                     own[key] = value
