@@ -73,9 +73,7 @@ def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
             msg += f"; without summary.json: {', '.join(j.dir.name for j in failed)}"
         results.append({"check": "jobs", "passed": ok, "message": msg, "finished": len(done), "expected": n})
     kinds = {"metric": _metric, "curves_match": _curves, "memory_scaling": _memory, "file": lambda _, c: _file(out, c)}
-    for c in want.get("checks", []):
-        results.append(kinds[next(k for k in kinds if k in c)](done, c))
-    return results
+    return results + [kinds[next(k for k in kinds if k in c)](done, c) for c in want.get("checks", [])]
 
 
 def _metric(jobs, c: dict) -> dict:
