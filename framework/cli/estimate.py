@@ -95,7 +95,9 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
         cfg = compose(overrides, hidden_size=hf_lib.config_hidden_size(module.config), hidden_from_model=False)
         if hf_lib.causal_lm_class(module.config) is not None:   # one model=hf trains: the data's ids must fit it
             hf_lib.check_vocab(data_vocab(cfg, context), module.config, value)   # (its data at its context)
-        return module, cfg, True, {"size": _vocab_size(module), "from": "model"}
+        size = getattr(module.config, "vocab_size", None)   # else its text part's; None where it states none
+        size = getattr(hf_lib.text_config(module.config), "vocab_size", None) if size is None else size
+        return module, cfg, True, {"size": size, "from": "model"}
     if yaml:   # a GPT model config in a YAML file (as conf/model/*.yaml), then the model.* overrides
         model = _yaml_model(path, model_keys)
         rest = [o for o in overrides if o not in model_keys]
@@ -145,12 +147,6 @@ def _omega_error(e: OmegaConfBaseException) -> str:
     return f"model.{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]
 
 
-def _vocab_size(module: torch.nn.Module) -> int | None:
-    """A Hugging Face model config's ``vocab_size`` or its text part's; None when it states none."""
-    size = getattr(module.config, "vocab_size", None)
-    return getattr(hf_lib.text_config(module.config), "vocab_size", None) if size is None else size
-
-
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:
     """``own[key]`` as a whole number >= 1 (``default`` when not given)."""
     if key not in own:
@@ -182,19 +178,19 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if "params" in own or "largest_layer" in own:
             raise ConfigError("estimate: give model=... or params=/largest_layer=, not both")
         nproc = [o for o in overrides if override_key(o) == "dist.nproc"]
-        if not nproc and ("gpus_per_node" in own or "nodes" in own):
+        world = gpus * nodes if "gpus_per_node" in own or "nodes" in own else None
+        if world and not nproc:
             # The world sizes a ds_config's batch triple (and its checks) as dist.nproc does for training.
-            overrides = [*overrides, f"dist.nproc={gpus * nodes}"]
-        conflict = ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of "
-                               f"{gpus * nodes}); give one of them") if nproc and ("gpus_per_node" in own or "nodes" in own) \
-            else None
-        if conflict and _number(nproc[-1]) not in (None, gpus * nodes):   # before what that world would refuse
+            overrides = [*overrides, f"dist.nproc={world}"]
+        conflict = ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of {world}); "
+                               "give one of them") if world and nproc else None
+        if conflict and _number(nproc[-1]) not in (None, world):   # before what that world would refuse
             raise conflict
         hf_context = _count(own, "context", hf_lib.HFConfig.context)   # a Hugging Face model's: by default training's
         module, cfg, hf, vocab = resolve_model(own["model"], overrides, hf_context)
-        if conflict and cfg.dist.nproc != gpus * nodes:   # (its value composed: quoted, interpolated or deleted)
+        if conflict and cfg.dist.nproc != world:   # (its value composed: quoted, interpolated or deleted)
             raise conflict
-        if "gpus_per_node" not in own and "nodes" not in own:
+        if world is None:
             gpus = cfg.dist.nproc   # the tables for the world the prediction below is for (one node)
         if "context" in own and not hf:
             raise ConfigError(f"estimate: context= sets a Hugging Face model's sequence length; for "
