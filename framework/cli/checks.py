@@ -127,8 +127,7 @@ def _curves(jobs, c: dict) -> dict:
         else:
             d, s, a, b = max((abs(a - b), s, a, b) for s, a, b in rows)
             worst[j.label] = d
-            over = [(s, a, b) for s, a, b in rows if abs(a - b) > atol + rtol * abs(b)]
-            if over:
+            if over := [(s, a, b) for s, a, b in rows if abs(a - b) > atol + rtol * abs(b)]:
                 s0, a0, b0 = over[0]
                 failures.append(f"{j.label} first differs at step {s0}: {a0:.8f} vs {b0:.8f} "
                                 f"(|diff| {abs(a0 - b0):.2e}; largest {d:.2e} at step {s})")

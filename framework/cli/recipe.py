@@ -87,8 +87,7 @@ def find(name: str) -> Recipe:
         raise RecipeError(f"{d / 'recipe.yaml'} is not a mapping (runs:, quick:, ...) but a {type(spec).__name__}")
 
     def refuse_unknown(what: str, given, allowed: set) -> None:
-        extra = set(given or []) - allowed
-        if extra:
+        if extra := set(given or []) - allowed:
             raise RecipeError(f"{d / 'recipe.yaml'}: unknown {what} {', '.join(sorted(extra))}; "
                               f"valid: {', '.join(sorted(allowed))}")
 
@@ -139,8 +138,7 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
     if spec.get("kind") != "chars":
         raise RecipeError(f"{recipe.dir / 'recipe.yaml'}: prepare.kind must be 'chars', got {spec.get('kind')!r}")
     # (data.path without "=FILE", or deleted with ~, names no text either)
-    rest = [o for o in overrides if override_key(o) != "data.path" or o.startswith("~") or not o.partition("=")[2]]
-    if rest:
+    if rest := [o for o in overrides if override_key(o) != "data.path" or o.startswith("~") or not o.partition("=")[2]]:
         raise RecipeError(f"prepare takes only data.path=FILE (the text to encode), got {' '.join(rest)}")
     source = overrides[-1].split("=", 1)[1] if overrides else spec.get("source")
     out = Path(out if out is not None else compose_jobs(recipe, list(recipe.spec["runs"][0]))[0].data.path).expanduser()

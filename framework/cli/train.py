@@ -123,8 +123,7 @@ def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
     names = sorted({p.stem for d in folders for p in (d / group).glob("*.yaml")})
     if not names:
         raise ConfigError(f"config: {o.input_line}: glob() selects names of a config group, and {group} is none")
-    values = o.value().filter(names)
-    if not values:
+    if not (values := o.value().filter(names)):
         raise ConfigError(f"config: {o.input_line}: glob() selects none of the {group} names "
                           f"({', '.join(names)}); give a pattern that matches one")
     return values
