@@ -72,11 +72,8 @@ def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
         if failed:
             msg += f"; without summary.json: {', '.join(j.dir.name for j in failed)}"
         results.append({"check": "jobs", "passed": ok, "message": msg, "finished": len(done), "expected": n})
-    kinds = {"metric": _metric, "curves_match": _curves, "memory_scaling": _memory,
-             "file": lambda _, c: _file(out, c)}
-    for c in want.get("checks", []):
-        results.append(kinds[next(k for k in kinds if k in c)](done, c))
-    return results
+    kinds = {"metric": _metric, "curves_match": _curves, "memory_scaling": _memory, "file": lambda _, c: _file(out, c)}
+    return results + [kinds[next(k for k in kinds if k in c)](done, c) for c in want.get("checks", [])]
 
 
 def _metric(jobs, c: dict) -> dict:
@@ -130,8 +127,7 @@ def _curves(jobs, c: dict) -> dict:
         else:
             d, s, a, b = max((abs(a - b), s, a, b) for s, a, b in rows)
             worst[j.label] = d
-            over = [(s, a, b) for s, a, b in rows if abs(a - b) > atol + rtol * abs(b)]
-            if over:
+            if over := [(s, a, b) for s, a, b in rows if abs(a - b) > atol + rtol * abs(b)]:
                 s0, a0, b0 = over[0]
                 failures.append(f"{j.label} first differs at step {s0}: {a0:.8f} vs {b0:.8f} "
                                 f"(|diff| {abs(a0 - b0):.2e}; largest {d:.2e} at step {s})")

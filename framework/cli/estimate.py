@@ -29,13 +29,7 @@ from yaml import YAMLError
 
 from framework.engine.build import component
 from framework.memory.model import build_vocab, data_vocab, nvme_pools, predict, state_bytes
-from framework.models.hf import HFConfig
-from framework.models.hf import causal_lm_class as hf_causal_lm_class
-from framework.models.hf import check_vocab as hf_check_vocab
-from framework.models.hf import config_hidden_size as hf_hidden_size
-from framework.models.hf import load_config as hf_load_config
-from framework.models.hf import text_config as hf_text_config
-from framework.models.hf import trace_loss as hf_trace_loss
+from framework.models import hf as hf_lib
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
 from framework.cli import override_key, run_command
@@ -57,11 +51,11 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
     except ImportError:
         raise ConfigError("estimate: a config.json needs transformers (pip install '.[hf]')") from None
     # Read as model=hf reads it (custom model code refused in one line, never a prompt to run it).
-    config_path, config = hf_load_config(path, key="estimate: model")
+    config_path, config = hf_lib.load_config(path, key="estimate: model")
     # The class training builds (model=hf: AutoModelForCausalLM's), whatever "architectures" names (a config
     # saved from AutoModel says LlamaModel: no LM head); another model (e.g. multimodal) for the tables alone.
     archs = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs and hf_causal_lm_class(config) is None else None
+    cls = getattr(transformers, archs[0], None) if archs and hf_lib.causal_lm_class(config) is None else None
     try:
         with torch.device("meta"):
             if cls is not None:
@@ -74,7 +68,7 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
         raise ConfigError(f"estimate: cannot build a model from {config_path}: {typed_line(e)}") from None
 
 
-def resolve_model(value: str, overrides: list[str], context: int = HFConfig.context):
+def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConfig.context):
     """(module on meta, composed Config, whether it is a Hugging Face model, its vocabulary: {"size", "from"}
     (``memory.model.build_vocab``)) for ``model=value``."""
     path, models = Path(value), registry("model")
@@ -98,10 +92,12 @@ def resolve_model(value: str, overrides: list[str], context: int = HFConfig.cont
                               f"as the file states it; model.* keys set our GPT models){hint}")
         # A DeepSpeed file's "auto" sizes (10*h, 0.9*h*h, h*h) take this model's hidden size, as under
         # model=hf model.config=...; not the composed default model's (None: the file's "auto" is refused).
-        cfg = compose(overrides, hidden_size=hf_hidden_size(module.config), hidden_from_model=False)
-        if hf_causal_lm_class(module.config) is not None:   # one model=hf trains: the data's ids must fit it
-            hf_check_vocab(data_vocab(cfg, context), module.config, value)   # (its data at its context)
-        return module, cfg, True, {"size": _vocab_size(module), "from": "model"}
+        cfg = compose(overrides, hidden_size=hf_lib.config_hidden_size(module.config), hidden_from_model=False)
+        if hf_lib.causal_lm_class(module.config) is not None:   # one model=hf trains: the data's ids must fit it
+            hf_lib.check_vocab(data_vocab(cfg, context), module.config, value)   # (its data at its context)
+        size = getattr(module.config, "vocab_size", None)   # else its text part's; None where it states none
+        size = getattr(hf_lib.text_config(module.config), "vocab_size", None) if size is None else size
+        return module, cfg, True, {"size": size, "from": "model"}
     if yaml:   # a GPT model config in a YAML file (as conf/model/*.yaml), then the model.* overrides
         model = _yaml_model(path, model_keys)
         rest = [o for o in overrides if o not in model_keys]
@@ -151,12 +147,6 @@ def _omega_error(e: OmegaConfBaseException) -> str:
     return f"model.{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]
 
 
-def _vocab_size(module: torch.nn.Module) -> int | None:
-    """A Hugging Face model config's ``vocab_size`` or its text part's; None when it states none."""
-    size = getattr(module.config, "vocab_size", None)
-    return getattr(hf_text_config(module.config), "vocab_size", None) if size is None else size
-
-
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:
     """``own[key]`` as a whole number >= 1 (``default`` when not given)."""
     if key not in own:
@@ -188,19 +178,19 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if "params" in own or "largest_layer" in own:
             raise ConfigError("estimate: give model=... or params=/largest_layer=, not both")
         nproc = [o for o in overrides if override_key(o) == "dist.nproc"]
-        if not nproc and ("gpus_per_node" in own or "nodes" in own):
+        world = gpus * nodes if "gpus_per_node" in own or "nodes" in own else None
+        if world and not nproc:
             # The world sizes a ds_config's batch triple (and its checks) as dist.nproc does for training.
-            overrides = [*overrides, f"dist.nproc={gpus * nodes}"]
-        conflict = ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of "
-                               f"{gpus * nodes}); give one of them") if nproc and ("gpus_per_node" in own or "nodes" in own) \
-            else None
-        if conflict and _number(nproc[-1]) not in (None, gpus * nodes):   # before what that world would refuse
+            overrides = [*overrides, f"dist.nproc={world}"]
+        conflict = ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of {world}); "
+                               "give one of them") if world and nproc else None
+        if conflict and _number(nproc[-1]) not in (None, world):   # before what that world would refuse
             raise conflict
-        hf_context = _count(own, "context", HFConfig.context)   # a Hugging Face model's: by default training's
+        hf_context = _count(own, "context", hf_lib.HFConfig.context)   # a Hugging Face model's: by default training's
         module, cfg, hf, vocab = resolve_model(own["model"], overrides, hf_context)
-        if conflict and cfg.dist.nproc != gpus * nodes:   # (its value composed: quoted, interpolated or deleted)
+        if conflict and cfg.dist.nproc != world:   # (its value composed: quoted, interpolated or deleted)
             raise conflict
-        if "gpus_per_node" not in own and "nodes" not in own:
+        if world is None:
             gpus = cfg.dist.nproc   # the tables for the world the prediction below is for (one node)
         if "context" in own and not hf:
             raise ConfigError(f"estimate: context= sets a Hugging Face model's sequence length; for "
@@ -253,9 +243,8 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         return nvme_rows(params, largest, gpus, nodes, keys, **widths, **pools)
 
     sized = ("the engine's pools for this model" if module is not None else
-             "without a model's structure: every tile and parameter slot at its largest, but not the two "
-             "pinned buffers that gradient partitions are copied through on their way to disk (model= counts "
-             "them)")
+             "without a model's structure: every tile and parameter slot at its largest, but not the two pinned "
+             "buffers that gradient partitions are copied through on their way to disk (model= counts them)")
     if largest is not None:
         table("zero3", "DeepSpeed ZeRO-3 (estimate_zero3_model_states_mem_needs; model states only, sub_group_size "
                        "does not enter):", zero3_rows(params, largest, gpus, nodes, factor))
@@ -285,7 +274,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         text += ["", f"model {Path(own['model'])}"] if hf else [""]
         try:
             # (ours built by predict at the vocabulary training builds: the data's, not the model's own)
-            pred = predict(cfg, gpus * nodes, module=module if hf else None, loss_fn=hf_trace_loss if hf else None,
+            pred = predict(cfg, gpus * nodes, module=module if hf else None, loss_fn=hf_lib.trace_loss if hf else None,
                            context=context)
         except Exception as e:   # noqa: BLE001 (a Hugging Face forward on meta fails in its own ways)
             failed = e.__cause__ if isinstance(e, FrameworkError) else e   # (predict's one line on a failed trace)

@@ -200,9 +200,8 @@ def _taking_a_lock(frame) -> bool:
 
 def terminated_line(e: SystemExit) -> str | None:
     """The one line for a run a SIGTERM ended (``signals_unwind``'s SystemExit), None for any other exit."""
-    if isinstance(e, Terminated):
-        return e.line
-    return "terminated (SIGTERM)" if e.code == 128 + signal.SIGTERM else None
+    sigterm = "terminated (SIGTERM)" if e.code == 128 + signal.SIGTERM else None
+    return e.line if isinstance(e, Terminated) else sigterm
 
 
 RUN_LOCK = "run.lock"
@@ -211,39 +210,36 @@ CHECKPOINT_LOCK = ".lock"   # (not a step-<N> name: scans, pruning and clean-up 
 
 def own_run_folder(run: RunInfo) -> int:
     """A descriptor locking the run folder's run.lock while open: two runs started in one second share its name."""
-    files.make_dirs(run.run_dir)
     key = "hydra.sweep.dir" if run.group else "hydra.run.dir"
-    return _own(run.run_dir / RUN_LOCK, lambda holder: f"run folder {run.run_dir} is in use by another run (it holds "
+    return _own(run.run_dir, RUN_LOCK, lambda holder: f"run folder {run.run_dir} is in use by another run (it holds "
                 f"{RUN_LOCK}); give this run a folder of its own: {key}=PATH", "a second run into this folder")
 
 
 def own_checkpoint_dir(root: Path) -> int:
     """A descriptor holding an exclusive lock on ``root``'s ``CHECKPOINT_LOCK`` (made if missing) while open: two
     runs saving into one folder would overwrite each other's steps. Reading a checkpoint takes no lock."""
-    files.make_dirs(root)
-    return _own(root / CHECKPOINT_LOCK, lambda holder: f"checkpoint.dir {root} is in use by another run{holder}: "
+    return _own(root, CHECKPOINT_LOCK, lambda holder: f"checkpoint.dir {root} is in use by another run{holder}: "
                 "wait for it to end or set checkpoint.dir to another folder", "a second run saving into this folder")
 
 
-def _own(lock: Path, busy: Callable[[str], str], undetected: str) -> int:
-    """``files.lock``, a lock file it cannot open or write as one line."""
+def _own(folder: Path, name: str, busy: Callable[[str], str], undetected: str) -> int:
+    """``files.lock`` of ``name`` in ``folder`` (made if missing), a lock file it cannot open or write as one line."""
+    files.make_dirs(folder)
     try:
-        return files.lock(lock, busy, undetected)
+        return files.lock(folder / name, busy, undetected)
     except OSError as e:   # a folder in its place, another user's lock file
-        raise ConfigError(f"cannot open {lock} to lock its folder ({e.strerror or e}): remove it, or give this run "
-                          "another folder") from None
+        raise ConfigError(f"cannot open {folder / name} to lock its folder ({e.strerror or e}): remove it, or give "
+                          "this run another folder") from None
 
 
 def _remove_stray_sweep(sweep_dir: Path | None, rank0_run: Path) -> None:
     """Remove a sweep folder this rank's ${now} named apart from rank 0's, if it holds only multirun.yaml."""
     if sweep_dir is None or sweep_dir.resolve() in rank0_run.resolve().parents:
         return
-    try:
+    with contextlib.suppress(OSError):
         if [p.name for p in sweep_dir.iterdir()] == ["multirun.yaml"]:
             (sweep_dir / "multirun.yaml").unlink()
         sweep_dir.rmdir()   # (only if empty: anything else there is kept)
-    except OSError:
-        return
 
 
 def check_launch_env(cfg: Config) -> None:
@@ -309,8 +305,7 @@ def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_
 def slurm_task_env() -> dict[str, str]:
     """The rank variables torchrun would set, for a task (one per rank) Hydra's submitit launcher started: a Slurm
     task, or one of its local executor's (tasks_per_node on this host)."""
-    env = os.environ
-    executor = env.get("SUBMITIT_EXECUTOR")
+    env, executor = os.environ, os.environ.get("SUBMITIT_EXECUTOR")
     tasks = {"slurm": "SLURM_NTASKS", "local": "SUBMITIT_LOCAL_NTASKS"}.get(executor)
     if "WORLD_SIZE" in env or tasks is None or env_int(tasks, 1) <= 1:
         return {}
@@ -372,8 +367,7 @@ def _traceback(error_file: str) -> str | None:
     """The traceback torch's spawn pickled for a rank that raised; None when there is none or it is unreadable
     (not written: the rank exited on its own; cut short: a full temporary folder)."""
     try:
-        with open(error_file, "rb") as f:
-            trace = pickle.load(f)
+        trace = pickle.loads(Path(error_file).read_bytes())
     except (OSError, EOFError, pickle.UnpicklingError):
         return None
     return trace.rstrip() if isinstance(trace, str) else None
@@ -444,7 +438,6 @@ def _join(ranks: list, timeout_s: float | None) -> bool:
                 p.join(max(0.0, deadline - time.monotonic()))
         for p in ranks:
             p.kill()
-        for p in ranks:
             while True:
                 with contextlib.suppress(BaseException):   # (ends at once after SIGKILL)
                     p.join()

@@ -110,8 +110,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         raise ConfigError("plan: give model=NAME (one of our model configs)")
     if own["model"] == "hf":   # before its config's own refusals (and the probe)
         raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
-                          "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
-                          "rank")
+                          "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per rank")
     if "steps" in own and not flags["verify"]:
         raise ConfigError("plan: steps= sets the length of the --verify runs; add --verify K or drop steps=")
     steps = own.get("steps", "6")

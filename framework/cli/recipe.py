@@ -34,7 +34,11 @@ from framework.core.registry import closest_hint
 from framework.core.utils import plain_text
 from framework.cli import fail, override_key, report
 from framework.cli.checks import RecipeError, evaluate, validate_checks
+from framework.config import compose
 from framework.config.schema import get_key
+from framework.data import resolve_path
+from framework.data.text import prepare_chars
+from framework.data.tokens import meta_path, read_meta
 
 RECIPES_DIR = REPO_ROOT / "recipes"
 ACTIONS = ("run", "prepare", "check")
@@ -83,8 +87,7 @@ def find(name: str) -> Recipe:
         raise RecipeError(f"{d / 'recipe.yaml'} is not a mapping (runs:, quick:, ...) but a {type(spec).__name__}")
 
     def refuse_unknown(what: str, given, allowed: set) -> None:
-        extra = set(given or []) - allowed
-        if extra:
+        if extra := set(given or []) - allowed:
             raise RecipeError(f"{d / 'recipe.yaml'}: unknown {what} {', '.join(sorted(extra))}; "
                               f"valid: {', '.join(sorted(allowed))}")
 
@@ -120,8 +123,7 @@ def merge_overrides(*groups: list[str]) -> list[str]:
 
 def compose_jobs(recipe: Recipe, overrides: list[str]):
     """Every job's typed config for one run's overrides (sweeps expanded): fails before any run."""
-    from framework.config import compose
-    from framework.cli.train import _jobs
+    from framework.cli.train import _jobs   # (Hydra's import: only where a recipe runs)
 
     jobs, *_ = _jobs(["-m", *[_fill(o, {"recipe": str(recipe.dir)}) for o in overrides]])
     return [compose(job, config_dir=str(recipe.dir), config_name="config") for job in jobs]
@@ -136,13 +138,9 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
     if spec.get("kind") != "chars":
         raise RecipeError(f"{recipe.dir / 'recipe.yaml'}: prepare.kind must be 'chars', got {spec.get('kind')!r}")
     # (data.path without "=FILE", or deleted with ~, names no text either)
-    rest = [o for o in overrides if override_key(o) != "data.path" or o.startswith("~") or not o.partition("=")[2]]
-    if rest:
+    if rest := [o for o in overrides if override_key(o) != "data.path" or o.startswith("~") or not o.partition("=")[2]]:
         raise RecipeError(f"prepare takes only data.path=FILE (the text to encode), got {' '.join(rest)}")
     source = overrides[-1].split("=", 1)[1] if overrides else spec.get("source")
-    from framework.data.text import prepare_chars
-    from framework.data.tokens import meta_path
-
     out = Path(out if out is not None else compose_jobs(recipe, list(recipe.spec["runs"][0]))[0].data.path).expanduser()
     meta = prepare_chars(source, out)
     want = recipe.expected.get("data") or {}
@@ -200,9 +198,6 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
 def _check_data(recipe: Recipe, runs: list[list[str]]) -> None:
     """Every job's data file is there and was built (its prepare-written ``<stem>.meta.json``) from the text
     expected.json's ``data`` names: one from another text would train for nothing, then fail."""
-    from framework.data import resolve_path
-    from framework.data.tokens import read_meta
-
     hint = (f"`python -m framework.recipe {recipe.name} prepare data.path=FILE` "
             f"(see {recipe.dir / 'README.md'} for where to get FILE)")
     want = recipe.expected.get("data") or {}

@@ -374,8 +374,7 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
     shared = " ".join(f"`{o}`" for o in common_overrides(jobs)) or "none"
     md = (f"# {title or 'Sweep report'}\n\n`{root}`: {len(jobs)} jobs "
           f"({sum(j.summary is None for j in jobs)} without a summary); overrides of every job: {shared}\n\n"
-          f"{table}\n"
-          f"![loss](loss.png)\n\n![tokens/s and memory](throughput_memory.png)\n")
+          f"{table}\n![loss](loss.png)\n\n![tokens/s and memory](throughput_memory.png)\n")
     try:
         loss_png = plot_losses(jobs, out / "loss.png", title=title or f"loss: {root.name}")
         tm_png = plot_throughput_memory(jobs, out / "throughput_memory.png")

@@ -99,10 +99,10 @@ def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
     """A sweep override's values as Hydra's basic sweeper enumerates them (``glob``'s from conf/ and the primary
     config's folder, which Hydra's parser cannot list)."""
     if o.value_type == ValueType.INTERVAL_SWEEP:
-        if any(x.lstrip("+").startswith("hydra/sweeper=") and x.partition("=")[2] != "basic" for x in overrides):
+        sweepers = [x.partition("=")[2] for x in overrides if x.lstrip("+").startswith("hydra/sweeper=")]
+        if any(name != "basic" for name in sweepers):
             return []   # that sweeper samples; its jobs are composed in the job (Hydra's basic one enumerates)
-        chosen = ("hydra/sweeper=basic enumerates values, it does not sample them" if any(
-            x.lstrip("+").startswith("hydra/sweeper=") for x in overrides) else "none is chosen")
+        chosen = "hydra/sweeper=basic enumerates values, it does not sample them" if sweepers else "none is chosen"
         raise ConfigError(f"config: {o.input_line}: interval() needs a sweeper that samples values (Hydra's "
                           f"Optuna or Ax sweeper plugin, hydra/sweeper=...), and {chosen}; list the values "
                           "(a,b,c) or use range(...)")
@@ -123,8 +123,7 @@ def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
     names = sorted({p.stem for d in folders for p in (d / group).glob("*.yaml")})
     if not names:
         raise ConfigError(f"config: {o.input_line}: glob() selects names of a config group, and {group} is none")
-    values = o.value().filter(names)
-    if not values:
+    if not (values := o.value().filter(names)):
         raise ConfigError(f"config: {o.input_line}: glob() selects none of the {group} names "
                           f"({', '.join(names)}); give a pattern that matches one")
     return values
@@ -249,26 +248,20 @@ def _remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool 
     goes only under its lock again and while it holds only what the job wrote; one it never held only if empty."""
     if not made or (env_int("RANK", 0) != 0 and not alike):   # (rank 0 may still be writing into it)
         return
-    if owned:
-        try:
+    try:
+        if owned:
             fd = files.open_nofollow(made[0] / RUN_LOCK, os.O_RDWR)
-        except OSError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # (a file system without locks: nothing removed)
-            ours = {"train.log", RUN_LOCK, *([Path(subdir).parts[0]] if subdir else [])}
-            if not {p.name for p in made[0].iterdir()} <= ours:
-                return
-            shutil.rmtree(made[0], ignore_errors=True)
-        except OSError:   # locked by another run (or no locks here)
-            return
-        finally:
-            os.close(fd)
-    else:
-        try:
-            made[0].rmdir()
-        except OSError:   # not empty: another run's now
-            return
+            try:   # (locked by another run, or a file system without locks: nothing removed)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if not {p.name for p in made[0].iterdir()} <= {"train.log", RUN_LOCK, *Path(subdir or ".").parts[:1]}:
+                    return
+                shutil.rmtree(made[0], ignore_errors=True)
+            finally:
+                os.close(fd)
+        else:
+            made[0].rmdir()   # (not empty: another run's now)
+    except OSError:
+        return
     for p in made[1:]:
         try:
             p.rmdir()
@@ -282,8 +275,7 @@ BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 def _naming(overrides: list[str], swept: frozenset[str]) -> list:
     """The overrides that say which job a sweep's job is: all but unswept ``NOT_IDENTITY`` ones (left out of its
     folder's name under an explicit checkpoint.dir, so a relaunch with more train.steps resumes the job)."""
-    return [o for o in parse_overrides(overrides) if o.key_or_group in swept
-            or not under(o.key_or_group, NOT_IDENTITY)]
+    return [o for o in parse_overrides(overrides) if o.key_or_group in swept or not under(o.key_or_group, NOT_IDENTITY)]
 
 
 def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
@@ -328,13 +320,10 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         multirun = hc.mode == RunMode.MULTIRUN
         # Keys the command line does not fix are swept (there or by the sweeper): they tell the jobs apart.
         swept = frozenset(o.key_or_group for o in parse_overrides(overrides)) - fixed
-        run = RunInfo(Path(hc.runtime.output_dir),
-                      group=sweep_group(hc.job.name, hc.sweep.dir) if multirun else None,
-                      name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None,
-                      key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname)
-                      if multirun else None,
-                      sweep_dir=Path(hc.sweep.dir) if multirun else None,
-                      naming=frozenset(o.key_or_group for o in _naming(overrides, swept)) if multirun else frozenset())
+        run = RunInfo(Path(hc.runtime.output_dir), **(dict(
+            group=sweep_group(hc.job.name, hc.sweep.dir), name=hc.job.override_dirname or f"job{hc.job.num}",
+            key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname), sweep_dir=Path(hc.sweep.dir),
+            naming=frozenset(o.key_or_group for o in _naming(overrides, swept))) if multirun else dict(group=None, name=None)))
         made, owned = _made(run.run_dir, base), []
         if multirun:
             record_sweep(Path(hc.sweep.dir), subdir, passed)
