@@ -196,7 +196,9 @@ def test_a_sweeps_job_never_takes_on_another_jobs_checkpoint(tmp_path, monkeypat
 
 def test_an_hf_checkpoint_without_its_recorded_config_is_compared_by_path():
     """Checkpoints saved before the HF model config was recorded: the config path is all there is to compare."""
+    from functools import partial
     from framework.persist.checkpoint._load import same_run
+    same_run = partial(same_run, way="set checkpoint.resume=off to start this run afresh")
     saved = {"model": {"name": "hf", "config": "/a/config.json", "context": 16}, "optimizer": {"name": "adamw"}}
     mine = {"model": {"name": "hf", "config": "/b/config.json", "context": 8}, "optimizer": {"name": "adamw"}}
     with pytest.raises(ConfigError, match=r"another model \(model.config '/a/config.json' vs '/b/config.json'; saved"):

@@ -599,11 +599,11 @@ def test_a_checkpoint_refused_from_exchanged_outcomes_is_marked_as_every_ranks(t
 
 @pytest.mark.parametrize("resume, said", [
     ("PATH", "is damaged"),
-    ("auto", r"^checkpoint.resume=auto: every checkpoint in \S+ is damaged or not finite \(the folders are kept; set "
-             r"checkpoint.dir to another folder to start afresh\)"),
+    ("auto", r"^checkpoint.resume=auto: every checkpoint in \S+ is damaged or not finite \(the folders are kept; "
+             r"use another checkpoint.dir to start this run afresh\)"),
     # resolved by the CLI to another run's folder: said as typed, and resume=off starts afresh there
     ("latest", r"^checkpoint.resume=latest: every checkpoint in \S+other is damaged or not finite \(the folders are "
-               r"kept; set checkpoint.resume=off to start afresh, or checkpoint.resume to a good checkpoint's "
+               r"kept; set checkpoint.resume=off to start this run afresh, or checkpoint.resume to a good checkpoint's "
                r"step-<N> folder\)")])
 def test_a_resume_refused_after_agreed_damage_keeps_the_mark(tmp_path, monkeypatch, resume, said):
     """``resume=PATH`` damaged, or ``resume=auto`` or ``latest`` with every checkpoint damaged: the error that ends
