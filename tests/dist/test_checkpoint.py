@@ -535,6 +535,37 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path, monk
     assert (resolved.checkpoint.resume, resolved.resume_given) == (str(tmp_path), "latest")
 
 
+def test_sgd_momentum_turned_on_or_off_at_a_resume_goes_on_as_torch_optim_does(tmp_path, capsys):
+    """optimizer.momentum 0 -> 0.9 at a resume: the checkpoint holds no momentum_buffer, which starts as torch.optim's
+    SGD starts one a loaded state dict lacks (the next gradient, undampened: dampening shows a zero start); 0.9 -> 0:
+    the saved buffer is not read. Against torch.optim.SGD in fp32, its state dict carried across the same changes."""
+    over = ["optimizer=sgd", "optimizer.lr=0.5", "scheduler=constant", "train.grad_clip=0", "model.dropout=0"]
+    on = ["optimizer.momentum=0.9", "optimizer.dampening=0.5"]
+    dist = _local()
+    ours = _train(dist, over, str(tmp_path), steps=K)[0]
+    capsys.readouterr()
+    ours += _train(dist, [*over, *on], str(tmp_path), resume="auto", steps=N)[0]
+    assert "holds no optimizer state momentum_buffer, step: it starts as at the first step" in capsys.readouterr().out
+    losses, state, *_ = _train(dist, over, str(tmp_path), resume="auto", steps=N + K)
+    ours += losses
+    assert "holds optimizer state momentum_buffer, step that this optimizer keeps none of" in capsys.readouterr().out
+    model, data = build_gpt(_cfg(1, over, str(tmp_path)))
+    opt, ref = torch.optim.SGD(model.parameters(), lr=0.5), []
+    for step in range(N + K):
+        if step in (K, N):   # (on its param_groups: its load_state_dict would restore the saved settings)
+            opt.load_state_dict(opt.state_dict())
+            opt.param_groups[0].update(momentum=0.9 if step == K else 0.0, dampening=0.5 if step == K else 0.0)
+        loss = gpt_loss(model, data.train_batch(step, micro_batch=ROWS, grad_accum=1, rank=0, world=1).micro[0])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    assert ours == pytest.approx(ref, rel=1e-6), (ours, ref)
+    final = assemble([state])
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(final[name].view(p.shape), p.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_a_resume_refuses_data_whose_ids_changed_meaning_and_says_when_only_its_content_did(tmp_path, capsys,
                                                                                             monkeypatch):
     """A token file prepared anew at the same data.path: with another vocabulary (its ids stand for other

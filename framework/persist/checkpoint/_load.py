@@ -16,7 +16,7 @@ from framework.loggers import RUN_ONLY
 from framework.persist import stepfolders
 from framework.persist import rng
 from framework.persist.checkpoint._group import Group, agree_load, glue
-from framework.persist.checkpoint._save import dcp_key, dcp_values
+from framework.persist.checkpoint._save import dcp_key, dcp_values, optim_keys
 from framework.persist.layout import (StateLayout, check_format, nonfinite_items, pieces,
                                       with_saved_scalars)
 from framework.persist.weights import whole_tensors
@@ -233,13 +233,15 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, way: str, same
         _, per, scalars = pieces(state, specs)
         body = _train_state(folder, manifest)
         md = glue().read_metadata(folder / ".metadata")
-        if same is not None and isinstance(body["config"], dict):   # (the state's keys only where no name says it)
+        named = same is not None and isinstance(body["config"], dict) and \
+            body["config"].get("optimizer", {}).get("name") is not None
+        if named:   # (the state's keys only where no name says it)
             same_optimizer(folder, body["config"], *same, way=way)
         if (change := data_change(body.get("data_identity"), data)) and change[1]:   # (before a shape names it)
             raise ConfigError(f"checkpoint.resume={same[1] if same else folder}: {folder} was saved with other data: "
                               f"the vocabulary of {data['path']} changed ({change[0]}), so its token ids now stand "
                               f"for other characters; restore the data file it was saved with to resume, or {way}")
-        _fits(c, folder, body, md, layout, per, scalars, whole, way)   # names the parameter whose shape differs
+        _fits(c, folder, body, md, layout, per, scalars, whole, way, named)   # names a parameter whose shape differs
         if same is not None and isinstance(body["config"], dict):
             same_run(folder, body["config"], *same, body.get("model_config"), architecture(c.module), way=way)
         check_format(body["state_format"], f"checkpoint {folder}")   # before reading anything
@@ -256,8 +258,20 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
         # DCP reads every holding straight into its piece (a swapped one into the mapped file): a read that fails
         # or is not finite raises on every rank, and resume stops or falls back to one that overwrites every holding.
         release = fmap.release if fmap is not None else None   # pages leave as they are filled
-        targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()], pieces(mapped)[0],
-                             body["optimizer"]["keys"])
+        flats, per, own = pieces(mapped)
+        # The optimizer's state the checkpoint lacks (SGD's momentum_buffer, saved with optimizer.momentum=0; ``_fits``
+        # admits it for the same optimizer only) is not read: the state's own (a new engine's) starts as at the first
+        # step, as torch.optim's does where a loaded state dict lacks it; state this optimizer keeps none of is not read.
+        saved = body["optimizer"]
+        fresh, unread = _state_change(saved, per, own)
+        if (fresh or unread) and group.rank == 0:
+            said = ([f"holds no optimizer state {', '.join(fresh)}: it starts as at the first step, as in torch.optim"]
+                    if fresh else []) + ([f"holds optimizer state {', '.join(unread)} that this optimizer keeps none "
+                                          "of: not read"] if unread else [])
+            print(f"checkpoint: {folder} (saved with other optimizer settings) {'; '.join(said)}", flush=True)
+        targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()],
+                             [{k: t for k, t in f.items() if k == "master" or k in saved["per_element"]} for f in flats],
+                             saved["keys"])
         # read into host tensors, into the module once every rank read its share (a refused load leaves it)
         read_whole = {k: torch.empty(t.shape, dtype=t.dtype, device="cpu") for k, t in whole.items()
                       if k in md.state_dict_metadata}
@@ -273,8 +287,8 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
                 raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {few(bad)} "
                                       f"(rank {group.rank}'s share): not a state to train from")
             torch_rng, host_rng = _rng_of(c, folder, body, seed)
-            scalars = {p: torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device="cpu")
-                       if isinstance(v, dict) and "tensor" in v else v for p, v in body["optimizer"]["scalars"].items()}
+            scalars = {**own, **{p: torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device="cpu")
+                                 if isinstance(v, dict) and "tensor" in v else v for p, v in saved["scalars"].items()}}
             return with_saved_scalars(mapped, body, torch_rng, scalars, c.policy), host_rng
 
         # From here a failure leaves the state partly the folder's: the engine refuses to step, evaluate or save
@@ -315,16 +329,25 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
     return states, saved
 
 
+def _state_change(opt: dict, per: dict, scalars: dict) -> tuple[list[str], list[str]]:
+    """(the state of this optimizer, ``optimizer_leaves``' ``per`` and ``scalars``, that a checkpoint's ``opt``, its
+    train state's "optimizer", lacks; the state it holds that this optimizer lacks), by torch.optim's names."""
+    mine, theirs = optim_keys(sorted(per), sorted(scalars)), [*opt["per_element"], *opt["scalars"]]
+    return (sorted(n for k, n in mine.items() if k not in theirs),
+            sorted(opt["keys"][k] for k in theirs if k not in mine))
+
+
 def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict,
-          whole: dict[str, torch.Tensor], way: str) -> None:
+          whole: dict[str, torch.Tensor], way: str, named: bool) -> None:
     """ConfigError for another model or optimizer (no fallback; ``way``: ``afresh``'s advice); CheckpointError when
-    the files lack what the train state names. ``whole``: the buffers and frozen parameters by key."""
+    the files lack what the train state names. ``whole``: the buffers and frozen parameters by key. ``named``: the
+    checkpoint's config names this run's optimizer, so that other state is another setting of it (SGD's momentum)."""
     opt = body["optimizer"]
-    if set(per) != set(opt["per_element"]) or set(scalars) != set(opt["scalars"]):
-        raise ConfigError(f"checkpoint {folder} holds the optimizer state "
-                          f"{sorted([*opt['per_element'], *opt['scalars']])} but this "
-                          f"optimizer's is {sorted([*per, *scalars])}; resume with the optimizer it was saved with; "
-                          f"{way}")
+    if not named and any(_state_change(opt, per, scalars)):
+        theirs = sorted(opt["keys"][k] for k in [*opt["per_element"], *opt["scalars"]])
+        raise ConfigError(f"checkpoint {folder} holds the optimizer state [{', '.join(theirs)}] but this optimizer "
+                          f"keeps [{', '.join(sorted(optim_keys(sorted(per), sorted(scalars)).values()))}]; resume "
+                          f"with the optimizer it was saved with; {way}")
     saved = {n: p.shape for n, p in StateLayout.in_checkpoint(md).params.items()}
     trainable = [n for n, p in c.module.named_parameters() if p.requires_grad]
     _same_trainable(folder, trainable, saved, md.state_dict_metadata, whole, way)
@@ -336,7 +359,8 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
         _same_names(folder, whole, kept, way)
     for k in kept:
         _same_shape(folder, repr(k), kept[k], tuple(whole[k].shape), way)
-    wanted = [dcp_key(key, n, opt["keys"]) for n in layout.params for key in ("master", *per)]
+    wanted = [dcp_key(key, n, opt["keys"]) for n in layout.params
+              for key in ("master", *(k for k in per if k in opt["per_element"]))]
     absent = sorted(set(wanted) - set(md.state_dict_metadata))
     if absent:
         raise CheckpointError(f"checkpoint {folder}: the DCP files lack {few(absent)}")
