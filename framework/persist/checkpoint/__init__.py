@@ -25,6 +25,7 @@ from typing import Callable
 from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank, say
 from framework.core.registry import closest_hint
+from framework.core.utils import few
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._load import (afresh, batch_change, changed, data_change, job_values, load,
@@ -411,5 +412,21 @@ def candidates(resume: str, root: Path, sweep_dir: Path | None = None, owned: Pa
             return found, notes
     hint = "" if path.exists() else closest_hint(resume, ("auto", "off", "latest"))
     raise ConfigError(f"checkpoint.resume={resume}: no checkpoint there{hint} (expected a step-<N> folder with "
-                      f"{stepfolders.MANIFEST}, or a directory holding them); use checkpoint.resume=auto or off")
+                      f"{stepfolders.MANIFEST}, or a directory holding them); "
+                      + (_nearby(path) or "use checkpoint.resume=auto or off"))
+
+
+def _nearby(path: Path) -> str | None:
+    """The way to the checkpoints a ``checkpoint.resume`` path that names none meant, where they are plain: those
+    beside a step that is not there (mistyped, or rotated away), or in ``checkpoints/`` of a run folder."""
+    run = path.is_dir()
+    try:
+        steps = stepfolders.scan(path / "checkpoints" if run else path.parent)[0]
+    except OSError:   # (a folder this user may not list: the plain refusal)
+        return None
+    if not run:
+        return (f"the checkpoints in {path.parent} are {few((p.name for p in steps), show=str)}: set "
+                f"checkpoint.resume to one of them, or to {path.parent} for the newest") if steps else None
+    return (f"it is a run folder: set checkpoint.resume={path / 'checkpoints'} for its newest checkpoint "
+            f"({steps[0].name}), or to one of its step folders") if steps else None
 
