@@ -87,8 +87,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         carried = ckpt.recent_losses[-t.log_every:]
         if state.step > t.steps and dist.is_main:
             print(f"checkpoint: the checkpoint's step {state.step} is already past train.steps={t.steps}: nothing is "
-                  f"trained; set train.steps above {state.step} to train on from it, or give this run another "
-                  f"checkpoint.dir (or run folder) to start afresh", flush=True)
+                  f"trained; set train.steps above {state.step} to train on from it, or "
+                  f"{ckpt.afresh(ckpt.resumed_from)}", flush=True)
         if dist.is_main:
             # A resume from this run's own checkpoints continues its W&B run and metrics.jsonl; any other
             # start is a new run here: the folder's records (of another history) are set aside.

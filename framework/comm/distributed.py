@@ -67,16 +67,24 @@ class Dist:
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:  # gloo/NCCL report timeouts and dead peers as RuntimeError
+            lost, stalled = self._blame()
+            who = _blamed(lost, stalled)
+            if lost:   # its closed connections failed the collective at once: no wait, nothing the backend adds
+                raise DistributedError(f"rank {self.rank}/{self.world}: {who} during {what}") from e
             timeout_s, key = limit or (self.timeout_s, "dist.timeout_s")
             raise DistributedError(
                 f"rank {self.rank}/{self.world}: {what} failed after waiting up to {timeout_s:g}s "
-                f"({self.who_failed()}; {key} sets the limit): {str(e).splitlines()[0]}"
+                f"({who}; {key} sets the limit): {str(e).splitlines()[0]}"
             ) from e
 
     def who_failed(self, settle_s: float | None = None) -> str:
-        """The ranks on this host to blame for a failed collective: process gone (or exiting), stopped or
-        blocked in the kernel (a slow peer is not named). A crashed peer may still be exiting when its closed
-        sockets fail our collective: while nobody is named, wait up to ``settle_s`` (default ``_SETTLE_S``)."""
+        """The ranks on this host to blame for a failed collective (``_blame``), in words."""
+        return _blamed(*self._blame(settle_s))
+
+    def _blame(self, settle_s: float | None = None) -> tuple[list[int], list[str]]:
+        """(the ranks on this host whose process is gone or exiting, one line per rank stopped or blocked in the
+        kernel); a slow peer is not named. A crashed peer may still be exiting when its closed sockets fail our
+        collective: while nobody is named, wait up to ``settle_s`` (default ``_SETTLE_S``)."""
         host = socket.gethostname()
         local = [(r, pid) for r, (h, pid) in enumerate(self.peers) if h == host and r != self.rank]
         deadline = time.monotonic() + (_SETTLE_S if settle_s is None else settle_s)
@@ -85,10 +93,8 @@ class Dist:
             lost = [r for r, _, s in states if s == "gone"]
             stalled = [f"rank {r} stalled (pid {pid} {_STALLED[s]})" for r, pid, s in states if s in _STALLED]
             if lost or stalled or not local or time.monotonic() >= deadline:
-                break
+                return lost, stalled
             time.sleep(0.02)
-        parts = [f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost (process gone)"] if lost else []
-        return "; ".join(parts + stalled) or "a peer rank died or stalled"
 
     def all_reduce(self, t: torch.Tensor, op=tdist.ReduceOp.SUM, what: str = "all_reduce", async_op=False):
         return None if self.world == 1 else self._issue(what, tdist.all_reduce, t, op=op, async_op=async_op)
@@ -126,6 +132,12 @@ class Dist:
         if self.world > 1:
             # A tensor all-reduce rather than tdist.barrier: it honours the group timeout on gloo.
             self.all_reduce(torch.zeros(1, device=self.device), what=what)
+
+
+def _blamed(lost: list[int], stalled: list[str]) -> str:
+    """``Dist._blame``'s answer in words."""
+    parts = [f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost (process gone)"] if lost else []
+    return "; ".join(parts + stalled) or "a peer rank died or stalled"
 
 
 _STALLED = {"T": "is stopped (SIGSTOP or SIGTSTP: send SIGCONT, or kill it)", "t": "is stopped by a debugger",

@@ -752,7 +752,9 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     past = _run(forkrun, tmp_path, f"checkpoint.resume={run / 'checkpoints' / 'step-6'}", "train.steps=4",
                 "hydra.run.dir=outputs/g")
     assert past.returncode == 0, past.stderr
-    assert "checkpoint: the checkpoint's step 6 is already past train.steps=4: nothing is trained" in past.stdout
+    # (the way to start afresh: not another checkpoint.dir, which would read the path named again)
+    assert ("checkpoint: the checkpoint's step 6 is already past train.steps=4: nothing is trained; set train.steps "
+            "above 6 to train on from it, or set checkpoint.resume=off to start this run afresh") in past.stdout
     assert "done: 6 steps | no step trained | val loss" in past.stdout and "loss nan" not in past.stdout, past.stdout
     assert json.loads((tmp_path / "outputs" / "g" / "summary.json").read_text())["train_loss"] is None
 

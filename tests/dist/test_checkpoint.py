@@ -487,7 +487,7 @@ def test_every_checkpoint_damaged_keeps_them_and_names_the_way_out(tmp_path):
     for folder in tmp_path.glob("step-*"):
         (folder / "train_state.json").write_text("{")
     with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged or not finite \(the folders are "
-                                              r"kept; set checkpoint.dir to another folder to start afresh\)"):
+                                              r"kept; use another checkpoint.dir to start this run afresh\)"):
         _train(dist, [], str(tmp_path), resume="auto")
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{K}"]
     # a manifest there that does not parse (truncated) is damage too, not a folder without a commit to ignore
@@ -510,18 +510,60 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path, monk
     with pytest.raises(ConfigError, match=r"was saved with optimizer=adamw, this run uses optimizer=sgd; resume with "
                                           r"optimizer=adamw; use another checkpoint.dir to start this run afresh$"):
         _train(dist, ["optimizer=sgd"], str(tmp_path), resume="auto")
+    # Named by a path (or found by latest, which searches the run folders wherever checkpoint.dir is), another
+    # checkpoint.dir reads it again: the way out is resume=off, with another folder where this run saves among it.
+    from framework.persist.checkpoint import preflight
+    step = tmp_path / f"step-{K}"
+    with pytest.raises(ConfigError, match=r"optimizer=sgd; resume with optimizer=adamw; set checkpoint.resume=off to "
+                                          r"start this run afresh$"):
+        _train(dist, ["optimizer=sgd"], str(tmp_path / "elsewhere"), resume=str(step))
+    with pytest.raises(ConfigError, match=r"32 vs 36; saved vs this run\); set checkpoint.resume=off to start this run afresh$"):
+        preflight(_cfg(1, ["model.d_model=36"], str(tmp_path / "elsewhere"), [f"checkpoint.resume={step}"]), None)
+    monkeypatch.chdir(tmp_path)   # (latest looks in the run folders under the working directory too)
+    with pytest.raises(ConfigError, match=r"^checkpoint.resume=latest: .*; set checkpoint.resume=off and another "
+                                          r"checkpoint.dir to start this run afresh$"):
+        preflight(_cfg(1, ["optimizer=sgd"], str(tmp_path), ["checkpoint.resume=latest"]), None)
     # a train state that names another model but fails its manifest check is damage, not another model: the
     # check before the ranks leaves it to them (which name it and fall back)
-    from framework.persist.checkpoint import preflight
     state = tmp_path / f"step-{K}" / "train_state.json"
     other, edits = re.subn(r'"n_layer": (\d+)', lambda m: f'"n_layer": {int(m[1]) + 1}', state.read_text(), 1)
     assert edits == 1
     state.write_text(other)
     preflight(_cfg(1, [], str(tmp_path), ["checkpoint.resume=auto"]), None)
     # latest, resolved to that folder before the ranks, is still said as typed (``Checkpointer.resume``'s errors)
-    monkeypatch.chdir(tmp_path)   # (latest looks in the run folders under the working directory too)
     resolved = preflight(_cfg(1, [], str(tmp_path), ["checkpoint.resume=latest"]), None)
     assert (resolved.checkpoint.resume, resolved.resume_given) == (str(tmp_path), "latest")
+
+
+def test_sgd_momentum_turned_on_or_off_at_a_resume_goes_on_as_torch_optim_does(tmp_path, capsys):
+    """optimizer.momentum 0 -> 0.9 at a resume: the checkpoint holds no momentum_buffer, which starts as torch.optim's
+    SGD starts one a loaded state dict lacks (the next gradient, undampened: dampening shows a zero start); 0.9 -> 0:
+    the saved buffer is not read. Against torch.optim.SGD in fp32, its state dict carried across the same changes."""
+    over = ["optimizer=sgd", "optimizer.lr=0.5", "scheduler=constant", "train.grad_clip=0", "model.dropout=0"]
+    on = ["optimizer.momentum=0.9", "optimizer.dampening=0.5"]
+    dist = _local()
+    ours = _train(dist, over, str(tmp_path), steps=K)[0]
+    capsys.readouterr()
+    ours += _train(dist, [*over, *on], str(tmp_path), resume="auto", steps=N)[0]
+    assert "holds no optimizer state momentum_buffer, step: it starts as at the first step" in capsys.readouterr().out
+    losses, state, *_ = _train(dist, over, str(tmp_path), resume="auto", steps=N + K)
+    ours += losses
+    assert "holds optimizer state momentum_buffer, step that this optimizer keeps none of" in capsys.readouterr().out
+    model, data = build_gpt(_cfg(1, over, str(tmp_path)))
+    opt, ref = torch.optim.SGD(model.parameters(), lr=0.5), []
+    for step in range(N + K):
+        if step in (K, N):   # (on its param_groups: its load_state_dict would restore the saved settings)
+            opt.load_state_dict(opt.state_dict())
+            opt.param_groups[0].update(momentum=0.9 if step == K else 0.0, dampening=0.5 if step == K else 0.0)
+        loss = gpt_loss(model, data.train_batch(step, micro_batch=ROWS, grad_accum=1, rank=0, world=1).micro[0])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    assert ours == pytest.approx(ref, rel=1e-6), (ours, ref)
+    final = assemble([state])
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(final[name].view(p.shape), p.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_resume_refuses_data_whose_ids_changed_meaning_and_says_when_only_its_content_did(tmp_path, capsys,
@@ -550,7 +592,7 @@ def test_a_resume_refuses_data_whose_ids_changed_meaning_and_says_when_only_its_
                                           rf"data: the vocabulary of {tokens} changed \(20 -> 20 characters, adds 'u' "
                                           r"and drops 'a'\), so its token ids now stand for other characters; restore "
                                           r"the data file it was saved with to resume, or use another checkpoint.dir "
-                                          r"\(or run folder\) to start this run afresh$"):
+                                          r"to start this run afresh$"):
         _train(dist, data, root, resume="auto", steps=K)
     monkeypatch.setattr(_base.CropSource, "identity", lambda self: None)   # saved before checkpoints recorded it
     _train(dist, data, str(tmp_path / "old"), steps=K)
@@ -735,11 +777,11 @@ def test_buffers_of_another_shape_are_refused_and_older_checkpoints_keep_the_mod
     dist = _local()
     _norm_train(dist, [], str(tmp_path), steps=K)
     step = str(tmp_path / f"step-{K}")
-    with pytest.raises(ConfigError, match=r"does not fit this model: missing 'buffer.extra'; use another "
-                                          r"checkpoint.dir"):
+    with pytest.raises(ConfigError, match=r"does not fit this model: missing 'buffer.extra'; set "
+                                          r"checkpoint.resume=off to start this run afresh$"):
         _norm_train(dist, [], str(tmp_path / "b"), resume=step, model=_ExtraBuffer)
     with pytest.raises(ConfigError, match=r"'buffer.norm.running_mean' has shape \(8,\) in the checkpoint but "
-                                          r"\(9,\) in this model; use another checkpoint.dir"):
+                                          r"\(9,\) in this model; set checkpoint.resume=off"):
         _norm_train(dist, [], str(tmp_path / "b"), resume=step, model=_WiderMean)
     # parameters frozen when saved and trainable now (and the other way round): named as such, with the ways out
     with pytest.raises(ConfigError, match=r"parameters 'f.bias', 'f.weight' were frozen \(requires_grad=False\) "
@@ -747,7 +789,8 @@ def test_buffers_of_another_shape_are_refused_and_older_checkpoints_keep_the_mod
         _norm_train(dist, [], str(tmp_path / "b"), resume=step, freeze=False)
     _norm_train(dist, [], str(tmp_path / "trainable"), steps=K, freeze=False)
     with pytest.raises(ConfigError, match=r"'f.bias', 'f.weight' were trainable when saved but are frozen in this "
-                                          r"run; .* \(python -m framework.export .* framework.load_weights"):
+                                          r"run; .* \(python -m framework.export .* framework.load_weights\(engine, DIR\); "
+                                          r"set checkpoint.resume=off to start this run afresh\)$"):
         _norm_train(dist, [], str(tmp_path / "b"), resume=str(tmp_path / "trainable" / f"step-{K}"))
     # a checkpoint written before buffers and frozen parameters were saved: they keep the model's values
     monkeypatch.setattr(_save, "whole_tensors", lambda module: {})

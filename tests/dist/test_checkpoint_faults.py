@@ -130,7 +130,8 @@ def test_a_rank_lost_mid_step_ends_the_others_naming_it(tmp_path):
     timeout_s, ends = 3.0, {}
     codes, errors = _launch(tmp_path, {"FRAMEWORK_FAULT": "step:3@1"}, timeout_s=timeout_s, ends=ends)
     assert codes == [1, 17], (codes, errors)
-    assert "rank 1 lost (process gone)" in errors[0], errors
+    # (its closed connections failed the collective at once: no wait up to the timeout is claimed)
+    assert "rank 1 lost (process gone) during" in errors[0] and "after waiting" not in errors[0], errors
     # Timed from rank 1's death, not from the launch (process start-up under load varies by seconds):
     # rank 0 notices within its collective timeout, plus the time to write its error and exit.
     assert ends[0] - ends[1] < timeout_s + 10, ends

@@ -1,6 +1,7 @@
 """Flat ranges as rectangular DCP chunks (framework.persist.checkpoint._dcp.boxes), ownership of
 replicated ranges (framework.persist.layout), the config keys, and the folder protocol's pure parts."""
 import itertools
+import json
 import math
 import random
 
@@ -98,8 +99,22 @@ def test_a_resume_value_that_is_no_checkpoint_suggests_the_closest_choice(tmp_pa
     from framework.persist.checkpoint import candidates
     with pytest.raises(ConfigError, match=r"checkpoint.resume=lastest: no checkpoint there \(did you mean 'latest'\?\)"):
         candidates("lastest", tmp_path)
-    with pytest.raises(ConfigError, match=r"no checkpoint there \(expected a step-<N> folder"):
+    with pytest.raises(ConfigError, match=r"no checkpoint there \(expected a step-<N> folder.*; use "
+                                          r"checkpoint.resume=auto or off$"):
         candidates(str(tmp_path / "nowhere"), tmp_path)   # a path: nothing to suggest
+    # a step that is not there (mistyped, or rotated away), or a run folder: the checkpoints it meant are named
+    from framework.persist import stepfolders
+    root = tmp_path / "run" / "checkpoints"
+    for n in (4, 8):
+        (root / f"step-{n}").mkdir(parents=True)
+        (root / f"step-{n}" / stepfolders.MANIFEST).write_text(json.dumps({"format": stepfolders.FORMAT, "files": {},
+                                                                           "seq": n}))
+    with pytest.raises(ConfigError, match=rf"; the checkpoints in {root} are step-8, step-4: set checkpoint.resume "
+                                          rf"to one of them, or to {root} for the newest$"):
+        candidates(str(root / "step-9"), tmp_path)
+    with pytest.raises(ConfigError, match=rf"; it is a run folder: set checkpoint.resume={root} for its newest "
+                                          r"checkpoint \(step-8\), or to one of its step folders$"):
+        candidates(str(root.parent), tmp_path)
 
 
 def test_resume_latest_in_a_library_loop_is_the_newest_checkpoint(tmp_path, monkeypatch):
@@ -196,7 +211,9 @@ def test_a_sweeps_job_never_takes_on_another_jobs_checkpoint(tmp_path, monkeypat
 
 def test_an_hf_checkpoint_without_its_recorded_config_is_compared_by_path():
     """Checkpoints saved before the HF model config was recorded: the config path is all there is to compare."""
+    from functools import partial
     from framework.persist.checkpoint._load import same_run
+    same_run = partial(same_run, way="set checkpoint.resume=off to start this run afresh")
     saved = {"model": {"name": "hf", "config": "/a/config.json", "context": 16}, "optimizer": {"name": "adamw"}}
     mine = {"model": {"name": "hf", "config": "/b/config.json", "context": 8}, "optimizer": {"name": "adamw"}}
     with pytest.raises(ConfigError, match=r"another model \(model.config '/a/config.json' vs '/b/config.json'; saved"):

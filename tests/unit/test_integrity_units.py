@@ -296,6 +296,25 @@ def test_a_stopped_or_dead_peer_is_named():
         child.wait()
 
 
+def test_a_collective_failed_by_a_lost_peer_names_it_alone():
+    """A peer whose process is gone closed its connections: the collective failed then, so the line says who and
+    during what, not a wait up to the timeout that did not happen, nor the backend's own text."""
+    from framework.comm.distributed import Dist
+    from framework.core.errors import DistributedError
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+    dist = Dist(0, 2, 0, torch.device("cpu"), "gloo", 1800.0, peers=((host, os.getpid()), (host, gone.pid)))
+
+    def closed():
+        raise RuntimeError("[../third_party/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                           "[127.0.0.1]:3218. This is typically caused by a remote worker crashing. GLHF!")
+    with pytest.raises(DistributedError) as e:
+        dist._run("checkpoint writing the files", closed, limit=(1800.0, "checkpoint.timeout_s"))
+    assert str(e.value) == "rank 0/2: rank 1 lost (process gone) during checkpoint writing the files"
+
+
 def test_a_peer_still_exiting_is_named_once_gone():
     """A crashed rank's sockets close while its process is still ending: the survivor's failed collective
     waits for it to be gone and names it, rather than "a peer rank died or stalled"."""
@@ -599,11 +618,11 @@ def test_a_checkpoint_refused_from_exchanged_outcomes_is_marked_as_every_ranks(t
 
 @pytest.mark.parametrize("resume, said", [
     ("PATH", "is damaged"),
-    ("auto", r"^checkpoint.resume=auto: every checkpoint in \S+ is damaged or not finite \(the folders are kept; set "
-             r"checkpoint.dir to another folder to start afresh\)"),
+    ("auto", r"^checkpoint.resume=auto: every checkpoint in \S+ is damaged or not finite \(the folders are kept; "
+             r"use another checkpoint.dir to start this run afresh\)"),
     # resolved by the CLI to another run's folder: said as typed, and resume=off starts afresh there
     ("latest", r"^checkpoint.resume=latest: every checkpoint in \S+other is damaged or not finite \(the folders are "
-               r"kept; set checkpoint.resume=off to start afresh, or checkpoint.resume to a good checkpoint's "
+               r"kept; set checkpoint.resume=off to start this run afresh, or checkpoint.resume to a good checkpoint's "
                r"step-<N> folder\)")])
 def test_a_resume_refused_after_agreed_damage_keeps_the_mark(tmp_path, monkeypatch, resume, said):
     """``resume=PATH`` damaged, or ``resume=auto`` or ``latest`` with every checkpoint damaged: the error that ends

@@ -25,10 +25,11 @@ from typing import Callable
 from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank, say
 from framework.core.registry import closest_hint
+from framework.core.utils import few
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
-from framework.persist.checkpoint._load import (batch_change, changed, data_change, job_values, load, other_job,
-                                                same_run, verify)
+from framework.persist.checkpoint._load import (afresh, batch_change, changed, data_change, job_values, load,
+                                                other_job, same_run, saves_among, verify)
 from framework.persist.checkpoint._save import check_finite, save
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "shared", "verify"]
@@ -91,7 +92,7 @@ class Checkpointer:
         for i, folder in enumerate(folders):
             try:
                 read = load(self.engine, state, folder, group=self.group, seed=self.seed, same=(self.config, given),
-                            data=self.data)
+                            data=self.data, way=self.afresh(folder))
                 spent = SPENT
                 state, body = read()
             except CheckpointError as e:
@@ -130,13 +131,16 @@ class Checkpointer:
                       + (f"; the data in {self.data['path']} changed since the save ({data[0]}, same vocabulary): "
                          "training goes on with its new rows" if data else ""))
             return state
-        # resume=off is refused where this run saves among checkpoints: there, another folder starts afresh
-        ours = every and folders[0].parent.resolve() == self.root.resolve()
-        way = "set checkpoint.dir to another folder to start afresh" if ours else \
-            "set checkpoint.resume=off to start afresh, or checkpoint.resume to a good checkpoint's step-<N> folder"
+        way = self.afresh(folders[0]) + ("" if saves_among(folders[0], self.root, every) else
+                                         ", or checkpoint.resume to a good checkpoint's step-<N> folder")
         raise on_every_rank(CheckpointError(   # (each fallback came after an agreed one: so does this)
             f"checkpoint.resume={given}: every checkpoint in {folders[0].parent} is damaged or not finite (the "
             f"folders are kept; {way}): " + " | ".join(errors) + spent))
+
+    def afresh(self, folder: Path) -> str:
+        """What a refusal of the checkpoint ``folder`` says to start this run afresh instead (``resumed_from``: of
+        the one it resumed): another checkpoint.dir, or checkpoint.resume=off, whichever does not read it again."""
+        return afresh(self.resume_given, Path(folder), self.root, self.cfg.every)
 
     def maybe_save(self, state, last: bool = False, metrics: dict | None = None,
                    losses: list[float] | None = None) -> None:
@@ -286,7 +290,8 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
                           f"({', '.join(t for t, _ in other)}; this job: {', '.join(m for _, m in other)}): a "
                           "sweep's values in another order, or another sweep, saved there; give this sweep another "
                           "hydra.sweep.dir (or checkpoint.dir), or delete that folder to start this job afresh")
-    same_run(folder, saved, cfg.to_dict(), c.resume, body.get("model_config"))   # (the model's own: at the load)
+    same_run(folder, saved, cfg.to_dict(), c.resume, body.get("model_config"),   # (the model's own: at the load)
+             way=afresh(c.resume, folder, root, c.every))
     return cfg
 
 
@@ -407,5 +412,21 @@ def candidates(resume: str, root: Path, sweep_dir: Path | None = None, owned: Pa
             return found, notes
     hint = "" if path.exists() else closest_hint(resume, ("auto", "off", "latest"))
     raise ConfigError(f"checkpoint.resume={resume}: no checkpoint there{hint} (expected a step-<N> folder with "
-                      f"{stepfolders.MANIFEST}, or a directory holding them); use checkpoint.resume=auto or off")
+                      f"{stepfolders.MANIFEST}, or a directory holding them); "
+                      + (_nearby(path) or "use checkpoint.resume=auto or off"))
+
+
+def _nearby(path: Path) -> str | None:
+    """The way to the checkpoints a ``checkpoint.resume`` path that names none meant, where they are plain: those
+    beside a step that is not there (mistyped, or rotated away), or in ``checkpoints/`` of a run folder."""
+    run = path.is_dir()
+    try:
+        steps = stepfolders.scan(path / "checkpoints" if run else path.parent)[0]
+    except OSError:   # (a folder this user may not list: the plain refusal)
+        return None
+    if not run:
+        return (f"the checkpoints in {path.parent} are {few((p.name for p in steps), show=str)}: set "
+                f"checkpoint.resume to one of them, or to {path.parent} for the newest") if steps else None
+    return (f"it is a run folder: set checkpoint.resume={path / 'checkpoints'} for its newest checkpoint "
+            f"({steps[0].name}), or to one of its step folders") if steps else None
 

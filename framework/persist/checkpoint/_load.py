@@ -16,14 +16,12 @@ from framework.loggers import RUN_ONLY
 from framework.persist import stepfolders
 from framework.persist import rng
 from framework.persist.checkpoint._group import Group, agree_load, glue
-from framework.persist.checkpoint._save import dcp_key, dcp_values
+from framework.persist.checkpoint._save import dcp_key, dcp_values, optim_keys
 from framework.persist.layout import (StateLayout, check_format, nonfinite_items, pieces,
                                       with_saved_scalars)
 from framework.persist.weights import whole_tensors
 from framework.core.utils import few, under
 
-# A checkpoint of another model or optimizer is not damaged: no fallback, the user chooses.
-OTHER_RUN = "; use another checkpoint.dir to start this run afresh"
 # Model keys that may change between a save and a resume: how the same weights are computed.
 _MODEL_FREE = {"activation_checkpointing", "attn_implementation", "dropout", "pretrained"}
 # model=hf: also the sequence length (build keeps it within the model's positions) and, where the checkpoint
@@ -32,10 +30,30 @@ _HF_FREE = {"context"}
 _HF_RECORDED_FREE = {"config"}
 
 
-def same_run(folder: Path, saved: dict, mine: dict, resume: str, recorded=None, current: dict | None = None) -> None:
+def saves_among(folder: Path, root: Path, every: int) -> bool:
+    """Whether a run saving every ``every`` steps into ``root`` saves among the checkpoint ``folder``'s (there,
+    resume=off and a resume from another folder are refused: ``fresh_start``)."""
+    return bool(every) and folder.parent.resolve() == root.resolve()
+
+
+def afresh(resume: str, folder: Path, root: Path, every: int) -> str:
+    """What a refusal of the checkpoint ``folder`` (another run's: no fallback, the user chooses) says to start afresh,
+    for ``checkpoint.resume=resume`` (as typed) in a run saving every ``every`` steps into ``root``: resume=off; where
+    the run saves among the folder's checkpoints, which refuses that, another checkpoint.dir, with resume=off unless
+    auto (a path, or latest, which searches the run folders wherever checkpoint.dir is, would read it again)."""
+    if not saves_among(folder, root, every):
+        return "set checkpoint.resume=off to start this run afresh"
+    if resume == "auto":
+        return "use another checkpoint.dir to start this run afresh"
+    return "set checkpoint.resume=off and another checkpoint.dir to start this run afresh"
+
+
+def same_run(folder: Path, saved: dict, mine: dict, resume: str, recorded=None, current: dict | None = None, *,
+             way: str) -> None:
     """ConfigError unless ``saved`` (``folder``'s config) has the model and optimizer of ``mine`` (this run's), for
     each folder a resume reads (another model whose shapes happen to fit is still refused). ``recorded``: the HF
-    model config the train state holds, compared with this model's ``current`` one where both are known."""
+    model config the train state holds, compared with this model's ``current`` one where both are known. ``way``:
+    ``afresh``'s advice."""
     free, whose = _MODEL_FREE, ""
     if mine["model"].get("name") == "hf":
         free = free | _HF_FREE | (_HF_RECORDED_FREE if isinstance(recorded, dict) else set())
@@ -49,16 +67,16 @@ def same_run(folder: Path, saved: dict, mine: dict, resume: str, recorded=None, 
     if diffs:
         what = ", ".join(f"{k} {a!r} vs {b!r}" for k, a, b in diffs[:4])
         raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved by another model ({whose}{what}; saved vs "
-                          f"this run){OTHER_RUN}")
-    same_optimizer(folder, saved, mine, resume)
+                          f"this run); {way}")
+    same_optimizer(folder, saved, mine, resume, way=way)
 
 
-def same_optimizer(folder: Path, saved: dict, mine: dict, resume: str) -> None:
+def same_optimizer(folder: Path, saved: dict, mine: dict, resume: str, *, way: str) -> None:
     """``same_run``'s optimizer half: a load checks it before the state's keys, which name no optimizer."""
     theirs = saved.get("optimizer", {}).get("name")
     if theirs is not None and theirs != mine["optimizer"]["name"]:
         raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved with optimizer={theirs}, this run uses "
-                          f"optimizer={mine['optimizer']['name']}; resume with optimizer={theirs}{OTHER_RUN}")
+                          f"optimizer={mine['optimizer']['name']}; resume with optimizer={theirs}; {way}")
 
 
 def job_values(config: dict, keys) -> dict:
@@ -195,12 +213,13 @@ def _train_state(folder: Path, manifest: dict) -> dict:
     return body
 
 
-def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[dict, str] | None = None,
+def load(engine, state, folder: Path, *, group: Group, seed: int, way: str, same: tuple[dict, str] | None = None,
          data: dict | None = None):
     """Check ``folder`` against this engine and return ``read``, which loads it into ``state`` and returns (state,
     train state); both collective, only ``read`` writes. Damage: CheckpointError on every rank (auto falls back);
     with ``same`` (this run's config dict, ``checkpoint.resume``), another model or optimizer, or with ``data``
-    (this run's ``DataSource.identity()``) data whose ids stand for other characters: ConfigError."""
+    (this run's ``DataSource.identity()``) data whose ids stand for other characters: ConfigError, ending in
+    ``way`` (``afresh``'s advice)."""
     # Before anything is read: the checks below and the read take the trainable set from requires_grad, which a
     # change after initialize makes disagree with the stage's layout (a parameter left unread, or called missing).
     agree_load(group, "requires_grad check", lambda: engine.check_trainable("checkpoint resume"))
@@ -214,16 +233,17 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
         _, per, scalars = pieces(state, specs)
         body = _train_state(folder, manifest)
         md = glue().read_metadata(folder / ".metadata")
-        if same is not None and isinstance(body["config"], dict):   # (the state's keys only where no name says it)
-            same_optimizer(folder, body["config"], *same)
+        named = same is not None and isinstance(body["config"], dict) and \
+            body["config"].get("optimizer", {}).get("name") is not None
+        if named:   # (the state's keys only where no name says it)
+            same_optimizer(folder, body["config"], *same, way=way)
         if (change := data_change(body.get("data_identity"), data)) and change[1]:   # (before a shape names it)
             raise ConfigError(f"checkpoint.resume={same[1] if same else folder}: {folder} was saved with other data: "
                               f"the vocabulary of {data['path']} changed ({change[0]}), so its token ids now stand "
-                              f"for other characters; restore the data file it was saved with to resume, or use "
-                              f"another checkpoint.dir (or run folder) to start this run afresh")
-        _fits(c, folder, body, md, layout, per, scalars, whole)   # names the parameter whose shape differs
+                              f"for other characters; restore the data file it was saved with to resume, or {way}")
+        _fits(c, folder, body, md, layout, per, scalars, whole, way, named)   # names a parameter whose shape differs
         if same is not None and isinstance(body["config"], dict):
-            same_run(folder, body["config"], *same, body.get("model_config"), architecture(c.module))
+            same_run(folder, body["config"], *same, body.get("model_config"), architecture(c.module), way=way)
         check_format(body["state_format"], f"checkpoint {folder}")   # before reading anything
         return body, md
 
@@ -238,8 +258,20 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
         # DCP reads every holding straight into its piece (a swapped one into the mapped file): a read that fails
         # or is not finite raises on every rank, and resume stops or falls back to one that overwrites every holding.
         release = fmap.release if fmap is not None else None   # pages leave as they are filled
-        targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()], pieces(mapped)[0],
-                             body["optimizer"]["keys"])
+        flats, per, own = pieces(mapped)
+        # The optimizer's state the checkpoint lacks (SGD's momentum_buffer, saved with optimizer.momentum=0; ``_fits``
+        # admits it for the same optimizer only) is not read: the state's own (a new engine's) starts as at the first
+        # step, as torch.optim's does where a loaded state dict lacks it; state this optimizer keeps none of is not read.
+        saved = body["optimizer"]
+        fresh, unread = _state_change(saved, per, own)
+        if (fresh or unread) and group.rank == 0:
+            said = ([f"holds no optimizer state {', '.join(fresh)}: it starts as at the first step, as in torch.optim"]
+                    if fresh else []) + ([f"holds optimizer state {', '.join(unread)} that this optimizer keeps none "
+                                          "of: not read"] if unread else [])
+            print(f"checkpoint: {folder} (saved with other optimizer settings) {'; '.join(said)}", flush=True)
+        targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()],
+                             [{k: t for k, t in f.items() if k == "master" or k in saved["per_element"]} for f in flats],
+                             saved["keys"])
         # read into host tensors, into the module once every rank read its share (a refused load leaves it)
         read_whole = {k: torch.empty(t.shape, dtype=t.dtype, device="cpu") for k, t in whole.items()
                       if k in md.state_dict_metadata}
@@ -255,8 +287,8 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
                 raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {few(bad)} "
                                       f"(rank {group.rank}'s share): not a state to train from")
             torch_rng, host_rng = _rng_of(c, folder, body, seed)
-            scalars = {p: torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device="cpu")
-                       if isinstance(v, dict) and "tensor" in v else v for p, v in body["optimizer"]["scalars"].items()}
+            scalars = {**own, **{p: torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device="cpu")
+                                 if isinstance(v, dict) and "tensor" in v else v for p, v in saved["scalars"].items()}}
             return with_saved_scalars(mapped, body, torch_rng, scalars, c.policy), host_rng
 
         # From here a failure leaves the state partly the folder's: the engine refuses to step, evaluate or save
@@ -297,34 +329,44 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
     return states, saved
 
 
+def _state_change(opt: dict, per: dict, scalars: dict) -> tuple[list[str], list[str]]:
+    """(the state of this optimizer, ``optimizer_leaves``' ``per`` and ``scalars``, that a checkpoint's ``opt``, its
+    train state's "optimizer", lacks; the state it holds that this optimizer lacks), by torch.optim's names."""
+    mine, theirs = optim_keys(sorted(per), sorted(scalars)), [*opt["per_element"], *opt["scalars"]]
+    return (sorted(n for k, n in mine.items() if k not in theirs),
+            sorted(opt["keys"][k] for k in theirs if k not in mine))
+
+
 def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict,
-          whole: dict[str, torch.Tensor]) -> None:
-    """ConfigError for another model or optimizer (no fallback); CheckpointError when the files lack what the train
-    state names. ``whole``: the buffers and frozen parameters by key."""
+          whole: dict[str, torch.Tensor], way: str, named: bool) -> None:
+    """ConfigError for another model or optimizer (no fallback; ``way``: ``afresh``'s advice); CheckpointError when
+    the files lack what the train state names. ``whole``: the buffers and frozen parameters by key. ``named``: the
+    checkpoint's config names this run's optimizer, so that other state is another setting of it (SGD's momentum)."""
     opt = body["optimizer"]
-    if set(per) != set(opt["per_element"]) or set(scalars) != set(opt["scalars"]):
-        raise ConfigError(f"checkpoint {folder} holds the optimizer state "
-                          f"{sorted([*opt['per_element'], *opt['scalars']])} but this "
-                          f"optimizer's is {sorted([*per, *scalars])}; resume with the optimizer it was saved with"
-                          f"{OTHER_RUN}")
+    if not named and any(_state_change(opt, per, scalars)):
+        theirs = sorted(opt["keys"][k] for k in [*opt["per_element"], *opt["scalars"]])
+        raise ConfigError(f"checkpoint {folder} holds the optimizer state [{', '.join(theirs)}] but this optimizer "
+                          f"keeps [{', '.join(sorted(optim_keys(sorted(per), sorted(scalars)).values()))}]; resume "
+                          f"with the optimizer it was saved with; {way}")
     saved = {n: p.shape for n, p in StateLayout.in_checkpoint(md).params.items()}
     trainable = [n for n, p in c.module.named_parameters() if p.requires_grad]
-    _same_trainable(folder, trainable, saved, md.state_dict_metadata, whole)
-    _same_names(folder, trainable, saved, "parameters ")
+    _same_trainable(folder, trainable, saved, md.state_dict_metadata, whole, way)
+    _same_names(folder, trainable, saved, way, "parameters ")
     for p in layout.params.values():
-        _same_shape(folder, f"parameter {p.name!r}", saved[p.name], p.shape)
+        _same_shape(folder, f"parameter {p.name!r}", saved[p.name], p.shape, way)
     kept = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if k.startswith(("buffer.", "frozen."))}
     if kept:
-        _same_names(folder, whole, kept)
+        _same_names(folder, whole, kept, way)
     for k in kept:
-        _same_shape(folder, repr(k), kept[k], tuple(whole[k].shape))
-    wanted = [dcp_key(key, n, opt["keys"]) for n in layout.params for key in ("master", *per)]
+        _same_shape(folder, repr(k), kept[k], tuple(whole[k].shape), way)
+    wanted = [dcp_key(key, n, opt["keys"]) for n in layout.params
+              for key in ("master", *(k for k in per if k in opt["per_element"]))]
     absent = sorted(set(wanted) - set(md.state_dict_metadata))
     if absent:
         raise CheckpointError(f"checkpoint {folder}: the DCP files lack {few(absent)}")
 
 
-def _same_trainable(folder: Path, trainable: list[str], saved: dict, keys, whole: dict) -> None:
+def _same_trainable(folder: Path, trainable: list[str], saved: dict, keys, whole: dict, way: str) -> None:
     """ConfigError naming the parameters frozen when saved and trainable now, or the reverse (a resume cannot
     continue them), rather than calling them missing. ``keys``: the checkpoint's."""
     were = sorted(n for n in set(trainable) - set(saved) if f"frozen.{n}" in keys)
@@ -335,17 +377,17 @@ def _same_trainable(folder: Path, trainable: list[str], saved: dict, keys, whole
             (now, "were trainable when saved but are frozen in this run")) if names]
         raise ConfigError(f"checkpoint {folder}: parameters {'; '.join(parts)}; set their requires_grad as when saved to resume "
                           f"from it, or start afresh from its weights alone (python -m framework.export {folder} "
-                          f"--to DIR, then framework.load_weights(engine, DIR), with another checkpoint.dir)")
+                          f"--to DIR, then framework.load_weights(engine, DIR); {way})")
 
 
-def _same_names(folder: Path, mine, saved, what: str = "") -> None:
+def _same_names(folder: Path, mine, saved, way: str, what: str = "") -> None:
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     if missing or extra:
         parts = [f"{word} {what}{few(names)}" for word, names in (("missing", missing), ("unexpected", extra)) if names]
-        raise ConfigError(f"checkpoint {folder} does not fit this model: " + "; ".join(parts) + OTHER_RUN)
+        raise ConfigError(f"checkpoint {folder} does not fit this model: " + "; ".join(parts) + f"; {way}")
 
 
-def _same_shape(folder: Path, what: str, saved: tuple, mine: tuple) -> None:
+def _same_shape(folder: Path, what: str, saved: tuple, mine: tuple, way: str) -> None:
     if saved != mine:
         raise ConfigError(f"checkpoint {folder}: {what} has shape {saved} in the checkpoint but {mine} in this model"
-                          f"{OTHER_RUN}")
+                          f"; {way}")
