@@ -198,6 +198,12 @@ def _taking_a_lock(frame) -> bool:
     return not (code is _WAIT and "waiter.acquire(" in linecache.getline(code.co_filename, frame.f_lineno))
 
 
+def error_line(rank: int, e: BaseException) -> str:
+    """A rank's last line for its error; one that names the rank already (a DistributedError's "rank r/w: ...")
+    is not prefixed a second time."""
+    return f"error: {e}" if str(e).startswith(f"rank {rank}/") else f"error: rank {rank}: {e}"
+
+
 def terminated_line(e: SystemExit) -> str | None:
     """The one line for a run a SIGTERM ended (``signals_unwind``'s SystemExit), None for any other exit."""
     sigterm = "terminated (SIGTERM)" if e.code == 128 + signal.SIGTERM else None
@@ -484,7 +490,7 @@ def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Call
             # Leave together: no rank closes its gloo connections while a peer still waits on one.
             dist.barrier("shutdown barrier")
     except FrameworkError as e:
-        say(f"error: rank {rank}: {e}")
+        say(error_line(rank, e))
         if isinstance(e, DistributedError):   # (the launcher names another rank's error first)
             with contextlib.suppress(OSError):
                 os.close(os.open(peer_lost_path(store_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))

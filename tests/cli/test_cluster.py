@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from framework import compose
-from framework.cli.launch import signals_unwind, slurm_task_env
+from framework.cli.launch import error_line, signals_unwind, slurm_task_env
 from framework.core.paths import conf_dir
 
 CLUSTER = Path(__file__).resolve().parents[2] / "recipes" / "cluster"
@@ -773,3 +773,10 @@ def test_a_ranks_error_file_that_is_missing_empty_or_odd_gives_no_traceback(tmp_
     (tmp_path / "odd").write_bytes(pickle.dumps(17))
     assert _traceback(str(tmp_path / "ok")) == "Traceback ...\nRuntimeError: boom"
     assert [_traceback(str(tmp_path / n)) for n in ("missing", "empty", "odd")] == [None, None, None]
+
+
+def test_a_ranks_error_line_names_the_rank_once():
+    from framework import ConfigError, DistributedError
+    lost = DistributedError("rank 0/2: rank 1 lost (process gone) during checkpoint writing the files")
+    assert error_line(0, lost) == "error: rank 0/2: rank 1 lost (process gone) during checkpoint writing the files"
+    assert error_line(1, ConfigError("bad key")) == "error: rank 1: bad key"
