@@ -802,6 +802,13 @@ def test_a_torch_jit_scripted_submodule_trains_as_its_plain_twin_and_a_scripted_
 
     cfg = tiny_config(f"+stage={stage}", "scheduler=constant")
     _assert_scripted_trains_as_plain(net, cfg, 4)
+    # A user's error inside a scripted module surfaces as itself (zero3's error path, looking for a module run
+    # on empty shards, read each frame's class forward: a ScriptModule's raises AttributeError there).
+    wrong = net(True)
+    wrong[0] = torch.nn.Linear(4, 6)   # 6 features into the scripted 4-wide layer
+    with framework.initialize(wrong, _square_loss, cfg) as engine:
+        with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(2x6 and 4x4\)"):
+            engine.train_step(engine.state, framework.Batch(((torch.ones(2, 4),),)))
     if stage == "zero3":
         with pytest.raises(framework.ConfigError, match=r"^initialize: the module is torch\.jit\.script'ed, .*"
                                                         r"stage=zero3 needs on the root: pass a plain nn\.Module"):
