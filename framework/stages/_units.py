@@ -56,6 +56,7 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
     present = {type(m).__name__ for m in module.modules()}
     if tuple(gather_unit) != DEFAULT_GATHER_UNIT:
         for name in gather_unit:
+            _refuse_scripted_unit(module, name, by)
             if name not in present:
                 raise ConfigError(f"stage.gather_unit: {name!r} matches no module of the model"
                                   f"{closest_hint(name, present)}")
@@ -122,6 +123,22 @@ def _check_named_unit(module: nn.Module, name: str, by: dict[int, tuple[nn.Modul
                           f"{type(by[id(subs[0])][0]).__name__}: name that class")
     if not any(p.requires_grad for m in subs for p in m.parameters()):
         raise ConfigError(f"stage.gather_unit: {name} holds no trainable parameters: name a module class that does")
+
+
+def _refuse_scripted_unit(module: nn.Module, name: str, by: dict[int, tuple[nn.Module, ...]]) -> None:
+    """Refuse a ``gather_unit`` name that matches only torch.jit.script'ed modules (by the class they were
+    scripted from, or by ScriptModule's own class names), saying so: they are there, but cannot be units."""
+    subs = [m for m in module.modules() if m is not module and isinstance(m, _NO_HOOKS)
+            and name in (type(m).__name__, getattr(m, "original_name", None))]
+    if not subs or any(type(m).__name__ == name for m in module.modules()
+                       if m is not module and not isinstance(m, _NO_HOOKS)):
+        return
+    scripted = getattr(subs[0], "original_name", type(subs[0]).__name__)
+    holder = by[id(subs[0])][0]
+    with_it = ("the root module's unit" if holder is module
+               else f"the unit of the module that calls it ({type(holder).__name__}: name that class instead)")
+    raise ConfigError(f"stage.gather_unit: {scripted} is torch.jit.script'ed: a ScriptModule takes no Python hooks, "
+                      f"so it cannot be a unit and zero3 gathers it with {with_it}; or pass {scripted} unscripted")
 
 
 def _gathered_by(module: nn.Module) -> dict[int, tuple[nn.Module, ...]]:
