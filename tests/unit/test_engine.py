@@ -401,12 +401,14 @@ def test_after_close_zero3_shards_on_nvme_are_refused_not_read_as_zeros(tmp_path
             use()
 
 
-@pytest.mark.parametrize("fault,says", [
-    ("write_at", r"No space left on device; free space or point offload\.nvme_path at a larger disk"),
-    ("mkstemp", r"Permission denied; fix its permissions or set offload\.nvme_path to a writable folder"),
-    ("read_into", r"construction spill in .*: Input/output error; check the disk"),
+@pytest.mark.parametrize("fault,code,says", [
+    ("write_at", "ENOSPC", r"No space left on device; free space or point offload\.nvme_path at a larger disk"),
+    ("write_at", "EFBIG", r"File too large; a file size limit stops it: raise it \(ulimit -f\)"),   # not room
+    ("mkstemp", "EACCES", r"Permission denied; fix its permissions or set offload\.nvme_path to a writable folder"),
+    ("read_into", "EIO", r"construction spill in .*: Input/output error; check the disk"),
 ])
-def test_a_failed_zero3_parameter_spill_to_nvme_is_one_line_naming_the_folder(tmp_path, monkeypatch, fault, says):
+def test_a_failed_zero3_parameter_spill_to_nvme_is_one_line_naming_the_folder(tmp_path, monkeypatch, fault, code,
+                                                                               says):
     """The shards spilled while the model is built (after the pre-flight: the disk may fill or lose its permissions
     since), and read back into their swap file: an OSError there was a bare traceback."""
     import errno
@@ -414,7 +416,7 @@ def test_a_failed_zero3_parameter_spill_to_nvme_is_one_line_naming_the_folder(tm
     import tempfile
 
     import framework.offload._diskshards as diskshards
-    code = {"write_at": errno.ENOSPC, "mkstemp": errno.EACCES, "read_into": errno.EIO}[fault]
+    code = getattr(errno, code)
     real_mkstemp = tempfile.mkstemp
 
     def fail(*args, **kwargs):
