@@ -3,7 +3,6 @@ fills it, swapped out to its swap file at the end of setup, and made resident in
 ``DiskStore`` pool while a gather loads it or the step copies back into it."""
 from __future__ import annotations
 
-import errno
 import os
 import tempfile
 
@@ -13,17 +12,13 @@ from framework.comm.accelerator import Event
 from framework.core.errors import ConfigError, FrameworkError, SwapIOError
 from framework.core.files import make_dirs, read_into, write_at
 from framework.core.footprint import Footprint
-from framework.core.room import FULL
 from framework.offload._disk import NVMePlacement
 from framework.offload._diskstore import DiskStore, park_tensor, pool_layout
 from framework.offload._nvmespec import NVMeOffloadConfig
-from framework.offload._swapfile import os_reason
+from framework.offload._swapfile import nvme_fix, os_reason
 from framework.offload._swapfolder import preflight
 from framework.offload.base import Piece
 from framework.offload.cpu import HostShards
-
-
-_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)   # a folder this process may not write
 
 
 class DiskShards(HostShards):
@@ -73,13 +68,10 @@ class DiskShards(HostShards):
             write_at(self.spill, shard.detach(), at)   # (a host shard)
         except OSError as e:
             self._close_spill()
-            fix = ("free space or point offload.nvme_path at a larger disk" if e.errno in FULL else
-                   "fix its permissions or set offload.nvme_path to a writable folder" if e.errno in _NOT_WRITABLE else
-                   "check the disk, or set offload.nvme_path to a folder on another one")
             # said by ``_preflight``, agreed: the other ranks are in construction's broadcasts, none may stop alone
             self.spill_error = SwapIOError(
                 f"nvme: cannot spill the zero3 parameter shards to {folder} while the model is built (a temporary file "
-                f"there, before their swap file is written): {os_reason(e)}; {fix}", path=folder,
+                f"there, before their swap file is written): {os_reason(e)}; {nvme_fix(e)}", path=folder,
                 what="construction spill", errno=e.errno)
         park_tensor(shard)
 

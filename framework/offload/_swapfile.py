@@ -28,6 +28,7 @@ import torch
 
 from framework.core.errors import ConfigError, SwapIOError
 from framework.core.files import DIRECT_ALIGN, refuse_links, write_atomic
+from framework.core.room import DISK_FULL
 from framework.core.utils import dtype_name
 
 ALIGN = DIRECT_ALIGN
@@ -41,6 +42,21 @@ def padded(nbytes: int) -> int:
 def os_reason(e: OSError) -> str:
     """An OS error's reason for a one-line message: the errno's text, else what it says."""
     return os.strerror(e.errno) if e.errno else str(e)
+
+
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)   # a folder this process may not write
+
+
+def nvme_fix(e: OSError) -> str:
+    """The fix for an OS error writing under offload.nvme_path, by its reason, for a one-line message."""
+    if e.errno == errno.EFBIG:   # a per-file limit: more room would not help
+        return ("a file size limit stops it: raise it (ulimit -f) or point offload.nvme_path at a file system that "
+                "takes larger files")
+    if e.errno in DISK_FULL:
+        return "free space or point offload.nvme_path at a larger disk"
+    if e.errno in _NOT_WRITABLE:
+        return "fix its permissions or set offload.nvme_path to a writable folder"
+    return "check the disk, or set offload.nvme_path to a folder on another one"
 
 
 def reserved_bytes(extents: Mapping[str, int]) -> int:
@@ -152,7 +168,7 @@ class SwapFile:
                             syscalls.fallocate(fd, 0, size)
                     except OSError as e:
                         raise SwapIOError(f"cannot reserve {size} bytes for swap file {path} (offset 0, all extents): "
-                                          f"{os_reason(e)}; free space or point offload.nvme_path at a larger disk",
+                                          f"{os_reason(e)}; {nvme_fix(e)}",
                                           path=str(path), offset=0, what="all extents", errno=e.errno) from e
                     f = cls(path, table, size, meta, fd, syscalls)
                     break

@@ -196,6 +196,7 @@ def seq(manifest: dict) -> int:
 
 
 def next_seq(root: Path) -> int:
+    """The commit number of the next save under root: above every committed folder's."""
     return 1 + max((seq(m) for _, m in scan(root, manifests=True)[0] if m is not None), default=0)
 
 

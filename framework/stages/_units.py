@@ -50,12 +50,13 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
     """The unit candidates as (name, modules) and per parameter id its candidate's index (-1: shared in a way
     no one unit covers). 0 is the root, then each outermost ``gather_unit`` module; with ``split_root`` also
     every module with parameters of its own (with those it gathers for, ``_gathered_by``), merged where they
-    share one (tied weights)."""
+    share one (tied weights, or a scripted module that several of them hold)."""
     by = _gathered_by(module)
-    owns = {id(by[id(m)]) for m in module.modules() if any(True for _ in m.parameters(recurse=False))}
+    owns = {id(g) for m in module.modules() if any(True for _ in m.parameters(recurse=False)) for g in by[id(m)]}
     present = {type(m).__name__ for m in module.modules()}
     if tuple(gather_unit) != DEFAULT_GATHER_UNIT:
         for name in gather_unit:
+            _refuse_scripted_unit(module, name, by)
             if name not in present:
                 raise ConfigError(f"stage.gather_unit: {name!r} matches no module of the model"
                                   f"{closest_hint(name, present)}")
@@ -68,9 +69,9 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
     for name, sub in module.named_modules():
         if sub is module or id(sub) in where:
             continue
-        if by[id(sub)] is not sub:   # gathered with the module whose forward reads it (visited before)
-            if id(by[id(sub)]) in where:
-                where[id(sub)] = where[id(by[id(sub)])]
+        if by[id(sub)][0] is not sub:   # gathered with the module whose forward reads it (visited before)
+            if id(by[id(sub)][0]) in where:
+                where[id(sub)] = where[id(by[id(sub)][0])]
             continue
         if type(sub).__name__ in classes:
             gather.append(len(cands))
@@ -85,10 +86,11 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
     for i in gather:  # all of a unit's parameters, also ones another unit shares
         for p in cands[i][1].parameters():
             holders.setdefault(id(p), set()).add(i)
-    for sub in module.modules():
-        if where.get(id(sub), 0) not in is_unit:
-            for p in sub.parameters(recurse=False):
-                holders.setdefault(id(p), set()).add(where.get(id(sub), 0))
+    for sub in module.modules():   # (with every further module that reads it: a shared scripted one)
+        for at in {where.get(id(sub), 0)} | {where.get(id(g), 0) for g in by[id(sub)][1:]}:
+            if at not in is_unit:
+                for p in sub.parameters(recurse=False):
+                    holders.setdefault(id(p), set()).add(at)
     # Own-parameter modules that share a parameter are one unit (each member maps to one shared set).
     group = {i: {i} for i in range(1, len(cands)) if i not in is_unit}
     for hs in holders.values():
@@ -107,34 +109,54 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
     return units, {pid: min(f) if len(f) == 1 else -1 for pid, f in found.items()}
 
 
-def _check_named_unit(module: nn.Module, name: str, by: dict[int, nn.Module]) -> None:
+def _check_named_unit(module: nn.Module, name: str, by: dict[int, tuple[nn.Module, ...]]) -> None:
     """Refuse a ``gather_unit`` class name that would gather nothing."""
     subs = [m for m in module.modules() if type(m).__name__ == name and m is not module]
     if not subs:
         raise ConfigError(f"stage.gather_unit: {name} is the root module, always a unit: to gather the whole model "
                           f"as one unit set stage.gather_unit=[] and stage.split_root=false")
-    if all(by[id(m)] is not m for m in subs):
+    if all(by[id(m)][0] is not m for m in subs):
         if all(type(m).forward is nn.Module.forward for m in subs):
             raise ConfigError(f"stage.gather_unit: {name} has no forward of its own (it is never called, so its "
                               f"hooks never gather): name the modules inside it")
         raise ConfigError(f"stage.gather_unit: {name} is read by its parent's own forward, so it is gathered with "
-                          f"{type(by[id(subs[0])]).__name__}: name that class")
+                          f"{type(by[id(subs[0])][0]).__name__}: name that class")
     if not any(p.requires_grad for m in subs for p in m.parameters()):
         raise ConfigError(f"stage.gather_unit: {name} holds no trainable parameters: name a module class that does")
 
 
-def _gathered_by(module: nn.Module) -> dict[int, nn.Module]:
-    """Per module id, the module whose forward hooks must gather its own parameters: itself, except a module
+def _refuse_scripted_unit(module: nn.Module, name: str, by: dict[int, tuple[nn.Module, ...]]) -> None:
+    """Refuse a ``gather_unit`` name that matches only torch.jit.script'ed modules (by the class they were
+    scripted from, or by ScriptModule's own class names), saying so: they are there, but cannot be units."""
+    subs = [m for m in module.modules() if m is not module and isinstance(m, _NO_HOOKS)
+            and name in (type(m).__name__, getattr(m, "original_name", None))]
+    if not subs or any(type(m).__name__ == name for m in module.modules()
+                       if m is not module and not isinstance(m, _NO_HOOKS)):
+        return
+    scripted = getattr(subs[0], "original_name", type(subs[0]).__name__)
+    holder = by[id(subs[0])][0]
+    with_it = ("the root module's unit" if holder is module
+               else f"the unit of the module that calls it ({type(holder).__name__}: name that class instead)")
+    raise ConfigError(f"stage.gather_unit: {scripted} is torch.jit.script'ed: a ScriptModule takes no Python hooks, "
+                      f"so it cannot be a unit and zero3 gathers it with {with_it}; or pass {scripted} unscripted")
+
+
+def _gathered_by(module: nn.Module) -> dict[int, tuple[nn.Module, ...]]:
+    """Per module id, the modules whose forward hooks must gather its own parameters: itself, except a module
     with no forward of its own (``nn.ParameterList``: its parent reads them) and everything inside a
-    ``_READS_CHILDREN`` module, which go with that parent."""
-    by: dict[int, nn.Module] = {}
+    ``_READS_CHILDREN`` or ``_NO_HOOKS`` module, which go with that parent. A shared module that goes with its
+    parent goes with every parent that holds it: each one's forward runs it without hooks of its own."""
+    by: dict[int, tuple[nn.Module, ...]] = {}
 
     def visit(m: nn.Module, parent: nn.Module | None, whole: bool) -> None:   # whole: in a _READS_CHILDREN one
-        if id(m) in by:   # pre-order, as named_modules (a shared module goes where it is first met)
-            return
         # (containers go with their parent too: their children are judged on their own)
         own = parent is None or not whole and not isinstance(m, _NO_HOOKS) and type(m).forward is not nn.Module.forward
-        by[id(m)] = m if own else by[id(parent)]
+        via = (m,) if own else by[id(parent)]
+        if id(m) in by:   # met before (pre-order, as named_modules): one that gathers itself is done already
+            via = () if own else tuple(g for g in via if all(g is not k for k in by[id(m)]))
+            if not via:
+                return
+        by[id(m)] = by.get(id(m), ()) + via
         for c in m.children():
             visit(c, m, whole or isinstance(m, _READS_CHILDREN + _NO_HOOKS))
 

@@ -3,6 +3,7 @@ Meta parameters are materialised one at a time keeping only the local shard, so 
 rank can be built."""
 from __future__ import annotations
 
+import inspect
 import linecache
 import re
 import traceback
@@ -408,7 +409,9 @@ def _ungathered_call(error: BaseException, split_root: bool) -> str | None:
     for frame, _ in traceback.walk_tb(error.__traceback__):   # innermost last
         owner = frame.f_locals.get("self")
         # Its own forward running (not a hook before it: a failed gather is its own error) on empty shards.
-        if isinstance(owner, nn.Module) and frame.f_code is getattr(type(owner).forward, "__code__", None):
+        # (Read statically: a ScriptModule's class forward is a descriptor that raises when read from the class.)
+        forward = inspect.getattr_static(type(owner), "forward", None)
+        if isinstance(owner, nn.Module) and frame.f_code is getattr(forward, "__code__", None):
             idle = [p for p in owner.parameters(recurse=False)
                     if isinstance(p, ShardedParameter) and p.shape != p.logical_shape]
             if idle:

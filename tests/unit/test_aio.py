@@ -200,6 +200,9 @@ class _Faulty(Syscalls):
     def __init__(self, op: str, how: str, nth: int = 1):
         self.op, self.how, self.nth, self.calls = op, how, nth, 0
 
+    def code(self) -> int:
+        return {"eio": errno.EIO, "enospc": errno.ENOSPC, "efbig": errno.EFBIG}[self.how]
+
     def _maybe(self, op, fd, buffers, offset, real):
         if op == self.op:
             self.calls += 1
@@ -207,7 +210,7 @@ class _Faulty(Syscalls):
                 if self.how == "short":
                     n = len(memoryview(buffers[0]).cast("B"))
                     return real(fd, [memoryview(buffers[0]).cast("B")[: n - 512]], offset)
-                raise OSError({"eio": errno.EIO, "enospc": errno.ENOSPC}[self.how], "injected")
+                raise OSError(self.code(), "injected")
         return real(fd, buffers, offset)
 
     def preadv(self, fd, buffers, offset):
@@ -218,7 +221,7 @@ class _Faulty(Syscalls):
 
     def fallocate(self, fd, offset, length):
         if self.op == "fallocate":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise OSError(self.code(), os.strerror(self.code()))
         super().fallocate(fd, offset, length)
 
 
@@ -257,9 +260,15 @@ def test_io_faults_are_swap_io_errors_naming_file_offset_tensor(tmp_path, op, ho
         assert torch.equal(back, src)
 
 
-def test_no_room_at_creation_is_a_swap_io_error_and_leaves_nothing(tmp_path):
-    with pytest.raises(SwapIOError, match="cannot reserve .* No space left") as info:
-        _swap(tmp_path, {"a": 1000}, torch.float32, _Faulty("fallocate", "enospc"))
+@pytest.mark.parametrize("how,says", [
+    ("enospc", r"No space left on device; free space or point offload\.nvme_path at a larger disk$"),
+    # a file size limit: more room would not help
+    ("efbig", r"File too large; a file size limit stops it: raise it \(ulimit -f\) or point offload\.nvme_path at "
+              r"a file system that takes larger files$"),
+])
+def test_no_room_at_creation_is_a_swap_io_error_and_leaves_nothing(tmp_path, how, says):
+    with pytest.raises(SwapIOError, match="cannot reserve .*: " + says) as info:
+        _swap(tmp_path, {"a": 1000}, torch.float32, _Faulty("fallocate", how))
     assert info.value.offset == 0 and str(tmp_path) in info.value.path
     assert os.listdir(tmp_path) == []
 

@@ -119,6 +119,7 @@ def test_own_overlap():
     assert own_overlap(0, 5, 5, 20) is None
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_a_gather_unit_that_matches_no_module_is_an_error():
     """stage.gather_unit names module classes; one the model does not have is refused, naming the closest
     class it has. The default ([Block], our GPT's layer) does nothing on a model without one."""
@@ -147,6 +148,31 @@ def test_a_gather_unit_that_matches_no_module_is_an_error():
     with pytest.raises(ConfigError, match="NonDynamicallyQuantizableLinear is read by its parent's own forward, "
                                           "so it is gathered with MultiheadAttention: name that class"):
         plan_units(att, ["NonDynamicallyQuantizableLinear"], True, 0)
+    # A torch.jit.script'ed module is there but takes no hooks: named by the class it was scripted from (or as
+    # ScriptModule's class) it is refused saying so, not as a typo (nor in an AttributeError).
+    class Enc(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    class Calls(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = torch.jit.script(Enc())
+
+        def forward(self, x):
+            return self.enc(x)
+
+    for root, gathered in ((nn.Sequential(nn.Linear(4, 4), torch.jit.script(Enc())), "the root module's unit"),
+                           (nn.Sequential(Calls()), r"the unit of the module that calls it \(Calls: name that class")):
+        for name in ("Enc", "RecursiveScriptModule"):
+            with pytest.raises(ConfigError, match=f"^stage.gather_unit: Enc is torch.jit.script'ed: a ScriptModule "
+                                                  f"takes no Python hooks, so it cannot be a unit and zero3 gathers it "
+                                                  f"with {gathered}"):
+                plan_units(root, [name], True, 0)
 
 
 def test_parameters_read_by_a_parent_module_are_in_its_unit():
