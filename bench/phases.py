@@ -1,8 +1,10 @@
 """Where a step's time goes: phase timings per rank for our stages and for torch DDP.
 
-    .bench-venv/bin/python -m bench.phases [--systems ddp,zero1,zero2,torch-ddp] [--steps 20]
+    .bench-venv/bin/python -m bench.phases [--systems ddp,zero1,zero2,torch-ddp] [--steps 20] [--kernel torch]
 
-Same model, batch, optimizer and ranks as ``bench.stages``. Our stage's methods are wrapped
+Same model, batch, optimizer and ranks as ``bench.stages``, and the same optimizer kernel: by default
+torch's fused AdamW for every system (ours with ``FRAMEWORK_OPS=0``), ``--kernel ours`` our C++ CPU
+kernel for our stages. Our stage's methods are wrapped
 from outside (nothing in framework/ changes): forward = the loss function, backward =
 ``stage.backward`` (autograd plus whatever communication it launches and waits for),
 reduce = ``stage.reduce_grads``, norm = ``stage.grad_sq_norm`` (an all-reduce and the sync
@@ -22,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from bench.stages import (ADAMW, CLIP, MICRO, OURS, OVERRIDES, WARMUP, _adamw_groups, _busy_seconds, _global_loss,
-                          _wrap_ddp)
+                          _wrap_ddp, kernel_option, use_kernel)
 
 SYSTEMS = [*OURS, "torch-ddp"]
 
@@ -104,12 +106,16 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"comma-separated, from: {', '.join(SYSTEMS)}")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--world", type=int, default=2)
+    kernel_option(ap)
     args = ap.parse_args(argv)
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in names if s not in SYSTEMS]
     if unknown or not names:
         ap.error(f"unknown system(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SYSTEMS)}")
-    print(f"{machine()}; {args.world} gloo ranks; median ms per step and phase, each rank\n")
+    use_kernel(ap, args.kernel)
+    kernel = "torch fused AdamW (same as torch-ddp)" if args.kernel == "torch" else "our C++ CPU kernel"
+    print(f"{machine()}; {args.world} gloo ranks; our optimizer kernel: {kernel}; median ms per step and phase, "
+          f"each rank\n")
     for name in names:
         b0, o0, w0 = *_busy_seconds(), time.perf_counter()
         _, _, infos = run_ranks_detail(args.world, run_phases, name, args.steps)

@@ -295,6 +295,24 @@ def _git_state() -> str:
                                if dirty else " (clean)")
 
 
+def kernel_option(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--kernel", choices=["torch", "ours"], default="torch",
+                    help="optimizer kernel of our stages: torch's fused AdamW (the peers' kernel) or our C++ one")
+
+
+def use_kernel(ap: argparse.ArgumentParser, kernel: str) -> None:
+    """``--kernel``'s choice for the ranks about to be spawned, or one error line where ours cannot be had."""
+    # Read by our optimizers in every spawned rank (they inherit the environment).
+    os.environ["FRAMEWORK_OPS"] = "0" if kernel == "torch" else "1"
+    if kernel == "ours":
+        import framework.ops
+
+        # (builds it here if needed, once, before the ranks): without it ours would run torch's kernel
+        if not framework.ops.available():
+            ap.error(f"--kernel ours: our C++ CPU kernel is not available ({framework.ops.unavailable_reason()}); "
+                     f"see `python -m framework.ops status`, or use --kernel torch")
+
+
 def main(argv: list[str] | None = None) -> None:
     from bench._common import machine, run_ranks_detail
 
@@ -303,8 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--kernel", choices=["torch", "ours"], default="torch",
-                    help="optimizer kernel of our stages: torch's fused AdamW (the peers' kernel) or our C++ one")
+    kernel_option(ap)
     ap.add_argument("--max-other", type=float, default=0.2,
                     help="a run during which other processes used more CPU cores than this is repeated")
     ap.add_argument("--noisy-retries", type=int, default=4, help="repeats of a noisy run before keeping the quietest")
@@ -314,15 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [s for s in asked if s not in ALL + EXTRA]
     if unknown:
         ap.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(ALL + EXTRA)}")
-    # Read by our optimizers in every spawned rank (they inherit the environment).
-    os.environ["FRAMEWORK_OPS"] = "0" if args.kernel == "torch" else "1"
-    if args.kernel == "ours":
-        import framework.ops
-
-        # (builds it here if needed, once, before the ranks): without it ours would run torch's kernel
-        if not framework.ops.available():
-            ap.error(f"--kernel ours: our C++ CPU kernel is not available ({framework.ops.unavailable_reason()}); "
-                     f"see `python -m framework.ops status`, or use --kernel torch")
+    use_kernel(ap, args.kernel)
     systems, notes = _available(asked)
     for n in notes:
         print(f"note: {n}", flush=True)

@@ -209,6 +209,32 @@ def test_phases_builds_torch_ddp_as_stages_does(monkeypatch):
     assert "gradient_as_bucket_view=True" in inspect.getsource(bench.stages._wrap_ddp)
 
 
+@pytest.mark.parametrize("kernel, ops", [(None, "0"), ("ours", "1")])
+def test_phases_runs_the_optimizer_kernel_of_stages(kernel, ops, monkeypatch, capsys):
+    """bench.phases' ranks step with the kernel bench.stages' table used (by default torch's fused AdamW,
+    FRAMEWORK_OPS=0), not our C++ kernel whatever the environment said; --kernel ours as in stages.
+    (Ranks faked: the environment they would inherit is what is checked.)"""
+    import os
+
+    import bench._common
+    import bench.phases
+    import framework.ops
+
+    seen = []
+
+    def fake_run(world, fn, name, steps):
+        seen.append(os.environ.get("FRAMEWORK_OPS"))
+        return None, None, [{"phases": {"forward": 0.001}}] * world
+
+    monkeypatch.delenv("FRAMEWORK_OPS", raising=False)
+    monkeypatch.setattr(framework.ops, "available", lambda: True)
+    monkeypatch.setattr(bench._common, "run_ranks_detail", fake_run)
+    bench.phases.main(["--systems", "zero1,torch-ddp", "--steps", "1", *(["--kernel", kernel] if kernel else [])])
+    out = capsys.readouterr().out
+    assert seen == [ops, ops], seen
+    assert ("torch fused AdamW" if ops == "0" else "our C++ CPU kernel") in out, out
+
+
 def _many_losses(dist, n):
     return {"times": [0.0], "losses": [i + 0.5 for i in range(n)]}
 
