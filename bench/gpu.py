@@ -1,5 +1,5 @@
 """One-GPU benchmark: s/step, tokens/s and peak memory of our stages next to plain PyTorch, FSDP2
-and (where installed) DeepSpeed, on the anchor config.
+and (where installed; its rows are left out, saying so, where not) DeepSpeed, on the anchor config.
 
     python -m bench.gpu                       # every system below, on cuda:0
     python -m bench.gpu --systems plain,zero2-offload,zero2-offload-overlap --steps 10
@@ -21,6 +21,7 @@ time comes from an unsynchronised run of the same steps first.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -290,6 +291,10 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available() and (left := [s for s in names if s in GPU_ONLY]):
         print(f"no GPU: left out {', '.join(f'{s} ({GPU_ONLY[s]})' for s in left)}", flush=True)
         names = [s for s in names if s not in GPU_ONLY]
+    # (found without importing it: the import alone takes seconds; a broken install still fails in its row)
+    if (left := [s for s in names if s.startswith("deepspeed")]) and importlib.util.find_spec("deepspeed") is None:
+        print(f"no DeepSpeed (not installed): left out {', '.join(left)}", flush=True)
+        names = [s for s in names if s not in left]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     print(f"{gpu}; torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     rows = []

@@ -50,6 +50,32 @@ def test_gpu_bench_without_a_gpu_leaves_out_the_gpu_only_peers(monkeypatch, caps
     assert "| fsdp2 | 0.500 |" in out and "| fsdp2-offload |" not in out, out
 
 
+def test_gpu_bench_without_deepspeed_leaves_its_rows_out(monkeypatch, capsys):
+    """bench.gpu where DeepSpeed is not installed leaves its rows out in one line, as gpu_check says "not
+    installed" (was: "deepspeed-zero2-offload: failed (exit 1): ModuleNotFoundError"). Subprocesses faked."""
+    import importlib.util
+    import subprocess
+    import types
+
+    import bench.gpu
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("DeepSpeed is installed here")
+    ran = []
+
+    def fake_run(cmd, **kw):
+        ran.append(cmd[cmd.index("--one") + 1])
+        row = {"system": ran[-1], "s_per_step": 0.5, "tokens_per_s": 512, "peak_gpu_gib": None, "phases_ms": {},
+               "predicted_gib": None}
+        return types.SimpleNamespace(returncode=0, stdout=json.dumps(row) + "\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    bench.gpu.main(["--tiny", "--systems", "plain,deepspeed-zero2-offload"])
+    out = capsys.readouterr().out
+    assert ran == ["plain"], ran
+    assert "no DeepSpeed (not installed): left out deepspeed-zero2-offload" in out, out
+
+
 def test_plain_baseline_frees_its_gradients_after_the_step():
     """bench.gpu's plain PyTorch baseline drops its gradients after the optimizer step (zero_grad's
     default, as FSDP2's harness and ours do), so its peak does not hold an fp32 gradient copy
