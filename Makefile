@@ -1,7 +1,7 @@
 # make train : set up .venv and run the default job (python -m framework.train)
 # make test  : set up .venv and run the whole test suite
 # make gpu-check : on a GPU machine, everything to verify there in one run (bench/gpu_check.sh; PYTHON=... picks
-#                  the interpreter, ARGS=--dry-run runs it on the CPU)
+#                  the interpreter, by default .venv's where it exists, else python3; ARGS=--dry-run runs it on the CPU)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -39,8 +39,10 @@ test: setup lint
 lint: setup
 	$(VENV)/bin/ruff check -q .
 
+# No setup prerequisite: a GPU image runs it with what is there. The environment's Python where `make setup`
+# built one (python3 outside it cannot import torch), else python3.
 gpu-check:
-	PYTHON="$${PYTHON:-python3}" bash bench/gpu_check.sh $(ARGS)
+	PYTHON="$${PYTHON:-$(if $(wildcard $(PY)),$(PY),python3)}" bash bench/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun checkpoints

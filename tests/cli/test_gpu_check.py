@@ -365,6 +365,21 @@ def test_gpu_check_with_a_python_without_torch_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_make_gpu_check_uses_the_python_make_setup_built(tmp_path):
+    """`make gpu-check` after `make setup` runs the check with the environment's Python (was: python3, outside
+    it: "cannot import torch", exit 2), and python3 where no environment was built. (`make -n`: nothing runs.)"""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "MAKEFLAGS", "MFLAGS")}
+
+    def dry(folder):
+        return subprocess.run(["make", "-n", "-s", "gpu-check", f"VENV={folder}", "ARGS=--dry-run"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+    assert dry(venv) == f'PYTHON="${{PYTHON:-{venv}/bin/python}}" bash bench/gpu_check.sh --dry-run'
+    assert dry(tmp_path / "none") == 'PYTHON="${PYTHON:-python3}" bash bench/gpu_check.sh --dry-run'
+
+
 @pytest.mark.parametrize("budget", ["0", "-5", "nan", "soon"])
 def test_gpu_check_refuses_a_budget_that_is_no_time(budget, tmp_path, capsys):
     """--budget 0 or below is a bad argument (exit 2, one line, nothing written), not a run that checks
