@@ -354,6 +354,27 @@ def test_nvme_e2e_refuses_an_unknown_system_before_measuring(tmp_path, capsys):
     assert not (tmp_path / "d").exists()
 
 
+def test_nvme_e2e_says_whether_the_target_is_met(tmp_path, monkeypatch, capsys):
+    """bench.nvme_e2e's ratio column says met or MISSED against its 1.3x target, as bench.cpu_adam's verdict
+    does (was: a bare ratio, and a target stated as met in prose long after the runs missed it). Ranks and
+    disk faked: cpu 1.0 s/step, nvme 1.2 and 1.4."""
+    import bench._common
+    import bench.nvme_e2e
+
+    def fake_run(world, fn, name, steps, folder):
+        t = {"zero3 offload=cpu": 1.0, "zero3 offload=nvme": 1.2}.get(name, 1.4)
+        swap = {} if name == "zero3 offload=cpu" else {"read": 10 ** 6, "written": 10 ** 6, "wait_s": 0.0}
+        return t, [0, 0], [{"swap": swap, "losses": [5.5]}] * world
+
+    monkeypatch.setattr(bench.nvme_e2e, "disk_bandwidth", lambda folder: (1e9, 1e9))
+    monkeypatch.setattr(bench._common, "run_ranks_detail", fake_run)
+    systems = "zero3 offload=cpu,zero3 offload=nvme,zero3 offload=nvme (no pipeline)"
+    bench.nvme_e2e.main(["--dir", str(tmp_path), "--systems", systems])
+    out = capsys.readouterr().out
+    assert "| zero3 offload=cpu | 1.000 | 0% | 0 MB | 0.000 | - |" in out, out
+    assert "| 1.20x (met) |" in out and "| 1.40x (MISSED) |" in out, out
+
+
 def test_stages_noisy_retries_zero_keeps_the_noisy_run(monkeypatch, capsys):
     """--noisy-retries 0: a noisy run is kept, not repeated in the slot of a crash's retry, and is not
     reported as discarded; a crash is still retried once. (Ranks and the CPU meter faked.)"""
