@@ -13,9 +13,9 @@ einops tqdm ninja packaging`` (``.bench-venv`` is git-ignored). Without DeepSpee
 "ours" is ``framework.optimizers.step(tx, grads, state, params, lr)`` with ``tx`` the registered
 adamw (``framework.optimizers.adamw.build``): the path the training step and the CPU-offload pipeline
 take, Python dispatch included (``optimizers._transforms.optimizer``: the C++ kernel wherever it takes the
-tensors; its docstring says why no case goes to torch's fused CPU kernel). "ours+bf16" also writes the bf16 copy of the params
-(``out16``), as offload does; "ours-kernel" (not in the default list) calls the raw C++ kernel
-``framework.ops.adam_step``, to show what dispatch costs; "ours-prefetch-off" / "ours-prefetch-on"
+tensors, else torch's fused kernel, as under ``FRAMEWORK_OPS=0``, else the plain transforms). "ours+bf16" also
+writes the bf16 copy of the params (``out16``), as offload does; "ours-kernel" (not in the default list) calls
+the raw C++ kernel ``framework.ops.adam_step``, to show what dispatch costs; "ours-prefetch-off" / "ours-prefetch-on"
 (not default either) are "ours" with the kernels' software prefetch forced off / to 1 KiB ahead
 whatever this CPU's default (``python -m framework.ops`` shows it): the check to run on a new CPU
 vendor before changing ``default_prefetch`` in csrc/cpu_optim/cpu_optim.cpp. Peers:

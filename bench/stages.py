@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench._common import machine, run_ranks_detail
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--systems", default=",".join(ALL), help=f"comma-separated, from: {', '.join(ALL)}")
+    ap.add_argument("--systems", default=",".join(ALL), help=f"comma-separated, from: {', '.join(ALL)}; and, named only, {', '.join(EXTRA)}")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--world", type=int, default=2)
