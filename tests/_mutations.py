@@ -16,6 +16,7 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 | collective-side-stream | a collective issued on a side stream that is not ordered after its inputs | collectives issued from a fresh stream | the zero3 gather |
 | freed-in-flight | a tensor crossing streams without record_stream or an event | gradient copies read a temporary that is freed at once | the free (caching allocator), reported at the next call |
 | sync-in-hook | a host sync inside a backward hook | a zero2 bucket hook checks its partition with bool(tensor) | the hook (HostSync) |
+| event-sync-in-hook | a host wait for an event inside a backward hook (no torch call: the mode does not see it) | a zero2 bucket hook synchronizes an event recorded on compute | the hook (HostSync) |
 | unbound-thread | a worker thread that never set its device | the host-step thread's bind_thread is a no-op | the worker's first device work |
 | pageable-async | a non_blocking copy from pageable host memory | host buffers are allocated unpinned | the copy |
 | blocking-h2d-in-hook | a blocking host-to-device copy inside a hook (torch waits for the stream after it) | zero3 host shard loads copy blocking | the hook (HostSync) |
@@ -50,9 +51,9 @@ class _Forgetful(CheckingEvent):
         if self.after_copy not in self.acc.drop_wait:
             super().wait(stream)
 
-    def synchronize(self) -> None:
+    def _reached(self) -> None:   # (synchronize and query)
         if self.after_copy not in self.acc.drop_sync:
-            super().synchronize()
+            super()._reached()
 
 
 class ForgetsWaits(CheckingCpuAccelerator):
@@ -164,6 +165,22 @@ def _sync_in_zero2_hook(setattr_: Callable) -> None:
     setattr_(Zero2Stage, "_launch", _launch_checking_partition)
 
 
+def _event_sync_in_zero2_hook(setattr_: Callable) -> None:
+    from framework.stages.sharded import Zero2Stage
+
+    launch = Zero2Stage._launch
+
+    def _launch_waiting_for_compute(self, i):
+        done = self.dist.acc.event()
+        done.record()
+        done.synchronize()   # the bug: the host waits for the compute stream inside the hook
+        return launch(self, i)
+
+    posing = os.path.join(os.path.dirname(framework.__file__), "(mutation in tests/_mutations.py)")
+    _launch_waiting_for_compute.__code__ = _launch_waiting_for_compute.__code__.replace(co_filename=posing)
+    setattr_(Zero2Stage, "_launch", _launch_waiting_for_compute)
+
+
 def _blocking_shard_loads(setattr_: Callable) -> None:
     from framework.offload.cpu import HostShards
 
@@ -245,6 +262,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("sync-in-hook", ("+stage=zero2", "stage.reduce_bucket_size=1500"), HostSync,
              r"host sync \(__bool__ .* inside the zero2 gradient hook, at .* in _launch_checking_partition <- "
              r"framework/stages/_grads\.py:\d+ in flush", patch=_sync_in_zero2_hook),
+    Mutation("event-sync-in-hook", ("+stage=zero2", "stage.reduce_bucket_size=1500"), HostSync,
+             r"host sync \(synchronize of an event waiting for stream 'compute'\) inside the zero2 gradient hook, at "
+             r".* in _launch_waiting_for_compute <- framework/stages/_grads\.py:\d+ in flush",
+             patch=_event_sync_in_zero2_hook),
     Mutation("unbound-thread", ZERO2_OFFLOAD, DeviceMismatch,
              r"thread 'host-step_0' .* at framework/offload/_store\.py:\d+ in copy_on <- "
              r"framework/offload/base\.py:\d+ in copy_grad", UnboundThreads),

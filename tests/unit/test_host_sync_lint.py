@@ -10,7 +10,7 @@ device or a stream, ``.to("cpu")`` in any spelling, a blocking copy to or from h
 ``.to(host)``, ``host[...] = t``, ``out=host``), ``np.asarray(t)``, and
 ``torch.tensor(..., device=<not cpu>)`` (a copy from pageable memory that blocks the host). A
 deliberate one is marked with a ``# host sync: <why>`` comment on its line or the line above;
-event waits (``event.synchronize()``) are the sanctioned host waits and are not listed.
+event waits (``event.synchronize()``) are the sanctioned host waits and are not listed (the check mode catches one inside a hook).
 The CPU check mode catches syncs at run time inside hooks; this catches them everywhere in the
 hot modules, in code paths no test reaches too. Not caught: formatting a tensor (``f"{t}"``) and
 syncs whose tensor the names do not reveal (a copy into a host buffer not called host/cpu/pinned).

@@ -19,7 +19,8 @@ and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves eac
 - host syncs: in ``hot(...)`` and hooks wrapped by ``hook(...)``, framework code (not model code)
   reading device memory on the host (``item``, a boolean-mask index, ``bincount``, formatting it...),
   copying it into a host buffer blocking (``copy_``, ``host[...] = t``, ``out=host``, ``.to(host)``), or a host
-  buffer into it blocking (``copy(dev, host)``, ``t[...] = host``, ``host.to(t)``), raises ``HostSync``;
+  buffer into it blocking (``copy(dev, host)``, ``t[...] = host``, ``host.to(t)``), or synchronizing an event
+  that orders the host after work it has not waited for yet (``query`` does not wait), raises ``HostSync``;
 - pinned memory as CUDA's caching host allocator holds it (``pinned_stats``).
 """
 from __future__ import annotations
@@ -33,8 +34,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from framework.comm.accelerator._base import CpuAccelerator, DeviceMismatch, Event, OrderError, all_cpu
-from framework.comm.accelerator._hostsync import NoHostSync, tensors_of
+from framework.comm.accelerator._base import CpuAccelerator, DeviceMismatch, Event, HostSync, OrderError, all_cpu
+from framework.comm.accelerator._hostsync import NoHostSync, framework_caller, tensors_of
 from framework.comm.accelerator._hostsync import place as _place
 
 
@@ -82,11 +83,26 @@ class CheckingEvent:
     def synchronize(self) -> None:
         with self.acc._lock:
             self.acc._pending()
-            self.acc._host.merge(self.clock or {})
+            hot = getattr(self.acc._local, "hot", ())
+            if hot and any(not self.acc._host.sees(s, p) for s, p in (self.clock or {}).items()) \
+                    and framework_caller(skip=self):   # (one that teaches the host nothing new does not wait)
+                raise HostSync(f"host sync (synchronize of an event waiting for {self._unseen()}) inside {hot[-1]}, "
+                               f"at {_place()}: on CUDA the host stalls until the device catches up; move the wait "
+                               f"out of the hook, poll it with query(), or make a stream wait on the event instead")
+            self._reached()
 
     def query(self) -> bool:
-        self.synchronize()   # on the CPU the work ran when it was queued: reached, and the host knows it
+        with self.acc._lock:   # (no wait: allowed in hooks)
+            self.acc._pending()
+            self._reached()   # on the CPU the work ran when it was queued: reached, and the host knows it
         return True
+
+    def _reached(self) -> None:
+        """The host learns that the recorded point was reached."""
+        self.acc._host.merge(self.clock or {})
+
+    def _unseen(self) -> str:
+        return " and ".join(repr(s) for s, p in self.clock.items() if not self.acc._host.sees(s, p))
 
 
 class CheckingCpuAccelerator(CpuAccelerator):

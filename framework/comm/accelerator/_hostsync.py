@@ -48,6 +48,16 @@ class NoHostSync(TorchFunctionMode):
         super().__init__()
         self.acc, self.where = acc, where
 
+    def __enter__(self):
+        # Where this thread is hot, for what the mode does not see (an event's ``synchronize``: no torch call).
+        local = self.acc._local
+        local.hot = (*getattr(local, "hot", ()), self.where)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.acc._local.hot = self.acc._local.hot[:-1]
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
@@ -70,6 +80,16 @@ class NoHostSync(TorchFunctionMode):
             if key in self.acc._host_buffers and _host_key(out) != key:   # (not a view, nor in place)
                 self.acc._derived(name, args, kwargs, out)
         return out
+
+
+def framework_caller(skip=None) -> bool:
+    """Whether the code calling into this package (beyond frames whose ``self`` is ``skip``: a subclass's override
+    calling up) is framework code that is not model code."""
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename.startswith(_HERE) or skip is not None
+                             and f.f_locals.get("self") is skip):
+        f = f.f_back
+    return f is not None and _ours(f.f_code.co_filename)
 
 
 def _host_key(t) -> int | None:
