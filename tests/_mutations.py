@@ -19,6 +19,7 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 | event-sync-in-hook | a host wait for an event inside a backward hook (no torch call: the mode does not see it) | a zero2 bucket hook synchronizes an event recorded on compute | the hook (HostSync) |
 | unbound-thread | a worker thread that never set its device | the host-step thread's bind_thread is a no-op | the worker's first device work |
 | pageable-async | a non_blocking copy from pageable host memory | host buffers are allocated unpinned | the copy |
+| unwaited-fresh-buffer | a side stream writes device memory that compute's allocator just handed out (compute's queued work may still read those bytes) without waiting for compute | zero3 host shard loads stop making the H2D stream wait for compute | the load into the refilled gather buffer |
 | blocking-h2d-in-hook | a blocking host-to-device copy inside a hook (torch waits for the stream after it) | zero3 host shard loads copy blocking | the hook (HostSync) |
 | collective-on-host | a collective on host memory (NCCL takes device memory only) | zero3 gathers through a pinned host staging buffer | the gather's collective |
 | state-in-device-compute | device compute on a host piece's optimizer state (made by ``zeros_like`` of a host master: host memory) | the host step declares its state as the compute stream's operands | the host step |
@@ -26,6 +27,7 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -193,6 +195,21 @@ def _blocking_shard_loads(setattr_: Callable) -> None:
     setattr_(HostShards, "_copy_in", _copy_in_blocking)
 
 
+def _unwaited_fresh_gather_buffers(setattr_: Callable) -> None:
+    from framework.offload.cpu import HostShards
+
+    @contextlib.contextmanager
+    def loading_without_waiting(self):
+        acc, waits = self.p.acc, []
+        with acc.stream(self.p.h2d_stream):   # the bug: no wait for compute, which refilled the gather buffer
+            yield waits
+            issued = acc.event()
+            issued.record()
+        waits.append(issued.wait)
+
+    setattr_(HostShards, "loading", loading_without_waiting)
+
+
 def _gather_through_host(setattr_: Callable) -> None:
     from framework.comm.collectives import Local
 
@@ -282,6 +299,10 @@ MUTATIONS: tuple[Mutation, ...] = (
              patch=_state_in_device_compute),
     Mutation("pageable-async", ZERO2_OFFLOAD, DeviceMismatch, r"needs a pinned host buffer .* in copy_grad",
              PageableHostBuffers),
+    Mutation("unwaited-fresh-buffer", ZERO3_HOST_SHARDS, OrderError,
+             r"copy on stream 'offload h2d' uses a .* device buffer that the compute stream's allocator handed out, "
+             r"at framework/offload/cpu\.py:\d+ in _copy_in <- framework/offload/cpu\.py:\d+ in load",
+             patch=_unwaited_fresh_gather_buffers),
     Mutation("blocking-h2d-in-hook", ZERO3_HOST_SHARDS, HostSync,
              r"host sync \(blocking copy_ of a .* host buffer into device memory\) inside zero3's pre-forward hook, "
              r"at .* in _copy_in_blocking <- framework/offload/cpu\.py:\d+ in load", patch=_blocking_shard_loads),
