@@ -369,11 +369,12 @@ class CheckingCpuAccelerator(CpuAccelerator):
         """Device memory first seen (or refilled at a new address) came from the caching allocator on the compute
         stream, which may hand out bytes compute's queued work still reads: another stream may use it only after
         waiting for compute (as far as compute has got by now: when it was allocated is not seen), unless torch
-        made it while that stream was current (``AllocatedOn``: from that stream's own pool)."""
+        made it while that stream was current (``AllocatedOn``: from that stream's own pool). (Host code reading
+        device memory waits for the device: a sync, not a stream.)"""
         made = self._allocated_on.pop(_storage(t), None)
         if made is not None and made[0]() is t.untyped_storage() and made[1] is s:
             return
-        if s is not self._compute and not s.sees(self._compute, self._compute.pos):
+        if s is not self._compute and s is not self._host and not s.sees(self._compute, self._compute.pos):
             raise OrderError(
                 f"{what} on {s!r} uses a {tuple(t.shape)} {t.dtype} device buffer that the compute stream's "
                 f"allocator handed out, at {_place()}, before {s!r} waited for compute: the bytes may still be "
