@@ -181,9 +181,9 @@ def test_a_collective_is_ordered_after_its_issuing_stream_and_before_its_waiter(
         acc.use(reads=[dev])                       # the result before the work's wait
     acc.collective_done(token)
     acc.use(reads=[dev])
-    side, fresh = acc.new_stream("side"), torch.zeros(8)
-    host = acc.empty_host(8, torch.float32)
+    side, host = acc.new_stream("side"), acc.empty_host(8, torch.float32)
     with acc.stream(side):
+        fresh = torch.zeros(8)                      # (from the side stream's pool: no wait for compute needed)
         acc.copy(fresh, host, non_blocking=True)    # a side stream writes the input...
     with pytest.raises(OrderError, match="collective 'x' on stream 'collectives'"):
         acc.collective([fresh], "x")                # ...and the collective is issued unordered on compute

@@ -374,7 +374,8 @@ class CheckingCpuAccelerator(CpuAccelerator):
         made = self._allocated_on.pop(_storage(t), None)
         if made is not None and made[0]() is t.untyped_storage() and made[1] is s:
             return
-        if s is not self._compute and s is not self._host and not s.sees(self._compute, self._compute.pos):
+        if s is not self._compute and s is not self._host and self._compute.pos \
+                and not s.sees(self._compute, self._compute.pos):   # (position 0: compute queued nothing yet)
             raise OrderError(
                 f"{what} on {s!r} uses a {tuple(t.shape)} {t.dtype} device buffer that the compute stream's "
                 f"allocator handed out, at {_place()}, before {s!r} waited for compute: the bytes may still be "
