@@ -22,6 +22,7 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 | unwaited-fresh-buffer | a side stream writes device memory that compute's allocator just handed out (compute's queued work may still read those bytes) without waiting for compute | zero3 host shard loads stop making the H2D stream wait for compute | the load into the refilled gather buffer |
 | blocking-h2d-in-hook | a blocking host-to-device copy inside a hook (torch waits for the stream after it) | zero3 host shard loads copy blocking | the hook (HostSync) |
 | collective-on-host | a collective on host memory (NCCL takes device memory only) | zero3 gathers through a pinned host staging buffer | the gather's collective |
+| host-made-device-buffer | a device buffer made on the host by name (``device="cpu"``): on CUDA the first add of a device tensor into it fails | zero2's gradient partitions are made with ``device="cpu"`` in setup | the stage's placement check at setup |
 | state-in-device-compute | device compute on a host piece's optimizer state (made by ``zeros_like`` of a host master: host memory) | the host step declares its state as the compute stream's operands | the host step |
 | unwaited-d2h-source | a device buffer overwritten by compute while a device-to-host copy may still read it | speculated pieces' gradients copied a second time, waited for by nobody | the next backward's write of the gradient |
 """
@@ -225,6 +226,21 @@ def _gather_through_host(setattr_: Callable) -> None:
     setattr_(Local, "all_gather_into", all_gather_via_host)
 
 
+def _host_made_zero2_partitions(setattr_: Callable) -> None:
+    from framework.stages.sharded import Zero2Stage
+
+    setup_grads = Zero2Stage._setup_grads
+
+    def _setup_grads_on_host(self, entries):
+        setup_grads(self, entries)
+        for g, p in enumerate(self.part):   # (a loop: a comprehension's frame would not pose)
+            self.part[g] = torch.zeros(p.numel(), dtype=p.dtype, device="cpu")   # the bug
+
+    posing = os.path.join(os.path.dirname(framework.__file__), "(mutation in tests/_mutations.py)")
+    _setup_grads_on_host.__code__ = _setup_grads_on_host.__code__.replace(co_filename=posing)
+    setattr_(Zero2Stage, "_setup_grads", _setup_grads_on_host)
+
+
 def _state_in_device_compute(setattr_: Callable) -> None:
     from framework.offload import PiecePipeline
     from framework.optimizers import group_state
@@ -294,6 +310,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("collective-on-host", ZERO3_HOST_SHARDS, DeviceMismatch,
              r"collective .zero3 gather of .* \(NCCL takes device memory only\): expected device memory, got a "
              r"host buffer .* in _start_gather", patch=_gather_through_host),
+    Mutation("host-made-device-buffer", ("+stage=zero2", "stage.reduce_bucket_size=1500"), DeviceMismatch,
+             r"zero2 gradient partitions and bucket buffers: expected device memory, got a host buffer .* at "
+             r"framework/stages/sharded\.py:\d+ in setup <- framework/engine/build\.py:\d+ in initialize",
+             patch=_host_made_zero2_partitions),
     Mutation("state-in-device-compute", ZERO2_OFFLOAD, DeviceMismatch,
              r"compute on the device: expected device memory, got a host buffer .* in step_on_device",
              patch=_state_in_device_compute),

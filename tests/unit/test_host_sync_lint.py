@@ -18,7 +18,8 @@ syncs whose tensor the names do not reveal (a copy into a host buffer not called
 Placement, over all of framework/: every torch factory call (``torch.empty``, ``zeros``, ``tensor``...)
 names its ``device=``: without it the tensor lands on the host, which the CPU suite cannot tell from
 device memory (the checking accelerator takes everything but ``empty_host`` buffers, those ``register_host``
-names and what torch makes of them in hot regions for device memory).
+names, what torch makes of them in hot regions and, in hot regions and setup, what is made with the host
+named, ``device="cpu"`` or ``acc.host``, for device memory).
 A deliberate host tensor says so: ``device="cpu"``, a host device variable, or a ``# host: <why>``
 comment on its line. ``*_like`` and ``new_*`` calls inherit their source's device and are not read.
 

@@ -2,8 +2,9 @@
 and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves each check):
 
 - placement: host buffers are those ``empty_host`` made, those ``register_host`` names (what the caller made of
-  host buffers: pageable) and, in hot regions, what torch calls make of host buffers alone (``_hostsync``); all
-  else is device memory (torch's calls elsewhere are not watched: a mode costs every call). One where the other
+  host buffers: pageable), in hot regions what torch calls make of host buffers alone (``_hostsync``), and in
+  hot regions and ``building`` (setup) what framework code makes on the host by name (``device="cpu"``,
+  ``acc.host``); all else is device memory (torch's calls elsewhere are not watched: a mode costs every call). One where the other
   is expected (``on_device``/``on_host``, compute in ``use``, a collective), or a ``non_blocking`` copy with a
   pageable host side: ``DeviceMismatch``;
 - stream order (vector clocks, ``Clocked``): each access through the interface (``copy``, ``use``,
@@ -38,7 +39,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from framework.comm.accelerator._base import CpuAccelerator, DeviceMismatch, Event, HostSync, OrderError, all_cpu
-from framework.comm.accelerator._hostsync import NoHostSync, _host_key, framework_caller, tensors_of
+from framework.comm.accelerator._hostsync import HostMade, NoHostSync, _host_key, framework_caller, tensors_of
 from framework.comm.accelerator._hostsync import place as _place
 
 
@@ -320,6 +321,9 @@ class CheckingCpuAccelerator(CpuAccelerator):
 
     def hot(self, where: str) -> contextlib.AbstractContextManager:
         return NoHostSync(self, where)
+
+    def building(self, where: str) -> contextlib.AbstractContextManager:
+        return HostMade(self)
 
     def hook(self, fn: Callable, where: str) -> Callable:
         def checked(*args, **kwargs):
