@@ -16,15 +16,19 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 | collective-side-stream | a collective issued on a side stream that is not ordered after its inputs | collectives issued from a fresh stream | the zero3 gather |
 | freed-in-flight | a tensor crossing streams without record_stream or an event | gradient copies read a temporary that is freed at once | the free (caching allocator), reported at the next call |
 | sync-in-hook | a host sync inside a backward hook | a zero2 bucket hook checks its partition with bool(tensor) | the hook (HostSync) |
+| event-sync-in-hook | a host wait for an event inside a backward hook (no torch call: the mode does not see it) | a zero2 bucket hook synchronizes an event recorded on compute | the hook (HostSync) |
 | unbound-thread | a worker thread that never set its device | the host-step thread's bind_thread is a no-op | the worker's first device work |
 | pageable-async | a non_blocking copy from pageable host memory | host buffers are allocated unpinned | the copy |
+| unwaited-fresh-buffer | a side stream writes device memory that compute's allocator just handed out (compute's queued work may still read those bytes) without waiting for compute | zero3 host shard loads stop making the H2D stream wait for compute | the load into the refilled gather buffer |
 | blocking-h2d-in-hook | a blocking host-to-device copy inside a hook (torch waits for the stream after it) | zero3 host shard loads copy blocking | the hook (HostSync) |
 | collective-on-host | a collective on host memory (NCCL takes device memory only) | zero3 gathers through a pinned host staging buffer | the gather's collective |
+| host-made-device-buffer | a device buffer made on the host by name (``device="cpu"``): on CUDA the first add of a device tensor into it fails | zero2's gradient partitions are made with ``device="cpu"`` in setup | the stage's placement check at setup |
 | state-in-device-compute | device compute on a host piece's optimizer state (made by ``zeros_like`` of a host master: host memory) | the host step declares its state as the compute stream's operands | the host step |
 | unwaited-d2h-source | a device buffer overwritten by compute while a device-to-host copy may still read it | speculated pieces' gradients copied a second time, waited for by nobody | the next backward's write of the gradient |
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,9 +54,9 @@ class _Forgetful(CheckingEvent):
         if self.after_copy not in self.acc.drop_wait:
             super().wait(stream)
 
-    def synchronize(self) -> None:
+    def _reached(self) -> None:   # (synchronize and query)
         if self.after_copy not in self.acc.drop_sync:
-            super().synchronize()
+            super()._reached()
 
 
 class ForgetsWaits(CheckingCpuAccelerator):
@@ -164,6 +168,22 @@ def _sync_in_zero2_hook(setattr_: Callable) -> None:
     setattr_(Zero2Stage, "_launch", _launch_checking_partition)
 
 
+def _event_sync_in_zero2_hook(setattr_: Callable) -> None:
+    from framework.stages.sharded import Zero2Stage
+
+    launch = Zero2Stage._launch
+
+    def _launch_waiting_for_compute(self, i):
+        done = self.dist.acc.event()
+        done.record()
+        done.synchronize()   # the bug: the host waits for the compute stream inside the hook
+        return launch(self, i)
+
+    posing = os.path.join(os.path.dirname(framework.__file__), "(mutation in tests/_mutations.py)")
+    _launch_waiting_for_compute.__code__ = _launch_waiting_for_compute.__code__.replace(co_filename=posing)
+    setattr_(Zero2Stage, "_launch", _launch_waiting_for_compute)
+
+
 def _blocking_shard_loads(setattr_: Callable) -> None:
     from framework.offload.cpu import HostShards
 
@@ -174,6 +194,21 @@ def _blocking_shard_loads(setattr_: Callable) -> None:
     posing = os.path.join(os.path.dirname(framework.__file__), "(mutation in tests/_mutations.py)")
     _copy_in_blocking.__code__ = _copy_in_blocking.__code__.replace(co_filename=posing)
     setattr_(HostShards, "_copy_in", _copy_in_blocking)
+
+
+def _unwaited_fresh_gather_buffers(setattr_: Callable) -> None:
+    from framework.offload.cpu import HostShards
+
+    @contextlib.contextmanager
+    def loading_without_waiting(self):
+        acc, waits = self.p.acc, []
+        with acc.stream(self.p.h2d_stream):   # the bug: no wait for compute, which refilled the gather buffer
+            yield waits
+            issued = acc.event()
+            issued.record()
+        waits.append(issued.wait)
+
+    setattr_(HostShards, "loading", loading_without_waiting)
 
 
 def _gather_through_host(setattr_: Callable) -> None:
@@ -189,6 +224,21 @@ def _gather_through_host(setattr_: Callable) -> None:
         return pending
 
     setattr_(Local, "all_gather_into", all_gather_via_host)
+
+
+def _host_made_zero2_partitions(setattr_: Callable) -> None:
+    from framework.stages.sharded import Zero2Stage
+
+    setup_grads = Zero2Stage._setup_grads
+
+    def _setup_grads_on_host(self, entries):
+        setup_grads(self, entries)
+        for g, p in enumerate(self.part):   # (a loop: a comprehension's frame would not pose)
+            self.part[g] = torch.zeros(p.numel(), dtype=p.dtype, device="cpu")   # the bug
+
+    posing = os.path.join(os.path.dirname(framework.__file__), "(mutation in tests/_mutations.py)")
+    _setup_grads_on_host.__code__ = _setup_grads_on_host.__code__.replace(co_filename=posing)
+    setattr_(Zero2Stage, "_setup_grads", _setup_grads_on_host)
 
 
 def _state_in_device_compute(setattr_: Callable) -> None:
@@ -245,6 +295,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("sync-in-hook", ("+stage=zero2", "stage.reduce_bucket_size=1500"), HostSync,
              r"host sync \(__bool__ .* inside the zero2 gradient hook, at .* in _launch_checking_partition <- "
              r"framework/stages/_grads\.py:\d+ in flush", patch=_sync_in_zero2_hook),
+    Mutation("event-sync-in-hook", ("+stage=zero2", "stage.reduce_bucket_size=1500"), HostSync,
+             r"host sync \(synchronize of an event waiting for stream 'compute'\) inside the zero2 gradient hook, at "
+             r".* in _launch_waiting_for_compute <- framework/stages/_grads\.py:\d+ in flush",
+             patch=_event_sync_in_zero2_hook),
     Mutation("unbound-thread", ZERO2_OFFLOAD, DeviceMismatch,
              r"thread 'host-step_0' .* at framework/offload/_store\.py:\d+ in copy_on <- "
              r"framework/offload/base\.py:\d+ in copy_grad", UnboundThreads),
@@ -256,11 +310,19 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("collective-on-host", ZERO3_HOST_SHARDS, DeviceMismatch,
              r"collective .zero3 gather of .* \(NCCL takes device memory only\): expected device memory, got a "
              r"host buffer .* in _start_gather", patch=_gather_through_host),
+    Mutation("host-made-device-buffer", ("+stage=zero2", "stage.reduce_bucket_size=1500"), DeviceMismatch,
+             r"zero2 gradient partitions and bucket buffers: expected device memory, got a host buffer .* at "
+             r"framework/stages/sharded\.py:\d+ in setup <- framework/engine/build\.py:\d+ in initialize",
+             patch=_host_made_zero2_partitions),
     Mutation("state-in-device-compute", ZERO2_OFFLOAD, DeviceMismatch,
              r"compute on the device: expected device memory, got a host buffer .* in step_on_device",
              patch=_state_in_device_compute),
     Mutation("pageable-async", ZERO2_OFFLOAD, DeviceMismatch, r"needs a pinned host buffer .* in copy_grad",
              PageableHostBuffers),
+    Mutation("unwaited-fresh-buffer", ZERO3_HOST_SHARDS, OrderError,
+             r"copy on stream 'offload h2d' uses a .* device buffer that the compute stream's allocator handed out, "
+             r"at framework/offload/cpu\.py:\d+ in _copy_in <- framework/offload/cpu\.py:\d+ in load",
+             patch=_unwaited_fresh_gather_buffers),
     Mutation("blocking-h2d-in-hook", ZERO3_HOST_SHARDS, HostSync,
              r"host sync \(blocking copy_ of a .* host buffer into device memory\) inside zero3's pre-forward hook, "
              r"at .* in _copy_in_blocking <- framework/offload/cpu\.py:\d+ in load", patch=_blocking_shard_loads),

@@ -478,8 +478,9 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     # (config-only: refused before the module is touched)
     schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr, total_steps=cfg.train.steps)
     # Buffers whole on every rank; parameters move to dist.device as the stage lays them out.
-    materialize_buffers(module, dist.device, policy.param_dtype)
-    setup = stage.setup(module, policy, grad_accum=cfg.train.grad_accum)
+    with dist.acc.building("initialize"):   # (checked: a buffer made on the host by name is host memory)
+        materialize_buffers(module, dist.device, policy.param_dtype)
+        setup = stage.setup(module, policy, grad_accum=cfg.train.grad_accum)
     # Until an engine owns them, an error closes the offload worker and the stage's hooks. (Sharded
     # parameters stay sharded: a retry on this module is refused in one line.)
     with contextlib.ExitStack() as unowned:

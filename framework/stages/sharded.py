@@ -123,7 +123,11 @@ class Zero2Stage(ShardedStage):
 
     def setup(self, module: nn.Module, policy: Policy, *, grad_accum: int = 1) -> Setup:
         refuse_sparse_grads(module, "zero2")
-        return super().setup(module, policy, grad_accum=grad_accum)
+        setup = super().setup(module, policy, grad_accum=grad_accum)
+        # The reduced sums are added into the partitions by torch ops declared to no accelerator call (a
+        # declaration per bucket would cost every step): their placement is checked here, once.
+        self.dist.acc.on_device(*self.part, *self.buffers, what="zero2 gradient partitions and bucket buffers")
+        return setup
 
     @staticmethod
     def plan(cfg: ZeroConfig, slots: list, shards: dict[int, int], world: int) -> list[Bucket]:

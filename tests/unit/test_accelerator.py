@@ -181,9 +181,9 @@ def test_a_collective_is_ordered_after_its_issuing_stream_and_before_its_waiter(
         acc.use(reads=[dev])                       # the result before the work's wait
     acc.collective_done(token)
     acc.use(reads=[dev])
-    side, fresh = acc.new_stream("side"), torch.zeros(8)
-    host = acc.empty_host(8, torch.float32)
+    side, host = acc.new_stream("side"), acc.empty_host(8, torch.float32)
     with acc.stream(side):
+        fresh = torch.zeros(8)                      # (from the side stream's pool: no wait for compute needed)
         acc.copy(fresh, host, non_blocking=True)    # a side stream writes the input...
     with pytest.raises(OrderError, match="collective 'x' on stream 'collectives'"):
         acc.collective([fresh], "x")                # ...and the collective is issued unordered on compute
@@ -317,7 +317,7 @@ def test_every_kind_of_host_sync_in_a_hook_is_caught(acc):
     fine = ["t[t.long() - 1]", "t.repeat_interleave(2)", "t.repeat_interleave(t.long(), output_size=10)",
             "torch.where(t > 0, t, 0)", "host.copy_(t, non_blocking=True)", "t.copy_(host, non_blocking=True)",
             "host.to(t, non_blocking=True)", "host.to(torch.bfloat16)", "t.__setitem__(slice(None), t * 2)",
-            "host.__setitem__(slice(None), host * 2)", "torch.cat([t], out=torch.empty(4, device='cpu'))",
+            "host.__setitem__(slice(None), host * 2)", "torch.cat([t], out=torch.empty_like(t))",
             "f'{t.shape}'", "host.clone().sum().item()", "host[host > 0]", "t.to(t)", "np.asarray(host)"]
     path = os.path.join(os.path.dirname(framework.__file__), "stages", "hook.py")
     cases = [*((rf"{n} of a .* device tensor", e) for n, e in syncs.items()),
@@ -334,6 +334,26 @@ def test_every_kind_of_host_sync_in_a_hook_is_caught(acc):
                 with pytest.raises(HostSync, match=rf"host sync \({what}\) inside a hook"):
                     ns["f"](t, host)
         ns["f"](t, host)   # outside a hot region: not checked
+
+
+def test_what_framework_code_makes_on_the_host_by_name_in_setup_or_a_hot_region_is_host_memory(acc):
+    """``device="cpu"`` and ``acc.host`` name the host (on the CPU the run's device is an equal but other object):
+    what framework code makes with them in ``building`` or ``hot`` is host memory; elsewhere it is not seen."""
+    import os
+
+    import framework
+    src = ("def named(t):\n    return [torch.zeros(2, device='cpu'), torch.empty(2, device=acc.host)]\n"
+           "def device(t):\n    return [torch.zeros(2, device=t.device), torch.empty(2, device=acc.device)]\n"
+           "def moved(t):\n    return [t.to('cpu', copy=True), t.cpu(), t.to('cpu')]\n")
+    ns = {"torch": torch, "acc": acc}
+    exec(compile(src, os.path.join(os.path.dirname(framework.__file__), "stages", "setup.py"), "exec"), ns)
+    t = torch.ones(2)
+    with acc.building("setup"):
+        named, device, moved = ns["named"](t), ns["device"](t), ns["moved"](t)
+    with acc.hot("a hook"):
+        named += ns["named"](t)
+    acc.on_host(*named, moved[0], what="x")
+    acc.on_device(*device, t, *moved[1:], *ns["named"](t), what="x")   # (``t`` itself returned: still device)
 
 
 def test_what_torch_makes_of_host_buffers_in_a_hot_region_or_registered_is_host_memory(acc):

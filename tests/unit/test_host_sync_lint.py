@@ -10,7 +10,7 @@ device or a stream, ``.to("cpu")`` in any spelling, a blocking copy to or from h
 ``.to(host)``, ``host[...] = t``, ``out=host``), ``np.asarray(t)``, and
 ``torch.tensor(..., device=<not cpu>)`` (a copy from pageable memory that blocks the host). A
 deliberate one is marked with a ``# host sync: <why>`` comment on its line or the line above;
-event waits (``event.synchronize()``) are the sanctioned host waits and are not listed.
+event waits (``event.synchronize()``) are the sanctioned host waits and are not listed (the check mode catches one inside a hook).
 The CPU check mode catches syncs at run time inside hooks; this catches them everywhere in the
 hot modules, in code paths no test reaches too. Not caught: formatting a tensor (``f"{t}"``) and
 syncs whose tensor the names do not reveal (a copy into a host buffer not called host/cpu/pinned).
@@ -18,7 +18,8 @@ syncs whose tensor the names do not reveal (a copy into a host buffer not called
 Placement, over all of framework/: every torch factory call (``torch.empty``, ``zeros``, ``tensor``...)
 names its ``device=``: without it the tensor lands on the host, which the CPU suite cannot tell from
 device memory (the checking accelerator takes everything but ``empty_host`` buffers, those ``register_host``
-names and what torch makes of them in hot regions for device memory).
+names, what torch makes of them in hot regions and, in hot regions and setup, what is made with the host
+named, ``device="cpu"`` or ``acc.host``, for device memory).
 A deliberate host tensor says so: ``device="cpu"``, a host device variable, or a ``# host: <why>``
 comment on its line. ``*_like`` and ``new_*`` calls inherit their source's device and are not read.
 

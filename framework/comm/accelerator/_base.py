@@ -86,6 +86,11 @@ class Accelerator(Protocol):
         """A region where framework code must not make the host wait for the device (checked)."""
         return contextlib.nullcontext()
 
+    def building(self, where: str) -> contextlib.AbstractContextManager:
+        """A setup region (not the step): checked, what framework code makes there on the host by name is host
+        memory."""
+        return contextlib.nullcontext()
+
     def hook(self, fn: Callable, where: str) -> Callable:
         """``fn`` to register as a hook, checked as ``hot`` (autograd runs hooks outside the caller's region)."""
         return fn

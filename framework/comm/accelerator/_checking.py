@@ -2,8 +2,9 @@
 and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves each check):
 
 - placement: host buffers are those ``empty_host`` made, those ``register_host`` names (what the caller made of
-  host buffers: pageable) and, in hot regions, what torch calls make of host buffers alone (``_hostsync``); all
-  else is device memory (torch's calls elsewhere are not watched: a mode costs every call). One where the other
+  host buffers: pageable), in hot regions what torch calls make of host buffers alone (``_hostsync``), and in
+  hot regions and ``building`` (setup) what framework code makes on the host by name (``device="cpu"``,
+  ``acc.host``); all else is device memory (torch's calls elsewhere are not watched: a mode costs every call). One where the other
   is expected (``on_device``/``on_host``, compute in ``use``, a collective), or a ``non_blocking`` copy with a
   pageable host side: ``DeviceMismatch``;
 - stream order (vector clocks, ``Clocked``): each access through the interface (``copy``, ``use``,
@@ -14,12 +15,15 @@ and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves eac
 - NCCL's own stream: a collective runs after the stream current at its issue, and the stream
   current at ``collective_done`` after it;
 - the caching allocator: device memory freed while a stream other than compute may still use it
-  (no event, no ``record_stream``) is reported at the next checked call;
+  (no event, no ``record_stream``) is reported at the next checked call; device memory first seen (or refilled
+  by ``resize_`` at a new address) comes from compute's pool, so another stream using it first must have waited
+  for compute (unless torch made it while that stream was current: its own pool);
 - per-thread devices: a thread other than the creator must ``bind_thread`` before device work;
 - host syncs: in ``hot(...)`` and hooks wrapped by ``hook(...)``, framework code (not model code)
   reading device memory on the host (``item``, a boolean-mask index, ``bincount``, formatting it...),
   copying it into a host buffer blocking (``copy_``, ``host[...] = t``, ``out=host``, ``.to(host)``), or a host
-  buffer into it blocking (``copy(dev, host)``, ``t[...] = host``, ``host.to(t)``), raises ``HostSync``;
+  buffer into it blocking (``copy(dev, host)``, ``t[...] = host``, ``host.to(t)``), or synchronizing an event
+  that orders the host after work it has not waited for yet (``query`` does not wait), raises ``HostSync``;
 - pinned memory as CUDA's caching host allocator holds it (``pinned_stats``).
 """
 from __future__ import annotations
@@ -32,9 +36,10 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
-from framework.comm.accelerator._base import CpuAccelerator, DeviceMismatch, Event, OrderError, all_cpu
-from framework.comm.accelerator._hostsync import NoHostSync, tensors_of
+from framework.comm.accelerator._base import CpuAccelerator, DeviceMismatch, Event, HostSync, OrderError, all_cpu
+from framework.comm.accelerator._hostsync import HostMade, NoHostSync, _host_key, framework_caller, tensors_of
 from framework.comm.accelerator._hostsync import place as _place
 
 
@@ -82,11 +87,26 @@ class CheckingEvent:
     def synchronize(self) -> None:
         with self.acc._lock:
             self.acc._pending()
-            self.acc._host.merge(self.clock or {})
+            hot = getattr(self.acc._local, "hot", ())
+            if hot and any(not self.acc._host.sees(s, p) for s, p in (self.clock or {}).items()) \
+                    and framework_caller(skip=self):   # (one that teaches the host nothing new does not wait)
+                raise HostSync(f"host sync (synchronize of an event waiting for {self._unseen()}) inside {hot[-1]}, "
+                               f"at {_place()}: on CUDA the host stalls until the device catches up; move the wait "
+                               f"out of the hook, poll it with query(), or make a stream wait on the event instead")
+            self._reached()
 
     def query(self) -> bool:
-        self.synchronize()   # on the CPU the work ran when it was queued: reached, and the host knows it
+        with self.acc._lock:   # (no wait: allowed in hooks)
+            self.acc._pending()
+            self._reached()   # on the CPU the work ran when it was queued: reached, and the host knows it
         return True
+
+    def _reached(self) -> None:
+        """The host learns that the recorded point was reached."""
+        self.acc._host.merge(self.clock or {})
+
+    def _unseen(self) -> str:
+        return " and ".join(repr(s) for s, p in self.clock.items() if not self.acc._host.sees(s, p))
 
 
 class CheckingCpuAccelerator(CpuAccelerator):
@@ -104,6 +124,7 @@ class CheckingCpuAccelerator(CpuAccelerator):
         # storage address -> (keeper, [(lo, hi, stream, pos, is_write, place)]) byte ranges accessed
         self._accesses: dict[int, tuple[weakref.ref, list]] = {}
         self._recorded: dict[int, set] = {}   # device storage address -> streams it was record_stream'ed to
+        self._allocated_on: dict[int, tuple[weakref.ref, Clocked]] = {}   # address -> side stream it was made on
         self._violations: list[str] = []      # found outside a call (a free), raised at the next one
         self._pinned = {"requested": 0, "reserved": 0}
         self._pinned_free: dict[int, int] = {}   # rounded size -> cached free blocks
@@ -121,7 +142,11 @@ class CheckingCpuAccelerator(CpuAccelerator):
         before = self.current_stream()
         self._local.stream = stream
         try:
-            yield
+            if stream is self._compute:
+                yield
+            else:   # (what torch allocates here comes from that stream's pool, not compute's)
+                with AllocatedOn(self, stream):
+                    yield
         finally:
             self._local.stream = before
 
@@ -297,6 +322,9 @@ class CheckingCpuAccelerator(CpuAccelerator):
     def hot(self, where: str) -> contextlib.AbstractContextManager:
         return NoHostSync(self, where)
 
+    def building(self, where: str) -> contextlib.AbstractContextManager:
+        return HostMade(self)
+
     def hook(self, fn: Callable, where: str) -> Callable:
         def checked(*args, **kwargs):
             with self.hot(where):
@@ -327,6 +355,7 @@ class CheckingCpuAccelerator(CpuAccelerator):
                 self._accesses[key] = (self._keeper(t, self._accesses, key), log)
                 if not self._is_host(t):
                     self._watch_free(t, key, log)
+                    self._fresh(s, t, what)
             for a_lo, a_hi, other, pos, other_write, other_place in log:
                 if a_lo < hi and lo < a_hi and (write or other_write) and not s.sees(other, pos):
                     raise OrderError(
@@ -339,6 +368,23 @@ class CheckingCpuAccelerator(CpuAccelerator):
             else:      # nor does an earlier read of the same bytes on the same stream
                 log[:] = [a for a in log if not (a[0] == lo and a[1] == hi and a[2] is s and not a[4])]
             log.append((lo, hi, s, s.pos, write, place))
+
+    def _fresh(self, s: Clocked, t: Tensor, what: str) -> None:
+        """Device memory first seen (or refilled at a new address) came from the caching allocator on the compute
+        stream, which may hand out bytes compute's queued work still reads: another stream may use it only after
+        waiting for compute (as far as compute has got by now: when it was allocated is not seen), unless torch
+        made it while that stream was current (``AllocatedOn``: from that stream's own pool). (Host code reading
+        device memory waits for the device: a sync, not a stream.)"""
+        made = self._allocated_on.pop(_storage(t), None)
+        if made is not None and made[0]() is t.untyped_storage() and made[1] is s:
+            return
+        if s is not self._compute and s is not self._host and self._compute.pos \
+                and not s.sees(self._compute, self._compute.pos):   # (position 0: compute queued nothing yet)
+            raise OrderError(
+                f"{what} on {s!r} uses a {tuple(t.shape)} {t.dtype} device buffer that the compute stream's "
+                f"allocator handed out, at {_place()}, before {s!r} waited for compute: the bytes may still be "
+                f"read by compute's queued work; record an event on compute after the allocation and wait on it "
+                f"first")
 
     def _watch_free(self, t: Tensor, key: int, log: list) -> None:
         """When ``t``'s device storage is freed, check that no stream may still use it (the caching allocator
@@ -361,6 +407,25 @@ class CheckingCpuAccelerator(CpuAccelerator):
                             f"keep the tensor until an event after the use, or acc.record_stream(t, stream)")
                         return
         weakref.finalize(t.untyped_storage(), freed).atexit = False   # not at interpreter exit
+
+
+class AllocatedOn(TorchFunctionMode):
+    """While ``stream`` (not compute) is current: the storages torch calls make are from its pool (``acc._fresh``)."""
+
+    def __init__(self, acc: CheckingCpuAccelerator, stream: Clocked):
+        super().__init__()
+        self.acc, self.stream = acc, stream
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if "out" not in kwargs:
+            inputs = {_host_key(t) for t in tensors_of(args, kwargs)}   # (a view or an in-place result: not new)
+            for t in (out,) if isinstance(out, Tensor) else out if isinstance(out, (tuple, list)) else ():
+                if (key := _host_key(t)) is not None and key not in inputs:
+                    with self.acc._lock:
+                        self.acc._allocated_on[key] = (self.acc._keeper(t, self.acc._allocated_on, key), self.stream)
+        return out
 
 
 def _owns(ref: weakref.ref, address: int) -> bool:

@@ -48,6 +48,16 @@ class NoHostSync(TorchFunctionMode):
         super().__init__()
         self.acc, self.where = acc, where
 
+    def __enter__(self):
+        # Where this thread is hot, for what the mode does not see (an event's ``synchronize``: no torch call).
+        local = self.acc._local
+        local.hot = (*getattr(local, "hot", ()), self.where)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.acc._local.hot = self.acc._local.hot[:-1]
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
@@ -64,12 +74,57 @@ class NoHostSync(TorchFunctionMode):
                                    f"{self.where}, at {place()}: on CUDA the host stalls until the device catches "
                                    f"up; move it out of the hook, or keep the value on the device")
         out = func(*args, **kwargs)
-        if self.acc._host_buffers and (isinstance(out, Tensor) or isinstance(out, (tuple, list)) and out
-                                       and isinstance(out[0], Tensor)):   # (cheap tests first)
+        if "device" in kwargs and _named_host(self.acc, kwargs["device"]):   # (``torch.empty(n, device="cpu")``)
+            _register_made(self.acc, name, args, kwargs, out)
+        elif self.acc._host_buffers and (isinstance(out, Tensor) or isinstance(out, (tuple, list)) and out
+                                         and isinstance(out[0], Tensor)):   # (cheap tests first)
             key = _host_key(args[0] if args else None)
             if key in self.acc._host_buffers and _host_key(out) != key:   # (not a view, nor in place)
                 self.acc._derived(name, args, kwargs, out)
         return out
+
+
+class HostMade(TorchFunctionMode):
+    """Inside ``CheckingCpuAccelerator.building`` (setup, not the step): what framework code makes on the host by
+    name (``device="cpu"``, ``device=acc.host``, ``.to("cpu")``, ``.cpu()``) is host memory (pageable), so a buffer
+    meant for the device but made there is caught where it is used as device memory. ``acc.device`` and the run's
+    device are other ``torch.device`` objects, equal to the host's on the CPU: only these spellings tell them apart."""
+
+    def __init__(self, acc):
+        super().__init__()
+        self.acc = acc
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if _named_host(self.acc, kwargs.get("device")) or name == "cpu" \
+                or name == "to" and len(args) > 1 and _named_host(self.acc, args[1]):
+            _register_made(self.acc, name, args, kwargs, out)
+        return out
+
+
+def _named_host(acc, device) -> bool:
+    return device is acc.host or isinstance(device, str) and device == "cpu"
+
+
+def _register_made(acc, name: str, args, kwargs, out) -> None:
+    """``out`` of a call that named the host, made by framework code: host memory (not an input returned as it is)."""
+    if framework_caller():
+        inputs = {_host_key(t) for t in tensors_of(args, kwargs)}
+        made = [t for t in ((out,) if isinstance(out, Tensor) else out if isinstance(out, (tuple, list)) else ())
+                if isinstance(t, Tensor) and t.device.type == "cpu" and _host_key(t) not in (None, *inputs)]
+        acc.register_host(*made, what=name)
+
+
+def framework_caller(skip=None) -> bool:
+    """Whether the code calling into this package or torch (beyond frames whose ``self`` is ``skip``: a subclass's
+    override calling up) is framework code that is not model code."""
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename.startswith((_HERE, _TORCH)) or skip is not None
+                             and f.f_locals.get("self") is skip):
+        f = f.f_back
+    return f is not None and _ours(f.f_code.co_filename)
 
 
 def _host_key(t) -> int | None:
