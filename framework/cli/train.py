@@ -62,14 +62,7 @@ VALUED = (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--co
 def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset[str]]:
     """Each job's overrides (sweeps expanded as Hydra's basic sweeper does; None for info flags and a line Hydra
     refuses), the primary config, the key of the folder Hydra makes, and the keys the command line fixes."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("overrides", nargs="*")
-    for names in SWITCHES:
-        parser.add_argument(*names, action="store_true")
-    for names in VALUED:
-        parser.add_argument(*names)
-    parser.add_argument("--info", "-i", nargs="?", const="all")
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = _parser().parse_known_args(argv)
     if args.config_path is not None:   # Hydra's would replace conf/ (every group) and be read from framework/cli/
         raise ConfigError(f"--config-path {args.config_path}: not supported (Hydra would replace the framework's "
                           f"conf/ with it, read relative to framework/cli/); use --config-dir {args.config_path} "
@@ -93,6 +86,29 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset
             fixed[o.key_or_group] = len(axes[key]) == 1
     return ([list(combo) for combo in itertools.product(*axes.values())], primary, folder,
             frozenset(k for k, one in fixed.items() if one))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("overrides", nargs="*")
+    for names in SWITCHES:
+        parser.add_argument(*names, action="store_true")
+    for names in VALUED:
+        parser.add_argument(*names)
+    parser.add_argument("--info", "-i", nargs="?", const="all")
+    return parser
+
+
+def with_added(argv: list[str], added: list[str]) -> list[str]:
+    """``argv`` (a command line without its program) with ``added`` overrides right after the user's, which
+    they override: Hydra's parser takes the overrides as one run of words, which a flag may follow (``... -m``)."""
+    args, _ = _parser().parse_known_args(argv)
+    n = len(args.overrides)
+    valued = {name for names in VALUED for name in names}
+    ends = [i + n for i in range(len(argv) - n + 1)   # (a flag's value is none of them: -cn a=1 a=1)
+            if n and argv[i:i + n] == args.overrides and (i == 0 or argv[i - 1] not in valued)]
+    end = ends[-1] if ends else len(argv)
+    return [*argv[:end], *added, *argv[end:]]
 
 
 def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
@@ -427,7 +443,7 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     passed = Passed.make(chosen or {}, exclude) if configs else Passed()
     if configs and env_int("RANK", 0) != 0:   # Hydra's own lines ("Launching 2 jobs locally"): rank 0's alone
         passed = replace(passed, hydra=(*passed.hydra, QUIET))
-    sys.argv += [*passed.task, *passed.hydra]
+    sys.argv[1:] = with_added(sys.argv[1:], [*passed.task, *passed.hydra])
     try:
         _app(configs, on_point, failed, fixed, subdir, base, passed)()
     finally:
