@@ -69,6 +69,8 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset
                           "(with --config-name NAME for a file other than train.yaml)")
     primary = {"config_dir": args.config_dir, "config_name": args.config_name or "train"}
     folder = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
+    if not (unknown or args.help or args.hydra_help or args.version):   # (Hydra serves those first)
+        _one_command(args)
     if args.cfg == "job" and not args.multirun and not unknown:   # Hydra's --cfg lacks a DeepSpeed config's layer
         _print_resolved(args.overrides, args.resolve, primary, args.package)
         sys.exit(0)
@@ -97,6 +99,20 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(*names)
     parser.add_argument("--info", "-i", nargs="?", const="all")
     return parser
+
+
+def _one_command(args: argparse.Namespace) -> None:
+    """One line where Hydra would refuse its commands together with a traceback (``--cfg job`` with ``--run``
+    aside: the config is printed here, Hydra never sees it)."""
+    given = [name for name, on in (("--run", args.run and args.cfg != "job"), ("-m", args.multirun),
+                                   (f"--cfg {args.cfg}", args.cfg),
+                                   (f"--info {args.info}".removesuffix(" all"), args.info is not None),
+                                   ("--shell-completion", args.shell_completion)) if on]
+    if len(given) > 1:
+        fix = (f"drop -m to print one job's {'config' if args.cfg else 'info'} (give each swept key one of its "
+               "values)" if args.multirun and (args.cfg or args.info is not None) else "keep one")
+        raise ConfigError(f"{' with '.join(given)}: Hydra takes one of --run, -m, --cfg, --info and "
+                          f"--shell-completion at a time; {fix}")
 
 
 def with_added(argv: list[str], added: list[str]) -> list[str]:
