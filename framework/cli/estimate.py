@@ -302,16 +302,22 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
             f"optimizer={c['optimizer']} world={pred.world} micro_batch={cfg.train.micro_batch} "
             f"context={context or cfg.model.context}{ckpt}")
     mib = lambda b: f"{b / MiB:10.1f} MiB"   # noqa: E731
-    lines = [head, f"  {'':24s} {'device':>14s} {'host':>14s}" + (f" {'NVMe':>14s}" if pred.disk else "")]
-    lines += [f"  {name:24s} {mib(d):>14s} {mib(h):>14s}" for name, (d, h) in pred.items.items()]
-    lines.append(f"  {'model states':24s} {mib(pred.model_states):>14s}")
-    lines += [f"  {name + ' (NVMe)':24s} {'':>14s} {'':>14s} {mib(b):>14s}" for name, b in pred.disk.items()]
-    lines += [f"  {name + ' (peak)':24s} {mib(b):>14s}" for name, b in pred.transient.items()]
+    # The sums (model states, the peak; the slack, of a CPU run's transients) have a column of their own: under
+    # "device" they would read as what the GPU holds. The field fits the longest name (zero3_grad_partitions (peak)).
+    names = [*pred.items, "allocator slack", *(f"{n} (NVMe)" for n in pred.disk), *(f"{n} (peak)" for n in pred.transient)]
+    w, disk = max(24, *map(len, names)), bool(pred.disk)
+    row = lambda name, device="", host="", nvme="", total="": (   # noqa: E731
+        f"  {name:{w}s} {device:>14s} {host:>14s}" + (f" {nvme:>14s}" if disk else "") + f" {total:>14s}").rstrip()
+    lines = [head, row("", "device", "host", "NVMe", "device+host")]
+    lines += [row(name, mib(d), mib(h)) for name, (d, h) in pred.items.items()]
+    lines.append(row("model states", total=mib(pred.model_states)))
+    lines += [row(f"{name} (NVMe)", nvme=mib(b)) for name, b in pred.disk.items()]
+    lines += [row(f"{name} (peak)", mib(b)) for name, b in pred.transient.items()]
     recompute = (f" + {pred.recompute_slack_fraction:.0%} of the activations under checkpointing"
                  if pred.recompute_slack_fraction else "")
-    lines.append(f"  {'allocator slack':24s} {mib(pred.slack):>14s}   ({pred.host_slack_fraction:.0%} of the transient "
-                 f"bytes{recompute}, stated)")
-    lines.append(f"  {'peak':24s} {mib(pred.peak):>14s}   ({pred.peak / GiB:.2f} GiB; device only: "
+    lines.append(row("allocator slack", total=mib(pred.slack)) + f"   ({pred.host_slack_fraction:.0%} of the "
+                 f"transient bytes{recompute}, stated)")
+    lines.append(row("peak", total=mib(pred.peak)) + f"   ({pred.peak / GiB:.2f} GiB; device only: "
                  f"{pred.device_peak(cuda=True) / GiB:.2f} GiB on CUDA)")
     lines += [f"  note: {n}" for n in pred.notes]
     return "\n".join(lines)

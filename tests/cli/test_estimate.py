@@ -310,6 +310,27 @@ def test_nvme_prediction_puts_state_on_disk():
     assert pred.items.get("optimizer_state", (0, 0)) == (0, 0)
 
 
+def test_the_per_rank_tables_sums_are_not_under_device():
+    """Model states, the slack and the peak add device and host bytes: under "device" they read as what the GPU
+    holds (all host pools under offload=nvme). Each value ends at its column's right edge, the longest name too."""
+    from framework.cli.estimate import format_prediction
+    from framework.core.units import MiB
+    from framework.memory.model import Prediction
+
+    cfg = compose(["+stage=zero3", "offload=nvme", "logger=none"])
+    pred = Prediction(items={"params": (MiB, 0), "nvme_param_pool": (0, 3 * MiB)}, disk={"params": 2 * MiB},
+                      world=2, params=10, transient={"zero3_grad_partitions": MiB}, host_slack_fraction=0.0)
+    lines = format_prediction(cfg, pred).splitlines()
+    edge = {name: lines[1].index(name) + len(name) for name in ("device", "host", "NVMe", "device+host")}
+    at = {line.split("  ")[1].strip(): line for line in lines[2:] if not line.startswith("  note")}
+    for name, column, value in (("params", "device", "1.0 MiB"), ("nvme_param_pool", "host", "3.0 MiB"),
+                                ("params (NVMe)", "NVMe", "2.0 MiB"), ("zero3_grad_partitions (peak)", "device", "1.0 MiB"),
+                                ("model states", "device+host", "4.0 MiB"), ("peak", "device+host", "5.0 MiB")):
+        assert at[name][:edge[column]].endswith(value), (name, lines)
+    for name in ("model states", "allocator slack", "peak"):   # (nothing under device, host or NVMe)
+        assert "MiB" not in at[name][:edge["NVMe"]], lines
+
+
 def test_cuda_peak_traces_attention_as_the_fused_kernels_hold_it():
     # The meta trace runs attention's math path (as the CPU does): its batch x heads x context^2 score
     # matrices grow 4x when the context doubles. CUDA's flash and memory-efficient kernels keep none of
