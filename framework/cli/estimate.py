@@ -261,6 +261,9 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                   f"partition under that size is one tile, resident for its whole step):",
                   nvme(dataclasses.replace(keys, sub_group_size=ds)))
         out["nvme_sub_group_size"] = keys.sub_group_size
+    else:   # (params= alone: the rows would otherwise vanish without a word)
+        text += ["", "ZeRO-3 and NVMe rows: give largest_layer=N (DeepSpeed's largest_layer_params: the most "
+                     "parameters in one layer)"]
     if module is not None:   # a model: the per-rank prediction (for gpus = dist.nproc where neither count was given)
         context = None
         if hf:

@@ -74,6 +74,9 @@ def test_cli_prints_deepspeed_layout(capsys):
     assert out.count("offload_param=nvme, offload_optimizer=nvme") == 2
     assert main(["params=2851M", "largest_layer=32e6", "sub_group_size=1e9"]) == 0
     assert "DeepSpeed's default sub_group_size" not in capsys.readouterr().out   # the one table is DeepSpeed's
+    assert main(["params=2851M"]) == 0   # the ZeRO-2 table, and what the others need
+    assert capsys.readouterr().out.splitlines()[-2:] == ["", "ZeRO-3 and NVMe rows: give largest_layer=N (DeepSpeed's "
+                                                         "largest_layer_params: the most parameters in one layer)"]
     assert main(["params=many"]) == 2
     assert "not a count" in capsys.readouterr().err
     assert main(["params=1e9", "buffer_factor=x"]) == 2
