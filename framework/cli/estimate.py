@@ -68,15 +68,25 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
         raise ConfigError(f"estimate: cannot build a model from {config_path}: {typed_line(e)}") from None
 
 
+def model_kind(value: str) -> str:
+    """How ``model=value`` is read: ``hf`` (a Hugging Face config.json, a folder holding one), ``yaml`` (a GPT model
+    config file) or ``name`` (conf/model/'s, or a name that is none: refused by the registry)."""
+    path = Path(value)
+    if path.suffix in (".yaml", ".yml"):
+        return "yaml"
+    # Not one of conf/'s models, a path (or a Hub name, org/model) is a Hugging Face config.json: one that is not
+    # there is refused in training's words (nothing is downloaded).
+    hf = path.suffix == ".json" or (path / "config.json").is_file() or \
+        value not in registry("model").names() and ("/" in value or path.exists())
+    return "hf" if hf else "name"
+
+
 def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConfig.context):
     """(module on meta, composed Config, whether it is a Hugging Face model, its vocabulary: {"size", "from"}
     (``memory.model.build_vocab``)) for ``model=value``."""
     path, models = Path(value), registry("model")
-    yaml = path.suffix in (".yaml", ".yml")
-    # Not one of conf/'s models, a path (or a Hub name, org/model) is a Hugging Face config.json: one that is not
-    # there is refused in training's words (nothing is downloaded).
-    hf = path.suffix == ".json" or (path / "config.json").is_file() or \
-        not (yaml or value in models.names()) and ("/" in value or path.exists())
+    kind = model_kind(value)
+    yaml, hf = kind == "yaml", kind == "hf"
     if yaml and not path.exists():
         raise ConfigError(f"estimate: model={value}: no such file")
     model_keys = [o for o in overrides if override_key(o).split(".")[0] == "model"]
