@@ -68,15 +68,25 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
         raise ConfigError(f"estimate: cannot build a model from {config_path}: {typed_line(e)}") from None
 
 
+def model_kind(value: str) -> str:
+    """How ``model=value`` is read: ``hf`` (a Hugging Face config.json, a folder holding one), ``yaml`` (a GPT model
+    config file) or ``name`` (conf/model/'s, or a name that is none: refused by the registry)."""
+    path = Path(value)
+    if path.suffix in (".yaml", ".yml"):
+        return "yaml"
+    # Not one of conf/'s models, a path (or a Hub name, org/model) is a Hugging Face config.json: one that is not
+    # there is refused in training's words (nothing is downloaded).
+    hf = path.suffix == ".json" or (path / "config.json").is_file() or \
+        value not in registry("model").names() and ("/" in value or path.exists())
+    return "hf" if hf else "name"
+
+
 def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConfig.context):
     """(module on meta, composed Config, whether it is a Hugging Face model, its vocabulary: {"size", "from"}
     (``memory.model.build_vocab``)) for ``model=value``."""
     path, models = Path(value), registry("model")
-    yaml = path.suffix in (".yaml", ".yml")
-    # Not one of conf/'s models, a path (or a Hub name, org/model) is a Hugging Face config.json: one that is not
-    # there is refused in training's words (nothing is downloaded).
-    hf = path.suffix == ".json" or (path / "config.json").is_file() or \
-        not (yaml or value in models.names()) and ("/" in value or path.exists())
+    kind = model_kind(value)
+    yaml, hf = kind == "yaml", kind == "hf"
     if yaml and not path.exists():
         raise ConfigError(f"estimate: model={value}: no such file")
     model_keys = [o for o in overrides if override_key(o).split(".")[0] == "model"]
@@ -261,6 +271,9 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                   f"partition under that size is one tile, resident for its whole step):",
                   nvme(dataclasses.replace(keys, sub_group_size=ds)))
         out["nvme_sub_group_size"] = keys.sub_group_size
+    else:   # (params= alone: the rows would otherwise vanish without a word)
+        text += ["", "ZeRO-3 and NVMe rows: give largest_layer=N (DeepSpeed's largest_layer_params: the most "
+                     "parameters in one layer)"]
     if module is not None:   # a model: the per-rank prediction (for gpus = dist.nproc where neither count was given)
         context = None
         if hf:
@@ -302,16 +315,22 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
             f"optimizer={c['optimizer']} world={pred.world} micro_batch={cfg.train.micro_batch} "
             f"context={context or cfg.model.context}{ckpt}")
     mib = lambda b: f"{b / MiB:10.1f} MiB"   # noqa: E731
-    lines = [head, f"  {'':24s} {'device':>14s} {'host':>14s}" + (f" {'NVMe':>14s}" if pred.disk else "")]
-    lines += [f"  {name:24s} {mib(d):>14s} {mib(h):>14s}" for name, (d, h) in pred.items.items()]
-    lines.append(f"  {'model states':24s} {mib(pred.model_states):>14s}")
-    lines += [f"  {name + ' (NVMe)':24s} {'':>14s} {'':>14s} {mib(b):>14s}" for name, b in pred.disk.items()]
-    lines += [f"  {name + ' (peak)':24s} {mib(b):>14s}" for name, b in pred.transient.items()]
+    # The sums (model states, the peak; the slack, of a CPU run's transients) have a column of their own: under
+    # "device" they would read as what the GPU holds. The field fits the longest name (zero3_grad_partitions (peak)).
+    names = [*pred.items, "allocator slack", *(f"{n} (NVMe)" for n in pred.disk), *(f"{n} (peak)" for n in pred.transient)]
+    w, disk = max(24, *map(len, names)), bool(pred.disk)
+    row = lambda name, device="", host="", nvme="", total="": (   # noqa: E731
+        f"  {name:{w}s} {device:>14s} {host:>14s}" + (f" {nvme:>14s}" if disk else "") + f" {total:>14s}").rstrip()
+    lines = [head, row("", "device", "host", "NVMe", "device+host")]
+    lines += [row(name, mib(d), mib(h)) for name, (d, h) in pred.items.items()]
+    lines.append(row("model states", total=mib(pred.model_states)))
+    lines += [row(f"{name} (NVMe)", nvme=mib(b)) for name, b in pred.disk.items()]
+    lines += [row(f"{name} (peak)", mib(b)) for name, b in pred.transient.items()]
     recompute = (f" + {pred.recompute_slack_fraction:.0%} of the activations under checkpointing"
                  if pred.recompute_slack_fraction else "")
-    lines.append(f"  {'allocator slack':24s} {mib(pred.slack):>14s}   ({pred.host_slack_fraction:.0%} of the transient "
-                 f"bytes{recompute}, stated)")
-    lines.append(f"  {'peak':24s} {mib(pred.peak):>14s}   ({pred.peak / GiB:.2f} GiB; device only: "
+    lines.append(row("allocator slack", total=mib(pred.slack)) + f"   ({pred.host_slack_fraction:.0%} of the "
+                 f"transient bytes{recompute}, stated)")
+    lines.append(row("peak", total=mib(pred.peak)) + f"   ({pred.peak / GiB:.2f} GiB; device only: "
                  f"{pred.device_peak(cuda=True) / GiB:.2f} GiB on CUDA)")
     lines += [f"  note: {n}" for n in pred.notes]
     return "\n".join(lines)

@@ -255,7 +255,7 @@ def check_launch_env(cfg: Config) -> None:
     launched = world > 1 or "TORCHELASTIC_RUN_ID" in os.environ   # (torchrun's one worker: WORLD_SIZE=1)
     if launched and (cfg.dist.nproc > 1 or cfg.sources.get("dist.nproc") == COMMAND_LINE) and cfg.dist.nproc != world:
         raise ConfigError(f"dist.nproc={cfg.dist.nproc} differs from WORLD_SIZE={world} set by the launcher "
-                          f"(torchrun), which makes the ranks; drop dist.nproc or launch {cfg.dist.nproc} ranks")
+                          "(torchrun), which makes the ranks; drop dist.nproc or launch that many ranks")
 
 
 def check_saves(cfg: Config) -> None:

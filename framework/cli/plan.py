@@ -32,10 +32,12 @@ import tempfile
 from pathlib import Path
 
 from framework.cli import override_key, run_command
+from framework.cli.estimate import model_kind
 from framework.cli.report import load_jobs
 from framework.config import compose
 from framework.config.dsconfig import DS_FILE
 from framework.core.errors import ConfigError, FrameworkError
+from framework.core.registry import closest_hint, registry
 from framework.core.room import nearest_existing
 from framework.core.units import GB, GiB, MiB
 from framework.memory import probe as _probe
@@ -108,9 +110,21 @@ def main(argv: list[str] | None = None) -> int:
 def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     if "model" not in own:
         raise ConfigError("plan: give model=NAME (one of our model configs)")
-    if own["model"] == "hf":   # before its config's own refusals (and the probe)
-        raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
-                          "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per rank")
+    kind = "hf" if own["model"] == "hf" else model_kind(own["model"])
+    if kind == "hf":   # before its config's own refusals (and the probe)
+        raise ConfigError(f"plan: Hugging Face models (model={own['model']}) are not planned: its step-time model "
+                          "reads our GPT's keys (model.d_model, n_layer); python -m framework.estimate predicts their "
+                          "memory per rank")
+    # Each setup, and --verify's runs, compose model=NAME: a name of ours (the shared line would point to model=hf).
+    names = sorted(n for n in registry("model").names() if n != "hf")
+    if kind == "yaml":
+        raise ConfigError(f"plan: model={own['model']}: plan takes a model's name ({', '.join(names)}); copy the "
+                          "file into conf/model/ as NAME.yaml and give model=NAME, or give a preset and model.* keys "
+                          "(model=gpt-mini model.n_layer=8); python -m framework.estimate predicts a model YAML's "
+                          "memory per rank")
+    if own["model"] not in names:
+        raise ConfigError(f"plan: unknown model {own['model']!r}{closest_hint(own['model'], names)}; plan takes one "
+                          f"of {', '.join(names)}")
     if "steps" in own and not flags["verify"]:
         raise ConfigError("plan: steps= sets the length of the --verify runs; add --verify K or drop steps=")
     steps = own.get("steps", "6")

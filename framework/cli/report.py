@@ -29,6 +29,7 @@ from framework.core.registry import GROUPS
 from framework.core import files
 from framework.core.errors import FrameworkError, first_line, say
 from framework.core.units import MiB
+from framework.core.utils import counted
 
 
 @dataclass
@@ -372,7 +373,7 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
                              "with --out") from None
     table = markdown_table(jobs, root)
     shared = " ".join(f"`{o}`" for o in common_overrides(jobs)) or "none"
-    md = (f"# {title or 'Sweep report'}\n\n`{root}`: {len(jobs)} jobs "
+    md = (f"# {title or 'Sweep report'}\n\n`{root}`: {counted(len(jobs), 'job')} "
           f"({sum(j.summary is None for j in jobs)} without a summary); overrides of every job: {shared}\n\n"
           f"{table}\n![loss](loss.png)\n\n![tokens/s and memory](throughput_memory.png)\n")
     try:

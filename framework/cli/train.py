@@ -62,20 +62,15 @@ VALUED = (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--co
 def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset[str]]:
     """Each job's overrides (sweeps expanded as Hydra's basic sweeper does; None for info flags and a line Hydra
     refuses), the primary config, the key of the folder Hydra makes, and the keys the command line fixes."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("overrides", nargs="*")
-    for names in SWITCHES:
-        parser.add_argument(*names, action="store_true")
-    for names in VALUED:
-        parser.add_argument(*names)
-    parser.add_argument("--info", "-i", nargs="?", const="all")
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = _parser().parse_known_args(argv)
     if args.config_path is not None:   # Hydra's would replace conf/ (every group) and be read from framework/cli/
         raise ConfigError(f"--config-path {args.config_path}: not supported (Hydra would replace the framework's "
                           f"conf/ with it, read relative to framework/cli/); use --config-dir {args.config_path} "
                           "(with --config-name NAME for a file other than train.yaml)")
     primary = {"config_dir": args.config_dir, "config_name": args.config_name or "train"}
     folder = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
+    if not (unknown or args.help or args.hydra_help or args.version):   # (Hydra serves those first)
+        _one_command(args)
     if args.cfg == "job" and not args.multirun and not unknown:   # Hydra's --cfg lacks a DeepSpeed config's layer
         _print_resolved(args.overrides, args.resolve, primary, args.package)
         sys.exit(0)
@@ -93,6 +88,43 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset
             fixed[o.key_or_group] = len(axes[key]) == 1
     return ([list(combo) for combo in itertools.product(*axes.values())], primary, folder,
             frozenset(k for k, one in fixed.items() if one))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("overrides", nargs="*")
+    for names in SWITCHES:
+        parser.add_argument(*names, action="store_true")
+    for names in VALUED:
+        parser.add_argument(*names)
+    parser.add_argument("--info", "-i", nargs="?", const="all")
+    return parser
+
+
+def _one_command(args: argparse.Namespace) -> None:
+    """One line where Hydra would refuse its commands together with a traceback (``--cfg job`` with ``--run``
+    aside: the config is printed here, Hydra never sees it)."""
+    given = [name for name, on in (("--run", args.run and args.cfg != "job"), ("-m", args.multirun),
+                                   (f"--cfg {args.cfg}", args.cfg),
+                                   (f"--info {args.info}".removesuffix(" all"), args.info is not None),
+                                   ("--shell-completion", args.shell_completion)) if on]
+    if len(given) > 1:
+        fix = (f"drop -m to print one job's {'config' if args.cfg else 'info'} (give each swept key one of its "
+               "values)" if args.multirun and (args.cfg or args.info is not None) else "keep one")
+        raise ConfigError(f"{' with '.join(given)}: Hydra takes one of --run, -m, --cfg, --info and "
+                          f"--shell-completion at a time; {fix}")
+
+
+def with_added(argv: list[str], added: list[str]) -> list[str]:
+    """``argv`` (a command line without its program) with ``added`` overrides right after the user's, which
+    they override: Hydra's parser takes the overrides as one run of words, which a flag may follow (``... -m``)."""
+    args, _ = _parser().parse_known_args(argv)
+    n = len(args.overrides)
+    valued = {name for names in VALUED for name in names}
+    ends = [i + n for i in range(len(argv) - n + 1)   # (a flag's value is none of them: -cn a=1 a=1)
+            if n and argv[i:i + n] == args.overrides and (i == 0 or argv[i - 1] not in valued)]
+    end = ends[-1] if ends else len(argv)
+    return [*argv[:end], *added, *argv[end:]]
 
 
 def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
@@ -427,7 +459,7 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     passed = Passed.make(chosen or {}, exclude) if configs else Passed()
     if configs and env_int("RANK", 0) != 0:   # Hydra's own lines ("Launching 2 jobs locally"): rank 0's alone
         passed = replace(passed, hydra=(*passed.hydra, QUIET))
-    sys.argv += [*passed.task, *passed.hydra]
+    sys.argv[1:] = with_added(sys.argv[1:], [*passed.task, *passed.hydra])
     try:
         _app(configs, on_point, failed, fixed, subdir, base, passed)()
     finally:

@@ -28,6 +28,11 @@ def few(items, n: int = 5, show=repr) -> str:
     return ", ".join(map(show, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
+def counted(n: int, word: str) -> str:
+    """``n`` and ``word``, plural unless n is 1 (``1 step``, ``2 steps``)."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def under(key: str, roots) -> bool:
     """``key`` (dotted) is one of ``roots`` or a key below one (``dist.backend`` is under ``dist``)."""
     return any(key == r or key.startswith(f"{r}.") for r in roots)

@@ -15,7 +15,7 @@ from pathlib import Path
 from framework.core import files
 from framework.core.errors import ConfigError, FrameworkError, Interrupted, Terminated, say
 from framework.core.room import FULL, free_note
-from framework.core.utils import under
+from framework.core.utils import counted, under
 
 
 # Keys that say how long, how visibly or where a job runs, not which job it is (a run's other keys do).
@@ -325,11 +325,12 @@ def console_log(path: Path):
 def run_header(cfg, run: RunInfo, world: int, backend: str | None, device, checkpoints: Path) -> list[str]:
     """The first lines of a run: where it writes, and what was composed."""
     c, t, ch = cfg.checkpoint, cfg.train, cfg.choices
-    saves = (f"{checkpoints} (every {c.every} steps, keep {c.keep_last or 'all'})" if c.every
+    every = lambda n: "every step" if n == 1 else f"every {n} steps"   # noqa: E731
+    saves = (f"{checkpoints} ({every(c.every)}, keep {c.keep_last or 'all'})" if c.every
              else "none saved (checkpoint.every=0)")
     return [f"run folder: {run.run_dir} (train.log: this console)",
             f"composed: stage {ch['stage']} | offload {ch['offload']} | precision {ch['precision']} | world {world} "
             f"({backend or 'single process'}, {device}) | model {ch['model']} | data {ch['data']} | "
-            f"optimizer {ch['optimizer']} | scheduler {ch['scheduler']} | {t.steps} steps",
-            f"writes: metrics {run.run_dir / 'metrics.jsonl'} (every {t.log_every} steps) | summary "
+            f"optimizer {ch['optimizer']} | scheduler {ch['scheduler']} | {counted(t.steps, 'step')}",
+            f"writes: metrics {run.run_dir / 'metrics.jsonl'} ({every(t.log_every)}) | summary "
             f"{run.run_dir / 'summary.json'} | checkpoints {saves}; resume {c.resume}"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from framework.loggers._base import NullLogger
 from framework.core.registry import Component
+from framework.core.utils import counted
 
 
 def fmt_record(r: dict) -> str:
@@ -67,10 +68,10 @@ class Console:
 def summary_line(s: dict) -> str:
     window = s.get("train_loss_steps")   # a kept summary.json need not have it (only its losses are required)
     loss = s["train_loss"]
-    line = (f"done: {s['steps']} steps | "
+    line = (f"done: {counted(s['steps'], 'step')} | "
             + (f"train loss {loss:.4f}" if loss is not None else "no step trained")
-            + (f" (mean of last {window} steps)" if window else "")
-            + (f" | {skipped} of the {s['steps']} steps skipped, updating nothing"
+            + (f" (mean of last {counted(window, 'step')})" if window else "")
+            + (f" | {skipped} of the {counted(s['steps'], 'step')} skipped, updating nothing"
                if (skipped := s.get("skipped_steps")) else "")
             + f" | val loss {_nan(s['val_loss']):.4f} | {_nan(s['tokens_per_s']):,.0f} tok/s")
     floor = s.get("data", {}).get("entropy_floor")

@@ -457,13 +457,30 @@ def test_two_jobs_of_a_sweep_never_share_a_run_folder(forkrun, tmp_path):
     assert json.loads((tmp_path / "sweep" / "same" / "summary.json").read_text())["steps"] == 2   # job 0's, kept
 
 
+@pytest.mark.parametrize("argv,end", [
+    (["a=1", "--run"], 1), (["-m", "a=1", "b=2"], 3), (["a=1", "-cn", "train"], 1), (["-cn", "a=1", "a=1"], 3),
+    (["--config-dir", "d", "a=1", "--multirun", "--config-name=x"], 3), (["-m"], 1), ([], 0)])
+def test_the_added_overrides_follow_the_users_where_hydra_reads_them(argv, end):
+    """Hydra's parser takes the overrides as one run of words: the CLI's own go at its end, a flag may follow."""
+    from hydra._internal.utils import get_args_parser
+
+    from framework.cli.train import with_added
+
+    added = ["hydra.output_subdir=null", "hydra/hydra_logging=disabled"]
+    assert with_added(argv, added) == [*argv[:end], *added, *argv[end:]]
+    given = get_args_parser().parse_args(argv).overrides
+    assert get_args_parser().parse_args(with_added(argv, added)).overrides == [*given, *added]
+
+
 def test_glob_sweeps_the_names_of_a_group(forkrun, tmp_path):
     from framework.cli.train import _jobs
 
     assert _jobs(["-m", "optimizer=glob(ada*)", "seed=1"])[0] == [["optimizer=adagrad", "seed=1"],
                                                                  ["optimizer=adam", "seed=1"],
                                                                  ["optimizer=adamw", "seed=1"]]
-    p = cli(forkrun, tmp_path, "-m", "optimizer=glob([lion,sgd],exclude=sgd)", *SHORT)
+    # (-m last, as Hydra takes it: the overrides the CLI adds go right after the user's, not after the flag)
+    p = forkrun.run("framework.train", ["optimizer=glob([lion,sgd],exclude=sgd)", *SHORT,
+                                        f"hydra.sweep.dir={tmp_path / 'sweep'}", "-m"], cwd=tmp_path, env=ENV)
     assert p.returncode == 0, p.stderr
     assert json.loads((tmp_path / "sweep" / "0" / "summary.json").read_text())["config"]["optimizer"]["name"] == "lion"
     assert not (tmp_path / "sweep" / "1").exists()

@@ -74,6 +74,9 @@ def test_cli_prints_deepspeed_layout(capsys):
     assert out.count("offload_param=nvme, offload_optimizer=nvme") == 2
     assert main(["params=2851M", "largest_layer=32e6", "sub_group_size=1e9"]) == 0
     assert "DeepSpeed's default sub_group_size" not in capsys.readouterr().out   # the one table is DeepSpeed's
+    assert main(["params=2851M"]) == 0   # the ZeRO-2 table, and what the others need
+    assert capsys.readouterr().out.splitlines()[-2:] == ["", "ZeRO-3 and NVMe rows: give largest_layer=N (DeepSpeed's "
+                                                         "largest_layer_params: the most parameters in one layer)"]
     assert main(["params=many"]) == 2
     assert "not a count" in capsys.readouterr().err
     assert main(["params=1e9", "buffer_factor=x"]) == 2
@@ -308,6 +311,27 @@ def test_nvme_prediction_puts_state_on_disk():
     assert pred.items["nvme_param_pool"] == (0, 5 * (12 * 384 ** 2 // 2) * 4)
     assert pred.items.get("grads", (0, 0)) == (0, 0) and "host_grad_buffers" not in pred.items   # on disk
     assert pred.items.get("optimizer_state", (0, 0)) == (0, 0)
+
+
+def test_the_per_rank_tables_sums_are_not_under_device():
+    """Model states, the slack and the peak add device and host bytes: under "device" they read as what the GPU
+    holds (all host pools under offload=nvme). Each value ends at its column's right edge, the longest name too."""
+    from framework.cli.estimate import format_prediction
+    from framework.core.units import MiB
+    from framework.memory.model import Prediction
+
+    cfg = compose(["+stage=zero3", "offload=nvme", "logger=none"])
+    pred = Prediction(items={"params": (MiB, 0), "nvme_param_pool": (0, 3 * MiB)}, disk={"params": 2 * MiB},
+                      world=2, params=10, transient={"zero3_grad_partitions": MiB}, host_slack_fraction=0.0)
+    lines = format_prediction(cfg, pred).splitlines()
+    edge = {name: lines[1].index(name) + len(name) for name in ("device", "host", "NVMe", "device+host")}
+    at = {line.split("  ")[1].strip(): line for line in lines[2:] if not line.startswith("  note")}
+    for name, column, value in (("params", "device", "1.0 MiB"), ("nvme_param_pool", "host", "3.0 MiB"),
+                                ("params (NVMe)", "NVMe", "2.0 MiB"), ("zero3_grad_partitions (peak)", "device", "1.0 MiB"),
+                                ("model states", "device+host", "4.0 MiB"), ("peak", "device+host", "5.0 MiB")):
+        assert at[name][:edge[column]].endswith(value), (name, lines)
+    for name in ("model states", "allocator slack", "peak"):   # (nothing under device, host or NVMe)
+        assert "MiB" not in at[name][:edge["NVMe"]], lines
 
 
 def test_cuda_peak_traces_attention_as_the_fused_kernels_hold_it():

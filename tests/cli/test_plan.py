@@ -247,6 +247,20 @@ def test_a_hugging_face_model_is_refused_on_one_line(capsys):
     assert main(["model=hf", f"model.config={cfg}", "gpu_mem=80G"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: plan: Hugging Face models (model=hf) are not planned") and "\n" not in err, err
+    # a config.json or its folder as estimate takes them: the same line (the shared one pointed to model=hf)
+    for model in (cfg, cfg.parent):
+        assert main([f"model={model}", "gpu_mem=80G"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: plan: Hugging Face models (model={model}) are not planned"), err
+    names = "gpt-1b, gpt-mini, gpt-nano, gpt2-medium, gpt2-small"
+    yaml = ROOT / "conf" / "model" / "gpt-nano.yaml"
+    assert main([f"model={yaml}", "gpu_mem=80G"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: plan: model={yaml}: plan takes a model's name ({names}); copy the file into conf/model/ as "
+        "NAME.yaml and give model=NAME, or give a preset and model.* keys (model=gpt-mini model.n_layer=8); "
+        "python -m framework.estimate predicts a model YAML's memory per rank\n")
+    assert main(["model=gpt2", "gpu_mem=80G"]) == 2
+    assert capsys.readouterr().err == f"error: plan: unknown model 'gpt2' (did you mean 'gpt2-small'?); plan takes one of {names}\n"
 
 
 def test_a_hugging_face_models_memory_is_predicted_with_its_own_loss():

@@ -627,6 +627,7 @@ def test_report_plots_a_job_without_tokens_per_s(tmp_path, capsys):
     report.main([str(tmp_path)])
     assert (tmp_path / "throughput_memory.png").read_bytes()[:8] == PNG
     assert "| 2.0000 | - |" in capsys.readouterr().out
+    assert f"`{tmp_path}`: 1 job (0 without a summary);" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.parametrize("given", ["hydra.sweep.dir=elsewhere", "hydra.sweep.subdir=x${hydra.job.num}"])

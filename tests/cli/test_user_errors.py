@@ -361,6 +361,26 @@ def test_config_path_is_refused_naming_config_dir(flag, tmp_path):
             f"use --config-dir {tmp_path} (with --config-name NAME for a file other than train.yaml)")
 
 
+HYDRA_ONE = "Hydra takes one of --run, -m, --cfg, --info and --shell-completion at a time"
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["-m", "optimizer=adamw,lion", "--cfg", "job"],
+     f"-m with --cfg job: {HYDRA_ONE}; drop -m to print one job's config (give each swept key one of its values)"),
+    (["-m", "optimizer=adamw,lion", "--info"],
+     f"-m with --info: {HYDRA_ONE}; drop -m to print one job's info (give each swept key one of its values)"),
+    (["--run", "--info", "defaults"], f"--run with --info defaults: {HYDRA_ONE}; keep one"),
+])
+def test_hydra_commands_given_together_are_one_line(argv, line):
+    """Hydra refuses them with a traceback (--help advertises --cfg job; a sweep's user tries it with -m)."""
+    from framework.cli.train import _jobs
+
+    with pytest.raises(framework.ConfigError) as e:
+        _jobs(argv)
+    assert str(e.value) == line
+    assert _jobs(["--cfg", "hydra"])[0] is None   # one command: Hydra prints it
+
+
 def test_cfg_job_package_of_a_null_key_shows_null(capsys):
     from framework.cli.train import _print_resolved
 

@@ -619,3 +619,14 @@ def test_the_done_line_says_how_many_steps_were_skipped():
     assert "skipped" not in summary_line({**summary, "skipped_steps": 0})
     assert "done: 6 steps | train loss 3.1700 (mean of last 2 steps) | 6 of the 6 steps skipped, updating nothing | " \
            "val loss 3.2000" in summary_line({**summary, "skipped_steps": 6})
+    one = {**summary, "steps": 1, "train_loss_steps": 1, "skipped_steps": 1}   # one step: no plural
+    assert summary_line(one).startswith("done: 1 step | train loss 3.1700 (mean of last 1 step) | 1 of the 1 step ")
+
+
+def test_the_first_lines_count_one_step_without_a_plural(tmp_path):
+    from framework.loggers._base import run_header
+
+    cfg = compose(["train.steps=1", "train.log_every=1", "checkpoint.every=1", "logger=none"])
+    head = run_header(cfg, RunInfo(tmp_path, None, None), 1, None, "cpu", tmp_path / "ck")
+    assert head[1].endswith("| 1 step") and "(every step) | summary" in head[2], head
+    assert f"checkpoints {tmp_path / 'ck'} (every step, keep" in head[2], head
