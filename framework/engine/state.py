@@ -51,6 +51,13 @@ def optimizer_leaves(opt_state: Any, params: Sequence[torch.Tensor]) -> tuple[di
     return per, scalars
 
 
+def initial_scalars(tx: Any, params: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The scalar leaves (step counts) of ``tx.init``'s state, by path as ``optimizer_leaves``: the init is made
+    over empty tensors of the pieces' dtypes and devices, so it costs no memory (a swapped piece is not read)."""
+    empty = [torch.empty(0, dtype=p.dtype, device=p.device) for p in params]
+    return optimizer_leaves(tx.init(empty), empty)[1]
+
+
 def with_scalars(opt_state: Any, params: Sequence[torch.Tensor], scalars: dict[str, Any]) -> Any:
     """``opt_state`` with its scalar leaves replaced by ``scalars`` (paths as ``optimizer_leaves``);
     per-element leaves are kept (same tensors), a tensor scalar is overwritten in place."""

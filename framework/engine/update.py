@@ -16,6 +16,7 @@ from framework.optimizers import GradientTransformation, step as optimizer_step
 
 
 class Update(Protocol):
+    tx: GradientTransformation   # the optimizer (a resume starts the state a checkpoint lacks from its init)
     def init(self, params: Sequence[Tensor]) -> Any: ...   # the optimizer state of ``params``
     def arm(self, opt_state: Any, params: Sequence[Tensor], lr: float, scale: float) -> None: ...
     def drain(self) -> None: ...

@@ -52,9 +52,11 @@ def test_saving_does_not_change_the_run(pools, tmp_path):
     _resumed_equals(pools, saving, EXACT_MORE["zero2 bf16 offload async"], tmp_path / "a", "zero2 bf16 offload async")
 
 
-def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_at=None, batch_from_config=False):
-    """Train to ``steps`` (saving every K), optionally resuming first; return losses, the
-    assembled-ready state dict, step and data position of the first state."""
+def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_at=None, batch_from_config=False,
+           pre=0):
+    """Train to ``steps`` (saving every K), optionally resuming first (after ``pre`` steps of this engine's own, as
+    a library loop may take); return losses, the assembled-ready state dict, step and data position of the first
+    state."""
     cfg = _cfg(dist.world, overrides, root, [f"checkpoint.resume={resume}"])
     module, data = build_gpt(cfg, seed)
     loss = OverflowAt(dist.rank, overflow_at) if overflow_at is not None else gpt_loss
@@ -65,6 +67,9 @@ def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_
         ckpt = Checkpointer(cfg, engine, on_point=lambda point: fault(point, dist.rank),
                             batch_from_config=batch_from_config, data=data.identity())
         try:
+            for _ in range(pre):
+                state, _ = engine.train_step(state, data.train_batch(state.data, micro_batch=cfg.train.micro_batch,
+                                                                     grad_accum=1, rank=dist.rank, world=dist.world))
             state = ckpt.resume(state)
             first = (state.step, state.data, engine.state_dict(state))
             losses = []
@@ -537,14 +542,16 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path, monk
 
 def test_sgd_momentum_turned_on_or_off_at_a_resume_goes_on_as_torch_optim_does(tmp_path, capsys):
     """optimizer.momentum 0 -> 0.9 at a resume: the checkpoint holds no momentum_buffer, which starts as torch.optim's
-    SGD starts one a loaded state dict lacks (the next gradient, undampened: dampening shows a zero start); 0.9 -> 0:
-    the saved buffer is not read. Against torch.optim.SGD in fp32, its state dict carried across the same changes."""
+    SGD starts one a loaded state dict lacks (the next gradient, undampened: dampening shows a zero start), also in
+    an engine that stepped with momentum before the resume (a library loop: its buffer and step count are not kept);
+    0.9 -> 0: the saved buffer is not read. Against torch.optim.SGD in fp32, its state dict carried across the same
+    changes."""
     over = ["optimizer=sgd", "optimizer.lr=0.5", "scheduler=constant", "train.grad_clip=0", "model.dropout=0"]
     on = ["optimizer.momentum=0.9", "optimizer.dampening=0.5"]
     dist = _local()
     ours = _train(dist, over, str(tmp_path), steps=K)[0]
     capsys.readouterr()
-    ours += _train(dist, [*over, *on], str(tmp_path), resume="auto", steps=N)[0]
+    ours += _train(dist, [*over, *on], str(tmp_path), resume="auto", steps=N, pre=3)[0]
     assert "holds no optimizer state momentum_buffer, step: it starts as at the first step" in capsys.readouterr().out
     losses, state, *_ = _train(dist, over, str(tmp_path), resume="auto", steps=N + K)
     ours += losses

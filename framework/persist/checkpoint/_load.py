@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from framework.config.schema import get_key
+from framework.engine.state import initial_scalars
 from framework.core.errors import CheckpointError, ConfigError, UnsafePathError, on_every_rank
 from framework.models.hf import architecture, without_dtype
 from framework.loggers import RUN_ONLY
@@ -260,10 +261,13 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
         release = fmap.release if fmap is not None else None   # pages leave as they are filled
         flats, per, own = pieces(mapped)
         # The optimizer's state the checkpoint lacks (SGD's momentum_buffer, saved with optimizer.momentum=0; ``_fits``
-        # admits it for the same optimizer only) is not read: the state's own (a new engine's) starts as at the first
-        # step, as torch.optim's does where a loaded state dict lacks it; state this optimizer keeps none of is not read.
+        # admits it for the same optimizer only) is not read: it starts as the optimizer's init starts it, as
+        # torch.optim's does where a loaded state dict lacks it, whatever the engine stepped before this resume (a
+        # library loop's): its step counts are the init's, and a transform's first step sets the per-element state
+        # (SGD's buffer is the next gradient); state this optimizer keeps none of is not read.
         saved = body["optimizer"]
         fresh, unread = _state_change(saved, per, own)
+        first = initial_scalars(c.update.tx, mapped.params)
         if (fresh or unread) and group.rank == 0:
             said = ([f"holds no optimizer state {', '.join(fresh)}: it starts as at the first step, as in torch.optim"]
                     if fresh else []) + ([f"holds optimizer state {', '.join(unread)} that this optimizer keeps none "
@@ -287,7 +291,7 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
                 raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {few(bad)} "
                                       f"(rank {group.rank}'s share): not a state to train from")
             torch_rng, host_rng = _rng_of(c, folder, body, seed)
-            scalars = {**own, **{p: torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device="cpu")
+            scalars = {**first, **{p: torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device="cpu")
                                  if isinstance(v, dict) and "tensor" in v else v for p, v in saved["scalars"].items()}}
             return with_saved_scalars(mapped, body, torch_rng, scalars, c.policy), host_rng
 
