@@ -269,7 +269,8 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
         fresh, unread = _state_change(saved, per, own)
         first = initial_scalars(c.update.tx, mapped.params)
         if (fresh or unread) and group.rank == 0:
-            said = ([f"holds no optimizer state {', '.join(fresh)}: it starts as at the first step, as in torch.optim"]
+            said = ([f"holds no optimizer state {', '.join(fresh)}: {'it starts' if len(fresh) == 1 else 'they start'} "
+                     f"anew at this resume, as in torch.optim"]
                     if fresh else []) + ([f"holds optimizer state {', '.join(unread)} that this optimizer keeps none "
                                           "of: not read"] if unread else [])
             print(f"checkpoint: {folder} (saved with other optimizer settings) {'; '.join(said)}", flush=True)
@@ -335,10 +336,16 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
 
 def _state_change(opt: dict, per: dict, scalars: dict) -> tuple[list[str], list[str]]:
     """(the state of this optimizer, ``optimizer_leaves``' ``per`` and ``scalars``, that a checkpoint's ``opt``, its
-    train state's "optimizer", lacks; the state it holds that this optimizer lacks), by torch.optim's names."""
+    train state's "optimizer", lacks; the state it holds that this optimizer lacks), by torch.optim's names: the
+    per-element states, which their step counts go with (torch.optim.SGD keeps no "step": one named beside them
+    reads as the training step), or the scalars where no per-element state differs."""
     mine, theirs = optim_keys(sorted(per), sorted(scalars)), [*opt["per_element"], *opt["scalars"]]
-    return (sorted(n for k, n in mine.items() if k not in theirs),
-            sorted(opt["keys"][k] for k in theirs if k not in mine))
+
+    def named(keys: list[str], per_element, names: dict[str, str]) -> list[str]:
+        return sorted(names[k] for k in ([k for k in keys if k in per_element] or keys))
+
+    return (named([k for k in mine if k not in theirs], per, mine),
+            named([k for k in theirs if k not in mine], opt["per_element"], opt["keys"]))
 
 
 def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict,
