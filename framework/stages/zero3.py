@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import operator
 import re
 import traceback
 from contextlib import contextmanager
@@ -250,6 +251,22 @@ def _refuse_compiled(module: nn.Module) -> None:
                                  f"it uncompiled, or use ddp, zero1 or zero2")
 
 
+def _modifier_rank(rank: Any, world: int) -> int:
+    """``gathered``'s ``modifier_rank`` as an int: any integral value (a NumPy or torch integer too), not a bool
+    (True would be rank 1); else a FrameworkError."""
+    way = "pass the rank whose edits the block's exit writes (usually 0)"
+    try:
+        index = None if isinstance(rank, bool) else operator.index(rank)
+    except TypeError:
+        index = None
+    if index is None:
+        raise FrameworkError(f"framework.gathered(modifier_rank={rank!r}): modifier_rank must be an int rank, got "
+                             f"{type(rank).__name__}; {way}")
+    if not 0 <= index < world:
+        raise FrameworkError(f"framework.gathered(modifier_rank={rank!r}): the ranks are 0..{world - 1}; {way}")
+    return index
+
+
 @contextmanager
 def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     """The full values of ``params`` on every rank inside the block (collective), like DeepSpeed's
@@ -262,9 +279,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     if modifier_rank is not None and sharded:   # (every rank passes the same value: all refuse alike)
         world = sharded[0].zero3_unit.gatherer.dist.world
         # Before any collective: an invalid root fails the exit's broadcast at once, reported as a dead peer.
-        if not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world):
-            raise FrameworkError(f"framework.gathered(modifier_rank={modifier_rank!r}): the ranks are 0..{world - 1}; "
-                                 f"pass the rank whose edits the block's exit writes (usually 0)")
+        modifier_rank = _modifier_rank(modifier_rank, world)
     for p in sharded:   # (before any collective: every rank of the pass is at the same point)
         g = p.zero3_unit.gatherer
         # (an always-gathered parameter is not released at the block's exit: its gradient arrives as usual)

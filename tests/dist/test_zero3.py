@@ -4,6 +4,7 @@ import dataclasses
 import time
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -1478,14 +1479,15 @@ def _modifier_exits(dist):
     with torch.no_grad(), framework.gathered([model.b.weight, model.b.bias]):
         weight = model.b.weight.detach().clone()
         model.b.bias.add_(100.0)   # without modifier_rank: discarded
-        with framework.gathered([model.b.weight], modifier_rank=0):
+        with framework.gathered([model.b.weight], modifier_rank=np.int64(0)):   # (a NumPy int is a rank too)
             if dist.rank == 0:
                 model.b.weight.mul_(2.0)
     with framework.gathered([model.b.weight, model.b.bias]):
         out["outer"] = (torch.equal(model.b.bias, bias), torch.equal(model.b.weight, 2 * weight))
-    # A rank outside 0..world-1 is refused on entry, before any collective (its broadcast failed as a dead peer).
+    # A rank outside 0..world-1, or not an int (True is no rank 1), is refused on entry, before any collective
+    # (its broadcast failed as a dead peer).
     out["bad_rank"] = []
-    for rank in (dist.world, -1):
+    for rank in (dist.world, -1, True, 0.0):
         try:
             with framework.gathered([model.b.weight], modifier_rank=rank):
                 out["bad_rank"].append("entered")
@@ -1515,7 +1517,9 @@ def test_gathered_with_modifier_rank_keeps_loads_and_discards_outer_edits(pools,
     # equals a plain load exactly, and an outer block's edit without modifier_rank is still discarded.
     for out in [_modifier_exits(_local())] if world == 1 else pools(2).run(_modifier_exits, timeout=120):
         refused = [f"framework.gathered(modifier_rank={r}): the ranks are 0..{world - 1}; pass the rank whose edits "
-                   f"the block's exit writes (usually 0)" for r in (world, -1)]
+                   f"the block's exit writes (usually 0)" for r in (world, -1)] + [
+            f"framework.gathered(modifier_rank={r!r}): modifier_rank must be an int rank, got {type(r).__name__}; pass "
+            f"the rank whose edits the block's exit writes (usually 0)" for r in (True, 0.0)]
         assert out.pop("frozen_alone").startswith("framework.gathered(modifier_rank=...) was given no ZeRO-3 sharded "
                                                   "parameter (frozen parameters under zero3, and every parameter")
         assert out == {"fp32": (True, True), "bf16": (True, True), "outer": (True, True), "bad_rank": refused,
