@@ -442,8 +442,9 @@ def _join(ranks: list, timeout_s: float | None) -> bool:
         with contextlib.suppress(BaseException):
             for p in ranks:
                 p.join(max(0.0, deadline - time.monotonic()))
-        for p in ranks:
+        for p in ranks:   # all before any wait: one blocked in the kernel (a hung disk) ends only after its I/O
             p.kill()
+        for p in ranks:
             while True:
                 with contextlib.suppress(BaseException):   # (ends at once after SIGKILL)
                     p.join()

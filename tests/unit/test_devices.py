@@ -81,6 +81,32 @@ def test_exit_lines_name_the_watchdog():
     assert exit_message(1, 4, 1, "gloo", 300).startswith("rank 1 of 4 exited with code 1 (anything it printed is above)")
 
 
+def test_a_launcher_stopped_by_a_signal_kills_every_rank_before_it_waits_on_one():
+    """SIGTERM to the launcher (a SystemExit in its wait): every rank gets SIGKILL before the launcher waits on
+    any, since a rank blocked in the kernel (a hung disk) ends only after its I/O and must not keep the rest alive."""
+    from framework.cli.launch import _join
+    log = []
+
+    class Rank:
+        def __init__(self, i):
+            self.i = i
+
+        def terminate(self):
+            log.append(f"terminate {self.i}")
+
+        def kill(self):
+            log.append(f"kill {self.i}")
+
+        def join(self, timeout=None):
+            if not log:
+                raise SystemExit(143)
+            if timeout is None:   # (the bounded waits after terminate return at once here)
+                log.append(f"joined {self.i}")
+
+    with pytest.raises(SystemExit):
+        _join([Rank(0), Rank(1)], None)
+    assert log == ["terminate 0", "terminate 1", "kill 0", "kill 1", "joined 0", "joined 1"]
+
 @pytest.mark.parametrize("spec,n,device,backend", [
     ("cpu:gloo", 0, "auto", "gloo"), ("cpu:gloo,cuda:nccl", 0, "auto", "gloo"),   # torch's default group
     ("cpu:gloo,cuda:nccl", 2, "auto", "nccl"), ("cpu:gloo,cuda:nccl", 1, "auto", "gloo"),   # 2 local ranks
