@@ -71,6 +71,9 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset
     folder = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
     if not (unknown or args.help or args.hydra_help or args.version):   # (Hydra serves those first)
         _one_command(args)
+    if args.resolve and args.cfg is None and not (unknown or args.help or args.version):   # Hydra: a traceback
+        raise ConfigError("--resolve: only with --cfg job|hydra|all (or --help); add --cfg job to print the resolved "
+                          "config")
     if args.cfg == "job" and not args.multirun and not unknown:   # Hydra's --cfg lacks a DeepSpeed config's layer
         _print_resolved(args.overrides, args.resolve, primary, args.package)
         sys.exit(0)
