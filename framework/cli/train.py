@@ -48,7 +48,7 @@ from framework.core import files
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line, say
 from framework.core.paths import conf_dir
 from framework.core.room import nearest_existing
-from framework.core.utils import under
+from framework.core.utils import counted, under
 from framework.loggers import NOT_IDENTITY, RunInfo
 from framework.persist.checkpoint import checkpoint_root
 
@@ -468,5 +468,6 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     finally:
         sys.argv[:] = argv
     if failed:   # (the ranks of a torchrun sweep failed the same jobs: rank 0 says it for all)
-        sys.exit(fail(f"{len(failed)} job(s) of the sweep failed (their errors are above): {', '.join(failed)}", 1)
+        where = "their errors are" if len(failed) > 1 else "its error is"
+        sys.exit(fail(f"{counted(len(failed), 'job')} of the sweep failed ({where} above): {', '.join(failed)}", 1)
                  if env_int("RANK", 0) == 0 else 1)

@@ -320,6 +320,8 @@ def test_steps_is_checked_and_needs_verify(capsys):
     (["model.activation_checkpointing=true", "checkpointing=false"],
      "plan: the command line sets model.activation_checkpointing=true, but checkpointing=false"),
     (["+stage=ddp", "offload=cpu"], "plan: no stage of ddp supports an offload of cpu (see stages= and offloads=)"),
+    (["ranks=1", "micro_batches=3", "gpu_mem=80G", "cpu_mem=64G"],
+     "plan: no micro batch divides the per-rank batch 16 (global batch 16 over 1 rank)\n"),
     (["gpu_mme=8G"], "plan: unknown key 'gpu_mme' (did you mean 'gpu_mem'?); plan's keys: model, gpu_mem,"),
     # A command-line choice the DeepSpeed file refuses: the candidates' own composition's line, before the probe.
     (["+stage=zero3", f"ds_config={ROOT}/tests/config/ds/hf_zero2_cpu_offload.json"],
@@ -377,7 +379,7 @@ def test_dist_nproc_gives_the_ranks_and_dropped_micro_batches_are_said(capsys, m
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("hardware: 2 rank(s),"), out
     assert "note: micro_batches 3, 64 left out: they do not divide the per-rank batch 16 (train.micro_batch x " \
-           "train.grad_accum, global batch 32 over 2 rank(s))" in out, out
+           "train.grad_accum, global batch 32 over 2 ranks)" in out, out
     assert [c["micro_batch"] for c in json.loads(out[-1])] == [16]
     assert cli.main(["model=gpt-nano", "dist.nproc=2", "ranks=2", "micro_batches=16", "stages=ddp",
                      "checkpointing=false"]) == 0
