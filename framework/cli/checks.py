@@ -11,6 +11,7 @@ from framework.config.schema import get_key
 from framework.core.errors import FrameworkError, first_line
 from framework.core.registry import closest_hint
 from framework.core.units import MiB
+from framework.core.utils import counted
 
 _BOUNDS = {"min", "max", "equals", "tol"}
 # Each kind of check (named by its first key) and every key it reads: a misspelled bound would
@@ -132,7 +133,7 @@ def _curves(jobs, c: dict) -> dict:
                 failures.append(f"{j.label} first differs at step {s0}: {a0:.8f} vs {b0:.8f} "
                                 f"(|diff| {abs(a0 - b0):.2e}; largest {d:.2e} at step {s})")
     tol = f"atol {atol:g}" + (f" + rtol {rtol:g}" if rtol else "")
-    head = f"{key} curves equal the reference ({ref.label}) at {len(rsteps)} steps within {tol}"
+    head = f"{key} curves equal the reference ({ref.label}) at {counted(len(rsteps), 'step')} within {tol}"
     tail = "; ".join(failures) if failures else f"largest |diff| {max(worst.values(), default=0.0):.2e}"
     return {"check": c, "passed": not failures, "message": f"{head}: {tail}", "max_abs_diff": worst}
 

@@ -110,8 +110,13 @@ def main(argv: list[str] | None = None) -> int:
 def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     if "model" not in own:
         raise ConfigError("plan: give model=NAME (one of our model configs)")
-    kind = "hf" if own["model"] == "hf" else model_kind(own["model"])
-    if kind == "hf":   # before its config's own refusals (and the probe)
+    value, path = own["model"], Path(own["model"])
+    kind = model_kind(value)
+    # Hugging Face only when it is one (a config.json, a folder holding one, or a Hub name org/model that is not a
+    # path here): a mistyped path to one of our YAMLs, or any other folder, is an unknown name with a hint.
+    hub = kind == "hf" and value.count("/") == 1 and not path.exists() and not value.startswith((".", "/", "~"))
+    if value == "hf" or (path.suffix == ".json" and path.is_file()) or (path / "config.json").is_file() or hub:
+        # before its config's own refusals (and the probe)
         raise ConfigError(f"plan: Hugging Face models (model={own['model']}) are not planned: its step-time model "
                           "reads our GPT's keys (model.d_model, n_layer); python -m framework.estimate predicts their "
                           "memory per rank")
@@ -123,7 +128,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                           "(model=gpt-mini model.n_layer=8); python -m framework.estimate predicts a model YAML's "
                           "memory per rank")
     if own["model"] not in names:
-        raise ConfigError(f"plan: unknown model {own['model']!r}{closest_hint(own['model'], names)}; plan takes one "
+        raise ConfigError(f"plan: unknown model {value!r}{closest_hint(path.stem, names)}; plan takes one "
                           f"of {', '.join(names)}")
     if "steps" in own and not flags["verify"]:
         raise ConfigError("plan: steps= sets the length of the --verify runs; add --verify K or drop steps=")

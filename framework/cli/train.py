@@ -48,7 +48,7 @@ from framework.core import files
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line, say
 from framework.core.paths import conf_dir
 from framework.core.room import nearest_existing
-from framework.core.utils import under
+from framework.core.utils import counted, under
 from framework.loggers import NOT_IDENTITY, RunInfo
 from framework.persist.checkpoint import checkpoint_root
 
@@ -71,6 +71,9 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset
     folder = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
     if not (unknown or args.help or args.hydra_help or args.version):   # (Hydra serves those first)
         _one_command(args)
+    if args.resolve and args.cfg is None and not (unknown or args.help or args.version):   # Hydra: a traceback
+        raise ConfigError("--resolve: only with --cfg job|hydra|all (or --help); add --cfg job to print the resolved "
+                          "config")
     if args.cfg == "job" and not args.multirun and not unknown:   # Hydra's --cfg lacks a DeepSpeed config's layer
         _print_resolved(args.overrides, args.resolve, primary, args.package)
         sys.exit(0)
@@ -465,5 +468,6 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     finally:
         sys.argv[:] = argv
     if failed:   # (the ranks of a torchrun sweep failed the same jobs: rank 0 says it for all)
-        sys.exit(fail(f"{len(failed)} job(s) of the sweep failed (their errors are above): {', '.join(failed)}", 1)
+        where = "their errors are" if len(failed) > 1 else "its error is"
+        sys.exit(fail(f"{counted(len(failed), 'job')} of the sweep failed ({where} above): {', '.join(failed)}", 1)
                  if env_int("RANK", 0) == 0 else 1)

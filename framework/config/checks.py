@@ -20,6 +20,7 @@ from framework.config import plainconf
 from framework.config.schema import COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema, reads_grad_accum_dtype
 from framework.core.errors import ConfigError
 from framework.core.registry import GROUPS, closest, closest_hint, registry
+from framework.core.utils import counted
 
 
 # Other tools' names for our keys (lower case), which no spelling distance finds: a "did you mean" names ours.
@@ -256,8 +257,8 @@ def check_batch_world(cfg: Config, world: int) -> None:
         return
     per_rank = cfg.train.micro_batch * cfg.train.grad_accum
     raise ConfigError(f"ds_config: its train_batch_size={per_rank * cfg.batch_world} was divided over "
-                      f"{cfg.batch_world} rank(s) when the config was composed, but this run has {world} (a global "
-                      f"batch of {per_rank * world}); compose it for {world} ranks (framework.compose(..., "
+                      f"{counted(cfg.batch_world, 'rank')} when the config was composed, but this run has {world} (a global "
+                      f"batch of {per_rank * world}); compose it for {counted(world, 'rank')} (framework.compose(..., "
                       f"world={world}); under torchrun, or Hydra's submitit launcher with -m, the world is known "
                       f"then), or give the file train_micro_batch_size_per_gpu and gradient_accumulation_steps "
                       f"instead of train_batch_size")

@@ -28,9 +28,9 @@ def few(items, n: int = 5, show=repr) -> str:
     return ", ".join(map(show, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
-def counted(n: int, word: str) -> str:
-    """``n`` and ``word``, plural unless n is 1 (``1 step``, ``2 steps``)."""
-    return f"{n} {word}{'' if n == 1 else 's'}"
+def counted(n: int, word: str, plural: str | None = None) -> str:
+    """``n`` and ``word``, plural (``plural``, by default ``word`` + s) unless n is 1 (``1 step``, ``2 steps``)."""
+    return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
 def under(key: str, roots) -> bool:

@@ -21,7 +21,7 @@ from torch import nn
 from framework.core.batch import Batch
 from framework.comm.distributed import Dist
 from framework.core.errors import DataError, TrainingError
-from framework.core.utils import few
+from framework.core.utils import counted, few
 from framework.precision import Policy, next_scale
 from framework.stages.base import BaseStage
 from framework.engine.state import TrainState, capture_rng, restore_rng
@@ -65,7 +65,8 @@ def build_train_step(c: Components, applying: Callable[[int], None]
                 raise DataError(f"train_step: a batch is an iterable of micro batches (Batch(((x, y),)) for one "
                                 f"(x, y) micro batch), got {type(micro).__name__}") from None
         if len(batch.micro) != c.grad_accum:   # before any collective: every rank stops here alike
-            raise DataError(f"train_step: the batch has {len(batch.micro)} micro batches but train.grad_accum="
+            raise DataError(f"train_step: the batch has {counted(len(batch.micro), 'micro batch', 'micro batches')} "
+                            f"but train.grad_accum="
                             f"{c.grad_accum}: a Batch is train.grad_accum micro batches, each one loss_fn call "
                             f"(one (x, y) micro batch is Batch(((x, y),)))")
         # The step draws (dropout, ...) from the state's generators; the caller's are put back after, also

@@ -16,6 +16,7 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import closest_hint
 from framework.core.room import available_ram, free_bytes
 from framework.core import units
+from framework.core.utils import counted
 
 # Host memory besides the tensors: each rank is a Python process with torch and the framework loaded
 # (the probe's own resident set, ``process_rss_bytes``, and with activation checkpointing what its first use
@@ -158,11 +159,11 @@ def micro_batches(cfg, hw: Hardware, own: dict[str, str]) -> tuple[list[int], li
     kept = [b for b in micro if per_rank % b == 0]
     if not kept:
         raise ConfigError(f"plan: no micro batch divides the per-rank batch {per_rank} "
-                          f"(global batch {global_batch} over {hw.ranks} ranks)")
+                          f"(global batch {global_batch} over {counted(hw.ranks, 'rank')})")
     dropped = [b for b in micro if b not in kept]
     return kept, [f"note: micro_batches {', '.join(map(str, dropped))} left out: they do not divide the per-rank "
                   f"batch {per_rank} (train.micro_batch x train.grad_accum, global batch {global_batch} over "
-                  f"{hw.ranks} rank(s))"] if dropped and "micro_batches" in own else []
+                  f"{counted(hw.ranks, 'rank')})"] if dropped and "micro_batches" in own else []
 
 
 def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 from framework.core.errors import ConfigError
 from framework.core.registry import Component, closest_hint
+from framework.core.utils import counted
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -143,7 +144,7 @@ def _held_floor(node, run) -> list[str]:
     if held <= 0:
         return []
     return [f"note: scheduler.total_num_steps={total} is below train.steps={steps}: the lr holds at cos_min_ratio x "
-            f"optimizer.lr ({node.cos_min_ratio * run.optimizer.lr:.2e}) for the last {held} steps (DeepSpeed's "
+            f"optimizer.lr ({node.cos_min_ratio * run.optimizer.lr:.2e}) for the last {counted(held, 'step')} (DeepSpeed's "
             f"WarmupCosineLR would climb back up its cosine); set scheduler.total_num_steps={steps} (or null: the "
             f"run's length) to decay over the whole run"]
 

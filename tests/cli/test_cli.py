@@ -365,7 +365,7 @@ def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
     lines = error_lines(p)
     assert len(lines) == 2 and "missing.txt" in lines[0], p.stderr
     # named by its swept override, not by the folder it no longer has
-    assert lines[1] == "error: 1 job(s) of the sweep failed (their errors are above): job 0 (data.path=missing.txt, " \
+    assert lines[1] == "error: 1 job of the sweep failed (its error is above): job 0 (data.path=missing.txt, " \
                        "no folder)", lines
 
 
@@ -380,7 +380,7 @@ def test_a_job_failing_on_another_exception_does_not_end_the_sweep(forkrun, tmp_
     job0 = f"job 0 ({tmp_path / 'sweep' / '0'})"
     lines = [line for line in error_lines(p) if line.startswith("error: ")]
     assert lines == [f"error: {job0} failed: RuntimeError: FRAMEWORK_FAULT: rank 0 raises at step:1",
-                     f"error: 1 job(s) of the sweep failed (their errors are above): {job0}"], p.stderr
+                     f"error: 1 job of the sweep failed (its error is above): {job0}"], p.stderr
     assert p.stderr.index("Traceback") < p.stderr.index(lines[0])
     assert "Traceback" in (tmp_path / "sweep" / "0" / "train.log").read_text()   # kept with the job's run
 
@@ -418,7 +418,7 @@ def test_the_ranks_of_a_torchrun_sweep_end_it_with_rank_0s_count_alone(monkeypat
         with pytest.raises(SystemExit) as got:
             train.main()
         assert got.value.code == 1
-        assert capsys.readouterr().err.splitlines() == ["error: 1 job(s) of the sweep failed (their errors are above): "
+        assert capsys.readouterr().err.splitlines() == ["error: 1 job of the sweep failed (its error is above): "
                                                         "job 0 (x)"] * (rank == "0")
 
 
@@ -442,7 +442,7 @@ def test_a_job_without_room_for_its_records_fails_on_one_line_and_the_sweep_goes
     assert p.returncode == 1 and len(lines) == 2, p.stderr[-3000:]
     assert lines[0].startswith(f"error: no room to write metrics.jsonl in {sweep / '0'} (File too large; "), lines
     assert "raise the file size limit" in lines[0], lines
-    assert lines[1] == f"error: 1 job(s) of the sweep failed (their errors are above): job 0 ({sweep / '0'})", lines
+    assert lines[1] == f"error: 1 job of the sweep failed (its error is above): job 0 ({sweep / '0'})", lines
     assert (sweep / "1" / "summary.json").is_file()   # the job after the failed one ran
 
 

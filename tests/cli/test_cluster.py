@@ -695,7 +695,7 @@ def test_a_deepspeed_batch_divided_over_another_world_than_the_runs_is_refused(m
         finally:   # put back as it was: monkeypatch would restore what launch set (a later in-process
             os.environ.clear()   # launch would wait for a rendezvous of 2 ranks)
             os.environ.update(saved)
-        assert ("train_batch_size=8 was divided over 1 rank(s) when the config was composed, but this run has 2 "
+        assert ("train_batch_size=8 was divided over 1 rank when the config was composed, but this run has 2 "
                 "(a global batch of 16)" in str(e.value) and "\n" not in str(e.value)), str(e.value)
         assert not (tmp_path / "run").exists()
         for key in ("SUBMITIT_EXECUTOR", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_ID"):
@@ -706,6 +706,8 @@ def test_a_deepspeed_batch_divided_over_another_world_than_the_runs_is_refused(m
     two = compose(["train.steps=1", "dist.nproc=2"], ds_config=DS_BATCH)
     assert (two.batch_world, two.train.grad_accum) == (2, 2)
     check_batch_world(two, 2)
+    with pytest.raises(ConfigError, match=r"divided over 2 ranks .* compose it for 1 rank \(framework"):
+        check_batch_world(two, 1)
     no_batch = compose(["train.steps=1", "dist.nproc=2"], ds_config={"gradient_clipping": 0.5}, world=1)
     assert no_batch.batch_world is None
     check_batch_world(no_batch, 2)

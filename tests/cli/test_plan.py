@@ -241,14 +241,15 @@ def test_probe_reads_its_resident_set_without_its_test_tensors(monkeypatch, tmp_
     assert len(alive) == 4   # a, b, src, dst
 
 
-def test_a_hugging_face_model_is_refused_on_one_line(capsys):
+def test_a_hugging_face_model_is_refused_on_one_line(capsys, tmp_path):
     from framework.cli.plan import main
     cfg = ROOT / "recipes" / "hf_gpt2_zero3" / "gpt2_config.json"
+    (tmp_path / "config.json").write_text(cfg.read_text())
     assert main(["model=hf", f"model.config={cfg}", "gpu_mem=80G"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: plan: Hugging Face models (model=hf) are not planned") and "\n" not in err, err
     # a config.json or its folder as estimate takes them: the same line (the shared one pointed to model=hf)
-    for model in (cfg, cfg.parent):
+    for model in (cfg, tmp_path):
         assert main([f"model={model}", "gpu_mem=80G"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: plan: Hugging Face models (model={model}) are not planned"), err
@@ -261,6 +262,16 @@ def test_a_hugging_face_model_is_refused_on_one_line(capsys):
         "python -m framework.estimate predicts a model YAML's memory per rank\n")
     assert main(["model=gpt2", "gpu_mem=80G"]) == 2
     assert capsys.readouterr().err == f"error: plan: unknown model 'gpt2' (did you mean 'gpt2-small'?); plan takes one of {names}\n"
+    # a path to one of our YAMLs without .yaml, or a folder with no config.json, is not a Hugging Face model
+    for model in (ROOT / "conf" / "model" / "gpt-nano", "conf/model/gpt-nano", ROOT / "conf" / "model", cfg.parent):
+        assert main([f"model={model}", "gpu_mem=80G"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: plan: unknown model '{model}'") and "Hugging Face" not in err, err
+    assert main(["model=conf/model/gpt-nano", "gpu_mem=80G"]) == 2
+    assert "(did you mean 'gpt-nano'?)" in capsys.readouterr().err
+    # a Hub name (org/model, not a path here) keeps the Hugging Face line
+    assert main(["model=openai-community/gpt2", "gpu_mem=80G"]) == 2
+    assert "Hugging Face models (model=openai-community/gpt2) are not planned" in capsys.readouterr().err
 
 
 def test_a_hugging_face_models_memory_is_predicted_with_its_own_loss():
@@ -309,6 +320,8 @@ def test_steps_is_checked_and_needs_verify(capsys):
     (["model.activation_checkpointing=true", "checkpointing=false"],
      "plan: the command line sets model.activation_checkpointing=true, but checkpointing=false"),
     (["+stage=ddp", "offload=cpu"], "plan: no stage of ddp supports an offload of cpu (see stages= and offloads=)"),
+    (["ranks=1", "micro_batches=3", "gpu_mem=80G", "cpu_mem=64G"],
+     "plan: no micro batch divides the per-rank batch 16 (global batch 16 over 1 rank)\n"),
     (["gpu_mme=8G"], "plan: unknown key 'gpu_mme' (did you mean 'gpu_mem'?); plan's keys: model, gpu_mem,"),
     # A command-line choice the DeepSpeed file refuses: the candidates' own composition's line, before the probe.
     (["+stage=zero3", f"ds_config={ROOT}/tests/config/ds/hf_zero2_cpu_offload.json"],
@@ -366,7 +379,7 @@ def test_dist_nproc_gives_the_ranks_and_dropped_micro_batches_are_said(capsys, m
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("hardware: 2 rank(s),"), out
     assert "note: micro_batches 3, 64 left out: they do not divide the per-rank batch 16 (train.micro_batch x " \
-           "train.grad_accum, global batch 32 over 2 rank(s))" in out, out
+           "train.grad_accum, global batch 32 over 2 ranks)" in out, out
     assert [c["micro_batch"] for c in json.loads(out[-1])] == [16]
     assert cli.main(["model=gpt-nano", "dist.nproc=2", "ranks=2", "micro_batches=16", "stages=ddp",
                      "checkpointing=false"]) == 0

@@ -370,6 +370,8 @@ HYDRA_ONE = "Hydra takes one of --run, -m, --cfg, --info and --shell-completion 
     (["-m", "optimizer=adamw,lion", "--info"],
      f"-m with --info: {HYDRA_ONE}; drop -m to print one job's info (give each swept key one of its values)"),
     (["--run", "--info", "defaults"], f"--run with --info defaults: {HYDRA_ONE}; keep one"),
+    *[(argv, "--resolve: only with --cfg job|hydra|all (or --help); add --cfg job to print the resolved config")
+      for argv in (["logger=none", "--resolve"], ["-m", "optimizer=adamw,lion", "--resolve"])],
 ])
 def test_hydra_commands_given_together_are_one_line(argv, line):
     """Hydra refuses them with a traceback (--help advertises --cfg job; a sweep's user tries it with -m)."""

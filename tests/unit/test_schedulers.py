@@ -288,6 +288,7 @@ def test_a_warmup_cosine_lr_ending_before_the_run_holds_its_floor_with_a_note():
         "note: scheduler.total_num_steps=5 is below train.steps=12: the lr holds at cos_min_ratio x optimizer.lr "
         "(1.00e-07) for the last 7 steps (DeepSpeed's WarmupCosineLR would climb back up its cosine); set "
         "scheduler.total_num_steps=12 (or null: the run's length) to decay over the whole run"]
+    assert "for the last 1 step (DeepSpeed's" in held("scheduler.total_num_steps=11")[0]
     assert held("scheduler.total_num_steps=12") == held() == []
     assert [n for n in compose(["scheduler=warmup_decay_lr", "scheduler.warmup_num_steps=2", "train.steps=12",
                                 "scheduler.total_num_steps=5"]).notices if "total_num_steps" in n] == []

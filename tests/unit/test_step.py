@@ -284,8 +284,8 @@ def test_batch_of_another_length_than_grad_accum_or_empty_is_refused_before_any_
     assert engine.config.train.grad_accum == 4
     x, y = torch.randn(8, 5), torch.randn(8, 1)
     state = engine.state
-    for batch, n in ((Batch(((x, y),)), 1), (Batch(()), 0)):
-        with pytest.raises(framework.DataError, match=rf"{n} micro batches but train.grad_accum=4"):
+    for batch, n in ((Batch(((x, y),)), "1 micro batch"), (Batch(()), "0 micro batches")):
+        with pytest.raises(framework.DataError, match=rf"has {n} but train.grad_accum=4"):
             engine.train_step(state, batch)
     for bare, what in (((x, y, x, y), r"a tuple of 4 tensors"), ([x, y], "a list of 2 tensors"),
                        ({"x": x, "y": y, "a": x, "b": y}, "a dict"), (torch.ones(4, 5), r"a tensor of shape \[4, 5\]"),
