@@ -84,3 +84,15 @@ def _sigint_kept():
     yield
     after = signal.getsignal(signal.SIGINT)
     assert after is before, f"this test left SIGINT's handler {after!r} (it was {before!r})"
+
+
+@pytest.fixture(autouse=True)
+def _framework_env_kept():
+    # Ranks forked or spawned later in the same worker inherit this process's environment: a FRAMEWORK_* variable
+    # a test left set (FRAMEWORK_OPS=0: another optimizer kernel) makes a later test's fresh ranks differ from
+    # its rank pool's reference by the order the files ran in. The test that leaks one fails.
+    import os
+    before = {k: v for k, v in os.environ.items() if k.startswith("FRAMEWORK_")}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith("FRAMEWORK_")}
+    assert after == before, f"this test left the environment's FRAMEWORK_* variables {after} (they were {before})"

@@ -252,7 +252,9 @@ def test_phases_runs_the_optimizer_kernel_of_stages(kernel, ops, monkeypatch, ca
         seen.append(os.environ.get("FRAMEWORK_OPS"))
         return None, None, [{"phases": {"forward": 0.001}}] * world
 
-    monkeypatch.delenv("FRAMEWORK_OPS", raising=False)
+    # (set, not deleted: main sets it, and a variable monkeypatch found unset is not put back; the leaked "0"
+    # reached the ranks later tests fork, which then ran another kernel than their reference)
+    monkeypatch.setenv("FRAMEWORK_OPS", "1" if kernel is None else "0")
     monkeypatch.setattr(framework.ops, "available", lambda: True)
     monkeypatch.setattr(bench._common, "run_ranks_detail", fake_run)
     bench.phases.main(["--systems", "zero1,torch-ddp", "--steps", "1", *(["--kernel", kernel] if kernel else [])])
