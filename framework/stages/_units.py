@@ -91,6 +91,15 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
             if at not in is_unit:
                 for p in sub.parameters(recurse=False):
                     holders.setdefault(id(p), set()).add(at)
+    # A module inside a unit that a module outside it also holds runs in that module's forward too, where the
+    # unit is not gathered (its own hooks are not registered, being a unit's part): it stays gathered.
+    for parent in module.modules():
+        at = where.get(id(parent), 0)
+        for child in parent.children():
+            inside = where.get(id(child), 0)
+            if inside in is_unit and inside != at and child is not cands[inside][1]:
+                for p in child.parameters():
+                    holders.setdefault(id(p), set()).add(at)
     # Own-parameter modules that share a parameter are one unit (each member maps to one shared set).
     group = {i: {i} for i in range(1, len(cands)) if i not in is_unit}
     for hs in holders.values():
