@@ -233,12 +233,12 @@ def build_vocab(cfg, overrides: list[str]) -> tuple[int, str]:
 
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             traces: dict | None = None, loss_fn=None, context: int | None = None,
-            device: str | None = None, batch=None) -> Prediction:
+            device: str | None = None, batch=None, rank: int = 0) -> Prediction:
     """Per-rank memory of training ``cfg`` on ``world`` ranks. ``module``: a model built on meta, traced
     with ``loss_fn(module, batch)``: ``batch`` is one micro batch as ``loss_fn`` takes it (its tensors are
     moved to meta), by default token ids ``(x, x)`` of ``[train.micro_batch, context]``; ``traces``: reused
     activation traces (the planner's sweep); ``device``: trace attention only as "cpu" or "cuda" runs it
-    (default: both)."""
+    (default: both); ``rank``: whose share (by default 0's, the largest: padding lies at the ends)."""
     world = world or cfg.dist.nproc
     model = component(cfg, "model")
     # By default the configured model's loss, as training computes it (and its checkpointing key in force).
@@ -283,7 +283,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     elif stage in ("zero1", "zero2"):
         shards = [lay.shard for lay in layouts]
         pred.add("params", device=w * sum(padded))
-        pred.lazy |= placement.predict(pred, shards, *cut)
+        pred.lazy |= placement.predict(pred, shards, *cut, real=[_real(lay, rank) for lay in layouts])
         if stage == "zero1":
             full_grads(sum(padded), sum(shards))
         else:
@@ -303,7 +303,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
                 filling = world if cfg.stage.round_robin_gradients else 1
                 pred.transient["param_grads"] = w * min(max(lay.numel for lay in layouts), (n_buf + filling) * biggest)
     elif stage == "zero3":
-        shards = _zero3(cfg, module, policy, world, pred, placement, cut)
+        shards = _zero3(cfg, module, policy, world, pred, placement, cut, rank)
     else:
         raise ConfigError(f"estimate: no memory model for stage {stage!r}")
     placement.predict_pool(pred, shards, *cut)
@@ -374,7 +374,13 @@ def nvme_pools(cfg, module: nn.Module, world: int, params: str, **keys) -> Footp
     return pred
 
 
-def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) -> list[int]:
+def _real(layout, rank: int) -> int:
+    """The elements of ``rank``'s partition of ``layout`` that hold parameters (as the stage places them)."""
+    lo, hi = layout.partition(rank)
+    return max(0, min(hi, layout.numel) - lo)
+
+
+def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple, rank: int = 0) -> list[int]:
     """zero3: shards of every unit group, persistent parameters gathered, the live window; returns the shards."""
     s = cfg.stage
     w, red, acc = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize, policy.grad_accum_dtype.itemsize
@@ -389,7 +395,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) 
         # (with the owned gradients in the swap file a partition exists only while it is reduced)
         if not swap_grads:
             pred.add("grads", device=acc * layout.shard)
-        pred.lazy |= placement.predict(pred, [layout.shard], *cut)
+        pred.lazy |= placement.predict(pred, [layout.shard], *cut, real=[_real(layout, rank)])
         if gathered:
             pred.add("gathered_persistent", device=w * layout.padded)
         return layout.padded

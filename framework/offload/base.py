@@ -217,11 +217,12 @@ class Placement:
             self.stores[Tier.DISK].memory(fp, "nvme_optimizer_pool", "optimizer")
 
     def predict(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
-                master: torch.dtype, state: Sequence[int]) -> set[str]:
+                master: torch.dtype, state: Sequence[int], real: Sequence[int] | None = None) -> set[str]:
         """What ``memory`` (and the pipeline's) will report, from sizes (``state``: optimizer bytes per
-        element, per state tensor); returns the items that appear at the first step, not at setup."""
+        element, per state tensor; ``real``: per size, its leading elements that hold parameters, default
+        all); returns the items that appear at the first step, not at setup."""
         m, k, lazy = master.itemsize, sum(state), set()
-        for n in sizes:
+        for n, r in zip(sizes, sizes if real is None else real):
             for a, b, tier in self.ranges(n, chunk):
                 if tier is Tier.DEVICE:
                     if working != master:
@@ -233,7 +234,8 @@ class Placement:
                     if working != master:   # written by the first optimizer step
                         fp.add("host_staging", host=working.itemsize * (b - a))
                         lazy.add("host_staging")
-                    if self.overlap_step:   # allocated by the first speculative step
+                    # allocated by the first speculative step (padding only: never final, never speculated)
+                    if self.overlap_step and min(b, r) > a:
                         fp.add("overlap_undo", host=(m + k) * (b - a))
                         lazy.add("overlap_undo")
                     fp.add("optimizer_state", host=k * (b - a))

@@ -55,11 +55,13 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
     owns = {id(g) for m in module.modules() if any(True for _ in m.parameters(recurse=False)) for g in by[id(m)]}
     present = {type(m).__name__ for m in module.modules()}
     if tuple(gather_unit) != DEFAULT_GATHER_UNIT:
+        # (a scripted module's class name is a hint too: a near miss of it leads to its own refusal)
+        scripted = {getattr(m, "original_name", None) for m in module.modules() if isinstance(m, _NO_HOOKS)}
         for name in gather_unit:
             _refuse_scripted_unit(module, name, by)
             if name not in present:
                 raise ConfigError(f"stage.gather_unit: {name!r} matches no module of the model"
-                                  f"{closest_hint(name, present)}")
+                                  f"{closest_hint(name, present | scripted - {None})}")
             _check_named_unit(module, name, by)
     # A Hugging Face model's transformer layers are units too (its _no_split_modules classes).
     classes = set(gather_unit) | set(declared_layers(module))
@@ -90,6 +92,15 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
         for at in {where.get(id(sub), 0)} | {where.get(id(g), 0) for g in by[id(sub)][1:]}:
             if at not in is_unit:
                 for p in sub.parameters(recurse=False):
+                    holders.setdefault(id(p), set()).add(at)
+    # A module inside a unit that a module outside it also holds runs in that module's forward too, where the
+    # unit is not gathered (its own hooks are not registered, being a unit's part): it stays gathered.
+    for parent in module.modules():
+        at = where.get(id(parent), 0)
+        for child in parent.children():
+            inside = where.get(id(child), 0)
+            if inside in is_unit and inside != at and child is not cands[inside][1]:
+                for p in child.parameters():
                     holders.setdefault(id(p), set()).add(at)
     # Own-parameter modules that share a parameter are one unit (each member maps to one shared set).
     group = {i: {i} for i in range(1, len(cands)) if i not in is_unit}
@@ -134,11 +145,15 @@ def _refuse_scripted_unit(module: nn.Module, name: str, by: dict[int, tuple[nn.M
                        if m is not module and not isinstance(m, _NO_HOOKS)):
         return
     scripted = getattr(subs[0], "original_name", type(subs[0]).__name__)
+    # Scripted as part of a scripted ancestor, it cannot be passed unscripted alone: the outermost one can.
+    top = next(m for m in module.modules() if isinstance(m, _NO_HOOKS) and any(k is subs[0] for k in m.modules()))
+    outer = getattr(top, "original_name", type(top).__name__)
+    what = f"{scripted} is" if top is subs[0] else f"{scripted} is inside {outer}, which is"
     holder = by[id(subs[0])][0]
     with_it = ("the root module's unit" if holder is module
                else f"the unit of the module that calls it ({type(holder).__name__}: name that class instead)")
-    raise ConfigError(f"stage.gather_unit: {scripted} is torch.jit.script'ed: a ScriptModule takes no Python hooks, "
-                      f"so it cannot be a unit and zero3 gathers it with {with_it}; or pass {scripted} unscripted")
+    raise ConfigError(f"stage.gather_unit: {what} torch.jit.script'ed: a ScriptModule takes no Python hooks, "
+                      f"so it cannot be a unit and zero3 gathers it with {with_it}; or pass {outer} unscripted")
 
 
 def _gathered_by(module: nn.Module) -> dict[int, tuple[nn.Module, ...]]:

@@ -420,22 +420,29 @@ def _ungathered_call(error: BaseException, split_root: bool) -> str | None:
     called directly), one line naming the fix; else None. Read from the traceback (error path only)."""
     if not isinstance(error, Exception) or isinstance(error, FrameworkError):
         return None
-    found = None
+    found, running = None, None   # running: the innermost module forward seen so far (the caller's)
     for frame, _ in traceback.walk_tb(error.__traceback__):   # innermost last
-        owner = frame.f_locals.get("self")
+        code = frame.f_code   # (a method's first argument, whatever its name)
+        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
         # Its own forward running (not a hook before it: a failed gather is its own error) on empty shards.
         # (Read statically: a ScriptModule's class forward is a descriptor that raises when read from the class.)
         forward = inspect.getattr_static(type(owner), "forward", None)
-        if isinstance(owner, nn.Module) and frame.f_code is getattr(forward, "__code__", None):
+        if isinstance(owner, nn.Module) and code is getattr(forward, "__code__", None):
             idle = [p for p in owner.parameters(recurse=False)
                     if isinstance(p, ShardedParameter) and p.shape != p.logical_shape]
             if idle:
-                found = (type(owner).__name__, idle[0].unit_name)
+                found = (type(owner).__name__, idle[0].unit_name, running)
+            running = type(owner).__name__
     if found is None:
         read = _read_in_line(error)
         return None if read is None else read_hint(read, typed_line(error))
-    cls, unit = found
-    head = f"zero3: loss_fn called a module ({cls}) whose parameters were not gathered ({typed_line(error)}): "
+    cls, unit, caller = found
+    head = (f"zero3: {'loss_fn' if caller is None else caller + '.forward'} called a module ({cls}) whose "
+            f"parameters were not gathered ({typed_line(error)}): ")
+    if unit != "<root>" and caller is not None:   # a model's module reaching into a unit it does not run
+        return head + (f"it is part of gather unit {unit!r}, gathered only when that unit's own forward runs; "
+                       f"register it as a submodule of {caller} too (a module that a unit and a module outside "
+                       f"it both hold stays gathered), or call the unit itself")
     if unit != "<root>":   # (outermost units win: naming the part's class as a unit too changes nothing)
         return head + (f"it is part of gather unit {unit!r}, gathered only when that unit's own forward runs; "
                        f"call module.{unit}(...) (or the whole module) in loss_fn, not its parts")

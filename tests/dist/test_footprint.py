@@ -63,7 +63,10 @@ TWO_RANKS += [("+stage=ddp",), ("+stage=zero3", "offload=nvme", "offload.sub_gro
               # round-robin buckets hold one partition's share each (a plain plan's would be twice as large)
               ("+stage=zero2", "stage.round_robin_gradients=true", "stage.reduce_bucket_size=3000",
                "stage.overlap_comm=true", "precision=bf16"),
-              ("+stage=zero3", "offload=none", "precision=bf16", FROZEN)]
+              ("+stage=zero3", "offload=none", "precision=bf16", FROZEN),
+              # rank 1 holds padding-only pieces: never speculated, so no undo copies
+              ("+stage=zero3", "offload=cpu", "offload.overlap_step=true",
+               "stage.stage3_param_persistence_threshold=0", "train.grad_accum=2")]
 
 
 def _freeze(module: nn.Module) -> nn.Module:
@@ -118,7 +121,8 @@ def _footprints(dist, cases, folder):
         if "offload=nvme" in case and "+stage=zero3" in case and "offload.optimizer=cpu" not in case:
             # the swapped gradients' read-back buffers: only where a later micro batch reads a partition back
             assert ("nvme_grad_read_back" in held[0]) == (cfg.train.grad_accum > 1), (case, held)
-        out.append((case, held, predict(cfg, dist.world, module=meta, traces=traces[frozen]).nonzero()))
+        out.append((case, held, predict(cfg, dist.world, module=meta, traces=traces[frozen],
+                                              rank=dist.rank).nonzero()))
     return out
 
 

@@ -653,6 +653,29 @@ def test_under_zero3_a_part_of_a_unit_called_directly_fails_in_one_line_naming_t
             assert "\n" not in str(e.value)
 
 
+class _Reach(_Net):   # its forward calls a part of the unit blk, held or not as a submodule of its own
+    def __init__(self, hold):
+        super().__init__()
+        self.part = self.blk.b if hold else None
+
+    def forward(self, x):
+        return self.out(self.blk.b(self.inp(x)))
+
+
+def test_under_zero3_a_model_module_calling_a_part_of_a_unit_is_told_to_hold_it_not_to_change_loss_fn():
+    """The one line blamed loss_fn, which called the whole module; a part the caller holds as its own submodule
+    too stays gathered (shared across the unit's boundary), as the line now advises."""
+    cfg = tiny_config("+stage=zero3", "stage.gather_unit=[_Blk]", "stage.stage3_param_persistence_threshold=0")
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    batch = framework.Batch(((torch.randn(4, 8), torch.randn(4, 2)),))
+    with framework.initialize(_Reach(hold=False), loss, cfg) as engine:
+        with pytest.raises(framework.FrameworkError, match=r"^zero3: _Reach\.forward called a module \(_Checked\) "
+                           r".*gather unit 'blk', .*register it as a submodule of _Reach too .*call the unit itself$"):
+            engine.train_step(engine.state, batch)
+    with framework.initialize(_Reach(hold=True), loss, cfg) as engine:
+        engine.train_step(engine.state, batch)
+
+
 def test_a_complex_trainable_parameter_is_refused_by_initialize():
     """Every stage keeps real masters: its imaginary part would be dropped with only a warning."""
     module = torch.nn.Linear(3, 1)
@@ -848,19 +871,53 @@ def test_a_scripted_submodule_that_two_modules_call_trains_as_its_plain_twin_und
         _assert_scripted_trains_as_plain(net, tiny_config("+stage=zero3", "scheduler=constant", *over), d)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_module_shared_by_a_gather_unit_and_a_module_outside_it_trains_as_with_no_units_under_zero3():
+    """A module inside a gather unit takes no hooks of its own (the unit's gather it): one that a module outside
+    the unit also calls ran there on empty shards, and the error blamed loss_fn. It must stay gathered, as a
+    scripted one and tied weights do, and train as with no gather units at all."""
+    d = 320   # the shared weight is above the default persistence threshold: gathered per unit by default
+
+    class Calls(torch.nn.Module):
+        def __init__(self, shared):
+            super().__init__()
+            self.lin, self.shared = torch.nn.Linear(d, d), shared
+
+        def forward(self, x):
+            return self.shared(torch.tanh(self.lin(x)))
+
+    class Block(Calls):   # a gather unit by default
+        pass
+
+    def net(script):
+        torch.manual_seed(0)
+        shared = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh())
+        shared = torch.jit.script(shared) if script else shared
+        return torch.nn.Sequential(Block(shared), Calls(shared))
+
+    over = ("+stage=zero3", "scheduler=constant")
+    with torch.jit.optimized_execution(False):   # (see the test above)
+        (want, want_sd), *runs = (_train(net(script), tiny_config(*over, *units), d)
+                                  for script, units in ((False, ["stage.gather_unit=[]"]), (False, []), (True, [])))
+    for losses, sd in runs:
+        assert losses == want and all(torch.equal(sd[k], want_sd[k]) for k in want_sd)
+
+
 def _square_loss(m, mb):
     return m(mb[0]).pow(2).mean()
 
 
+def _train(module, cfg, width):
+    """Two steps' losses and the trained weights."""
+    with framework.initialize(module, _square_loss, cfg) as engine:
+        losses = [engine.train_step(engine.state, framework.Batch(((torch.ones(2, width),),)))[1]["loss"]
+                  for _ in range(2)]
+        return losses, engine.consolidated_state_dict()
+
+
 def _assert_scripted_trains_as_plain(net, cfg, width):
     """``net(script)`` trains to bit-identical losses and weights with its scripted submodules as without."""
-    runs = []
-    for script in (False, True):
-        with framework.initialize(net(script), _square_loss, cfg) as engine:
-            losses = [engine.train_step(engine.state, framework.Batch(((torch.ones(2, width),),)))[1]["loss"]
-                      for _ in range(2)]
-            runs.append((losses, engine.consolidated_state_dict()))
-    (plain, plain_sd), (scripted, scripted_sd) = runs
+    (plain, plain_sd), (scripted, scripted_sd) = (_train(net(script), cfg, width) for script in (False, True))
     assert plain == scripted and all(torch.equal(plain_sd[k], scripted_sd[k]) for k in plain_sd)
 
 

@@ -173,6 +173,13 @@ def test_a_gather_unit_that_matches_no_module_is_an_error():
                                                   f"takes no Python hooks, so it cannot be a unit and zero3 gathers it "
                                                   f"with {gathered}"):
                 plan_units(root, [name], True, 0)
+    # Scripted as part of its scripted parent, it can only be passed unscripted with that parent; a near miss of
+    # a scripted class's name is hinted at (it leads to the refusal above), not at an unrelated plain class.
+    with pytest.raises(ConfigError, match=r"^stage.gather_unit: Enc is inside Calls, which is torch.jit.script'ed: "
+                                          r".*; or pass Calls unscripted$"):
+        plan_units(nn.Sequential(torch.jit.script(Calls()), nn.Linear(4, 4)), ["Enc"], True, 0)
+    with pytest.raises(ConfigError, match=r"matches no module of the model \(did you mean 'Enc'\?\)$"):
+        plan_units(nn.Sequential(nn.Linear(4, 4), torch.jit.script(Enc())), ["En"], True, 0)
 
 
 def test_parameters_read_by_a_parent_module_are_in_its_unit():
