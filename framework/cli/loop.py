@@ -164,7 +164,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         return summary
     except KeyboardInterrupt:   # Ctrl-C: one line with the last finished step (the CLI prints it)
         raise Interrupted(state.step) from None
-    except SystemExit as e:   # SIGTERM (launch.signals_unwind): the same, for this signal
+    except SystemExit as e:   # SIGTERM (_signals.signals_unwind): the same, for this signal
         if e.code == 128 + signal.SIGTERM and not isinstance(e, Terminated):
             raise Terminated(state.step, e.code) from None
         raise

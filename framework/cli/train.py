@@ -39,7 +39,8 @@ from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
 
 from framework.cli import fail
 from framework.cli._hydra import OVERRIDE_DIRNAME_EXCLUDE, QUIET, Passed, record_job, record_sweep
-from framework.cli.launch import RUN_LOCK, check_saves, launch, terminated_line
+from framework.cli._signals import terminated_line
+from framework.cli.launch import RUN_LOCK, check_saves, launch
 from framework.comm.distributed import check_env_ints, env_int
 from framework.config import (GROUPS, Config, app_composer, compose, compose_layers, parse_overrides,
                               standalone_composer)

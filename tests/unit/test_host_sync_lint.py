@@ -296,7 +296,7 @@ def test_each_exception_names_a_function_that_exists():
 HOST_ONLY_THREADS = {
     ("framework/offload/_aio.py", "_worker"): "file IO between host bounce buffers and the swap file",
     ("framework/cli/launch.py", "watch"): "the launcher watch: polls the parent process, sends signals",
-    ("framework/cli/launch.py", "soon"): "sends a signal again to the main thread",
+    ("framework/cli/_signals.py", "soon"): "sends a signal again to the main thread",
 }
 # what starts a thread -> (keyword, position) of what it runs first
 _STARTERS = {"ThreadPoolExecutor": ("initializer", 2), "Thread": ("target", 1), "Timer": ("function", 1),
