@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import inspect
 import sys
 import weakref
 from dataclasses import replace
@@ -24,6 +23,7 @@ from framework.config import Config, check_batch_world, compose
 from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError, FrameworkError, TrainingError
 from framework.comm.distributed import Dist, agree, connect, disconnect, rank_and_world
+from framework.engine._checks import Owner, check_arguments, owner
 from framework.engine.materialize import materialize_buffers
 from framework.models.hf import config_hidden_size
 from framework.core.registry import registry
@@ -34,7 +34,6 @@ from framework.core.footprint import Footprint
 from framework.core.utils import dtype_name, few
 from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained, whole_tensors
-from framework.stages import zero3_sharded
 
 
 def component(cfg: Config, group: str):
@@ -212,7 +211,7 @@ class Engine(contextlib.AbstractContextManager):
         if not self.closed:
             self.closed = True
             for _, p, trains in self._trainable:   # another initialize may take its parameters now
-                if trains and _owner(p) is self:
+                if trains and owner(p) is self:
                     del p._framework_owner
             try:
                 self.components.update.close()   # the offload worker thread, if any
@@ -369,22 +368,6 @@ def _count_known(module: nn.Module, known: frozenset) -> int | None:
     return count
 
 
-class _Owner(weakref.ref):
-    """The open engine training a parameter, held weakly in an attribute of the parameter (no registry
-    outside it: a module sharing a submodule or a tied weight with the engine's sees it too); a copy or a
-    pickle of the parameter is owned by nobody (its tensors are its own)."""
-
-    def __reduce__(self):
-        return type(None), ()
-
-
-def _owner(param: nn.Parameter) -> Engine | None:
-    """The open engine that trains ``param``, or None."""
-    owner = getattr(param, "_framework_owner", None)
-    engine = owner() if isinstance(owner, _Owner) else None
-    return engine if engine is not None and not engine.closed else None
-
-
 def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, dist: Dist | None = None,
                position: int = 0, *, ds_config: str | Mapping | None = None, overrides: Sequence[str] = ()) -> Engine:
     """Shard ``module`` with the configured stage; ``loss_fn(module, micro_batch) -> scalar``. Without ``dist``
@@ -392,52 +375,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     dict) with ``overrides`` composes one: our defaults < it < the overrides. The main rank prints the config's
     warnings and notes (``cfg.notices``) on stderr."""
     # Before any collective (every rank stops alike): one line instead of a traceback from inside.
-    if not isinstance(module, nn.Module):
-        raise ConfigError(f"initialize: module must be a torch.nn.Module, got {type(module).__name__}")
-    if not callable(loss_fn):
-        raise ConfigError(f"initialize: loss_fn must be callable as loss_fn(module, micro_batch) -> scalar loss, "
-                          f"got {type(loss_fn).__name__}")
-    try:
-        signature = inspect.signature(loss_fn, follow_wrapped=False)   # (a decorator's wrapper is what is called)
-    except (TypeError, ValueError):   # (a builtin's or an extension's callable: not checked)
-        signature = None
-    if signature is not None:
-        try:
-            signature.bind(None, None)
-        except TypeError as e:   # (else Python's TypeError from inside the first step)
-            name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
-            raise ConfigError(f"initialize: loss_fn is called as loss_fn(module, micro_batch), which {name}{signature} "
-                              f"cannot take ({e}); give it those two positional parameters") from None
-    if cfg is not None and not isinstance(cfg, Config):
-        raise ConfigError(f"initialize: cfg must be a framework Config, got {type(cfg).__name__}; build one with "
-                          f"framework.compose([...overrides]) (or pass ds_config=/overrides=)")
-    if cfg is not None and (ds_config is not None or overrides):
-        raise ConfigError("initialize: pass either cfg or ds_config/overrides, not both")
-    if zero3_sharded(module):
-        raise FrameworkError("initialize: this module was sharded by a zero3 engine (its parameters are empty "
-                             "shards, also after close() or a failed initialize); build a fresh module (or load "
-                             "its weights into one: engine.consolidated_state_dict() before closing)")
-    owned = [n for n, p in module.named_parameters() if _owner(p) is not None]
-    if owned:   # they are views of that engine's buffers: a second one would rebind them, and the first would go
-        # on stepping buffers the module no longer reads (a shared submodule: one engine's updates lost)
-        raise FrameworkError(f"initialize: {len(owned)} parameter{'s' if len(owned) != 1 else ''} of this module "
-                             f"({few(owned, 3, str)}) {'are' if len(owned) != 1 else 'is'} trained by another open "
-                             f"engine; close that one first (engine.close() or end its with block), or build a fresh "
-                             f"module (one sharing no submodule or parameter with that engine's)")
-    lazy = [n for n, t in (*module.named_parameters(), *module.named_buffers())
-            if isinstance(t, nn.parameter.UninitializedTensorMixin)]
-    if lazy:   # (else torch's message from inside the stage's layout, which blames load_state_dict)
-        raise ConfigError(f"initialize: {few(lazy, 3, str)} {'are' if len(lazy) != 1 else 'is'} not initialised yet "
-                          f"(a lazy module, such as nn.LazyLinear): run one forward on a dummy batch before "
-                          f"framework.initialize, which gives them their shapes")
-    if not any(p.requires_grad for p in module.parameters()):
-        raise FrameworkError("initialize: the module has no parameters with requires_grad=True: nothing to "
-                             "train; unfreeze at least one (p.requires_grad_(True))")
-    complex_ = [n for n, p in module.named_parameters() if p.requires_grad and p.is_complex()]
-    if complex_:   # every stage keeps masters in a real dtype: the imaginary part would be dropped
-        raise ConfigError(f"initialize: complex trainable parameters are not supported ({few(complex_, 5, str)}); "
-                          f"hold each as a real parameter with a last dimension of 2 and use "
-                          f"torch.view_as_complex(p) in forward (or freeze it: requires_grad=False)")
+    check_arguments(module, loss_fn, cfg, ds_config, overrides)
     if cfg is None:
         world = dist.world if dist is not None else rank_and_world()[1]
         cfg = compose(overrides, ds_config=ds_config, world=world, hidden_size=hidden_size_of(module),
@@ -498,7 +436,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     engine = Engine(c, state, cfg, hooks)
     for _, p, trains in engine._trainable:
         if trains:
-            p._framework_owner = _Owner(engine)
+            p._framework_owner = Owner(engine)
     return engine
 
 
