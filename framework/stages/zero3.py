@@ -62,6 +62,7 @@ class Zero3Stage(PartitionedStage):
         super().__init__(cfg, dist, offload, chunk=None)
         self.groups: list[UnitGroup] = []
         self.gatherer: Gatherer | None = None
+        self.unit_modules: dict[str, list[nn.Module]] = {}
 
     def setup(self, module: nn.Module, policy: Policy, *, grad_accum: int = 1) -> Setup:
         refuse_sparse_grads(module, "zero3")
@@ -93,6 +94,7 @@ class Zero3Stage(PartitionedStage):
         if persistent is not None:
             self.gatherer.gather_now(persistent)  # stays gathered
         self.gatherer.attach(module, [plan.modules for plan in plans])
+        self.unit_modules = {plan.name: plan.modules for plan in plans}   # (for the error line below)
         # close() removes these; the state_dict refusal below stays (the parameters remain empty).
         self.hook_handles = self.gatherer.hook_handles
         module.register_state_dict_pre_hook(_refuse_state_dict)
@@ -139,7 +141,8 @@ class Zero3Stage(PartitionedStage):
         try:
             yield
         except BaseException as e:   # (Ctrl-C or SIGTERM: a gather still in flight is not waited for)
-            hint = _ungathered_call(e, self.cfg.split_root)   # (read before the abort releases every unit)
+            # (Read before the abort releases every unit.)
+            hint = _ungathered_call(e, self.cfg.split_root, self.unit_modules)
             try:
                 self.gatherer.abort_pass(isinstance(e, Exception))
             except Exception as failed:   # the pass's error is the one to see, not its reset's
@@ -415,12 +418,13 @@ def _read_in_line(error: BaseException) -> str | None:
     return found
 
 
-def _ungathered_call(error: BaseException, split_root: bool) -> str | None:
+def _ungathered_call(error: BaseException, split_root: bool, unit_modules: dict[str, list[nn.Module]]) -> str | None:
     """For an error raised inside a module whose own parameters were empty shards (a part of a gather unit
-    called directly), one line naming the fix; else None. Read from the traceback (error path only)."""
+    called directly), one line naming the fix; else None. Read from the traceback (error path only).
+    ``unit_modules``: each unit's modules by its name."""
     if not isinstance(error, Exception) or isinstance(error, FrameworkError):
         return None
-    found, running = None, None   # running: the innermost module forward seen so far (the caller's)
+    found, running = None, []   # running: the module forwards seen so far, outermost first (the callers')
     for frame, _ in traceback.walk_tb(error.__traceback__):   # innermost last
         code = frame.f_code   # (a method's first argument, whatever its name)
         owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
@@ -431,12 +435,16 @@ def _ungathered_call(error: BaseException, split_root: bool) -> str | None:
             idle = [p for p in owner.parameters(recurse=False)
                     if isinstance(p, ShardedParameter) and p.shape != p.logical_shape]
             if idle:
-                found = (type(owner).__name__, idle[0].unit_name, running)
-            running = type(owner).__name__
+                found = (type(owner).__name__, idle[0].unit_name, list(running))
+            running.append(owner)
     if found is None:
         read = _read_in_line(error)
         return None if read is None else read_hint(read, typed_line(error))
-    cls, unit, caller = found
+    cls, unit, callers = found
+    # The caller is the innermost forward outside the unit: a part of it (loss_fn calling m.blk.inner, whose
+    # forward runs m.blk.inner.lin) holds the module already, so only calling the unit itself fixes that.
+    inside = {id(sub) for m in unit_modules.get(unit, ()) for sub in m.modules()}
+    caller = next((type(m).__name__ for m in reversed(callers) if id(m) not in inside), None)
     head = (f"zero3: {'loss_fn' if caller is None else caller + '.forward'} called a module ({cls}) whose "
             f"parameters were not gathered ({typed_line(error)}): ")
     if unit != "<root>" and caller is not None:   # a model's module reaching into a unit it does not run
