@@ -240,6 +240,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     activation traces (the planner's sweep); ``device``: trace attention only as "cpu" or "cuda" runs it
     (default: both); ``rank``: whose share (by default 0's, the largest: padding lies at the ends)."""
     world = world or cfg.dist.nproc
+    if not 0 <= rank < world:   # (else read as all padding, or all real: a wrong share, silently)
+        raise ConfigError(f"predict: rank {rank} is not in 0..{world - 1} (world {world}); give a rank below the world")
     model = component(cfg, "model")
     # By default the configured model's loss, as training computes it (and its checkpointing key in force).
     own_loss, loss_fn = loss_fn is None, loss_fn or model.trace_loss or model.loss

@@ -385,6 +385,13 @@ def test_a_users_module_is_traced_with_the_batch_given():
         assert predict(cfg, 1, module=m, loss_fn=loss_fn, batch=batch).transient["activations"] == acts[0], batch
 
 
+@pytest.mark.parametrize("rank", [2, -1])
+def test_a_rank_outside_the_world_is_refused_by_predict(rank):
+    """Read otherwise as a share of all padding (or all real elements): a wrong prediction, silently."""
+    with pytest.raises(ConfigError, match=rf"^predict: rank {rank} is not in 0\.\.1 \(world 2\); "):
+        predict(compose(["model=gpt-nano", "+stage=zero3"]), 2, rank=rank)
+
+
 def test_a_model_the_meta_trace_cannot_run_is_one_line(capsys):
     # transformers' packed-sequence check reads a tensor's value under activation checkpointing
     cfg = ROOT / "recipes" / "hf_gpt2_zero3" / "gpt2_config.json"
