@@ -67,6 +67,8 @@ def _stall(dist):
     # made within dist.timeout_s (here a generous one: not the stall), then waits checkpoint.timeout_s
     made = Group(Dist(dist.rank, dist.world, dist.local_rank, dist.device, dist.backend, 60.0, dist.peers), 1800)
     waits = made.pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    # (not closed before the peer has its side of the group: closed under it, the peer's connect fails)
+    td.barrier()
     made.close()
     if dist.rank == 1:
         time.sleep(10)  # a stalled peer
