@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  built:        yes, usable: {', '.join(info['kernels'])}")
     else:
         state = info["reason"] if info["reason"] == ops.OFF else f"no ({info['reason']})"
-        print(f"  built:        {state}; the optimizers use their pure-PyTorch transforms")
+        print(f"  built:        {state}; adam/adamw run torch's fused kernel, lion/adagrad/sgd their "
+              "pure-PyTorch transforms")
     print(f"  build dir:    {info['build_dir']}")
     print(f"  isa:          {info['isa'] or '-'} (detected: {info['detected_isa']})")
     prefetch = info["prefetch"]

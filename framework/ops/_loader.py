@@ -7,7 +7,8 @@ dies. A failed build leaves ``FAILED`` (keyed by ``CXX`` and ``PATH``): later ru
 back at once with its reason; ``python -m framework.ops build`` retries.
 
 Environment:
-    FRAMEWORK_OPS=0             do not use the kernels at all (the pure-PyTorch path runs)
+    FRAMEWORK_OPS=0             do not use the kernels at all (on the host, adam/adamw run torch's fused
+                                kernel, lion/adagrad/sgd their pure-PyTorch transforms)
     FRAMEWORK_OPS_BUILD=0       never compile; use a finished build if there is one, else fall back
     FRAMEWORK_OPS_CACHE=DIR     cache root (default $XDG_CACHE_HOME/framework/ops or ~/.cache/...)
     FRAMEWORK_OPS_VERBOSE=1     show the compiler's output
@@ -267,5 +268,6 @@ def status() -> Status:
     found = attempt(build=_on("FRAMEWORK_OPS_BUILD"))
     if found.module is None:
         warnings.warn(f"framework.ops: C++ CPU optimizer kernels unavailable ({found.reason}); "
-                      "using the pure-PyTorch optimizer transforms", RuntimeWarning, stacklevel=3)
+                      "adam/adamw run torch's fused kernel, lion/adagrad/sgd their pure-PyTorch transforms",
+                      RuntimeWarning, stacklevel=3)
     return found

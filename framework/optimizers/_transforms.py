@@ -118,18 +118,26 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
     return tx._replace(fused=fused)
 
 
+def positive_fp32(value: float) -> bool:
+    """Whether ``value`` is > 0 as the fp32 optimizer state holds it: 1e-50 is > 0 as a Python float but 0
+    there, and an eps of 0 turns the update 0/0 = NaN."""
+    return bool(torch.tensor(value, dtype=torch.float32, device="cpu") > 0)
+
+
 def check(name: str, cfg: Any, betas: Sequence[str] = (), nonneg: Sequence[str] = (),
           positive: Sequence[str] = ()) -> Any:
     """``cfg``, or a one-line ConfigError: lr and weight_decay finite and >= 0, ``betas`` in [0, 1), ``nonneg``
-    >= 0, ``positive`` (an eps added to a denominator that is 0 where a gradient and its state are) > 0."""
+    >= 0, ``positive`` (an eps added to a denominator that is 0 where a gradient and its state are) > 0 in fp32,
+    the state's dtype."""
     for keys, rule, ok in ((("lr", "weight_decay"), ">= 0", lambda v: math.isfinite(v) and v >= 0),
                            (betas, "in [0, 1)", lambda v: 0 <= v < 1), (nonneg, ">= 0", lambda v: v >= 0),
-                           (positive, "> 0", lambda v: v > 0)):
+                           (positive, "> 0", positive_fp32)):
         for key in keys:
             if not ok(value := getattr(cfg, key)):
                 why = (" (an eps of 0 makes the update 0/0 = NaN wherever a gradient and its running state are 0, as in "
                        "the flat buffers' padding); give a small positive value such as 1e-8" if key in positive else "")
-                raise ConfigError(f"optimizer.{key} must be {rule} for {name}, got {value}{why}")
+                fp32 = ", which is 0 in fp32, the optimizer state's dtype" if key in positive and value > 0 else ""
+                raise ConfigError(f"optimizer.{key} must be {rule} for {name}, got {value}{fp32}{why}")
     return cfg
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-
-from framework.optimizers._transforms import GradientTransformation, check, optimizer, scale_by_rss
+from framework.optimizers._transforms import GradientTransformation, check, optimizer, positive_fp32, scale_by_rss
 from framework.core.registry import Component
 
 
@@ -24,7 +22,7 @@ def check_config(cfg: AdagradConfig, *_) -> AdagradConfig:
     """Build's check, and the component's: at compose time, before the scheduler's, which reads the lr. eps
     may be 0 only with an initial_accumulator_value positive in fp32 (the state's dtype): the sum of squares is
     never 0 then."""
-    if torch.tensor(cfg.initial_accumulator_value, dtype=torch.float32, device="cpu") == 0:   # (1e-50 is 0 there)
+    if not positive_fp32(cfg.initial_accumulator_value):   # (1e-50 is 0 there)
         return check("adagrad", cfg, nonneg=("lr_decay", "initial_accumulator_value"), positive=("eps",))
     return check("adagrad", cfg, nonneg=("lr_decay", "initial_accumulator_value", "eps"))
 

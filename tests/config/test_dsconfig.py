@@ -1210,3 +1210,12 @@ def test_warmup_max_lr_left_out_follows_deepspeed(kind, peak):
     cfg = framework.compose(["train.steps=20"], ds_config=ds, world=1)
     lr_at = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr, total_steps=20)
     assert max(lr_at(s) for s in range(20)) == pytest.approx(peak)
+    # the default 0.001 differs from the optimizer's lr: a note says where the peak comes from
+    notes = [n for n in cfg.notices if "warmup_max_lr" in n]
+    assert notes == ([] if kind == "WarmupLR" else [
+        "note: ds_config: scheduler.params.warmup_max_lr is left out: the lr peaks at DeepSpeed's default 0.001, "
+        "not the optimizer's lr 0.0003; give \"warmup_max_lr\": \"auto\" to peak at the optimizer's lr"]), notes
+    if kind == "WarmupDecayLR":   # the same peak as the lr: nothing to say
+        ds["optimizer"]["params"]["lr"] = 0.001
+        assert not any("warmup_max_lr" in n for n in framework.compose(["train.steps=20"], ds_config=ds,
+                                                                        world=1).notices)

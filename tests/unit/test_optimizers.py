@@ -229,6 +229,17 @@ def test_adagrad_eps_0_is_allowed_with_a_positive_initial_accumulator():
             adagrad.COMPONENT.check(adagrad.AdagradConfig(eps=eps, initial_accumulator_value=value), "ddp", {})
 
 
+@pytest.mark.parametrize("module", [adamw, adam, adagrad])
+def test_eps_positive_as_a_float_but_0_in_fp32_is_refused(module):
+    # 1e-50 > 0 in Python but 0 in the fp32 state: the update would be 0/0 = NaN where a gradient is 0
+    cfg = dataclasses.replace(module.COMPONENT.config(), eps=1e-50)
+    with pytest.raises(ConfigError) as info:
+        module.COMPONENT.check(cfg, "ddp", {})
+    assert str(info.value).startswith(f"optimizer.eps must be > 0 for {module.__name__.rsplit('.', 1)[1]}, got 1e-50, "
+                                      "which is 0 in fp32, the optimizer state's dtype (an eps of 0")
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "lion", "adagrad"])
 def test_yaml_lists_every_field_with_its_default(name):
     component = registry("optimizer").get(name)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from framework.core.errors import ConfigError
-from framework.config.dsconfig._keys import AUTO, AUTO_FILLED, DS_FILE, DTYPES, SCALER_DEFAULTS
+from framework.config.dsconfig._keys import AUTO, AUTO_FILLED, DS_DEFAULT, DS_FILE, DTYPES, SCALER_DEFAULTS
 from framework.config.dsconfig._record import Setting, Translation
 from framework.config.schema import reads_grad_accum_dtype
 
@@ -155,6 +155,12 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             "optimizer.lr" not in run.cli_keys else f"give optimizer.lr={s.value}"
         mismatches.append(f"scheduler.params.warmup_max_lr={s.value} but the optimizer's lr is {lr} (give "
                           f"\"auto\" or {fix})")
+    elif s is not None and s.source == DS_DEFAULT and s.value is not None and \
+            "scheduler.warmup_max_lr" not in run.cli_keys and s.value != lr:
+        # DeepSpeed's own default (WarmupDecayLR's 0.001), kept as DeepSpeed runs it; stated, the same value
+        # would be refused above, so say where the peak comes from
+        notes.append(f"scheduler.params.warmup_max_lr is left out: the lr peaks at DeepSpeed's default {s.value}, "
+                     f"not the optimizer's lr {lr}; give \"warmup_max_lr\": \"auto\" to peak at the optimizer's lr")
     s = t.settings.get("scheduler.total_num_steps")
     if s is not None and s.value == AUTO:
         values["scheduler.total_num_steps"], sources["scheduler.total_num_steps"] = steps, AUTO_FILLED
