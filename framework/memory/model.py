@@ -285,7 +285,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     elif stage in ("zero1", "zero2"):
         shards = [lay.shard for lay in layouts]
         pred.add("params", device=w * sum(padded))
-        pred.lazy |= placement.predict(pred, shards, *cut, real=[_real(lay, rank) for lay in layouts])
+        pred.lazy |= placement.predict(pred, shards, *cut, real=[lay.real(rank) for lay in layouts])
         if stage == "zero1":
             full_grads(sum(padded), sum(shards))
         else:
@@ -376,12 +376,6 @@ def nvme_pools(cfg, module: nn.Module, world: int, params: str, **keys) -> Footp
     return pred
 
 
-def _real(layout, rank: int) -> int:
-    """The elements of ``rank``'s partition of ``layout`` that hold parameters (as the stage places them)."""
-    lo, hi = layout.partition(rank)
-    return max(0, min(hi, layout.numel) - lo)
-
-
 def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple, rank: int = 0) -> list[int]:
     """zero3: shards of every unit group, persistent parameters gathered, the live window; returns the shards."""
     s = cfg.stage
@@ -397,7 +391,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple, 
         # (with the owned gradients in the swap file a partition exists only while it is reduced)
         if not swap_grads:
             pred.add("grads", device=acc * layout.shard)
-        pred.lazy |= placement.predict(pred, [layout.shard], *cut, real=[_real(layout, rank)])
+        pred.lazy |= placement.predict(pred, [layout.shard], *cut, real=[layout.real(rank)])
         if gathered:
             pred.add("gathered_persistent", device=w * layout.padded)
         return layout.padded

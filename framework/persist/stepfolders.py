@@ -61,8 +61,9 @@ def file_entry(folder: Path, name: str, *, own: bool = True) -> dict:
     """The manifest's entry of a file: its size and sha256; ``own``: made owner-only too (DCP uses the umask). Read
     never through a link (in ``model_16bit/<file>`` neither the subfolder nor the file)."""
     sub, _, base = name.rpartition("/")
-    fd = None if sub else files.open_nofollow(folder / name, os.O_RDONLY)
-    if fd is None:
+    if not sub:
+        fd = files.open_nofollow(folder / name, os.O_RDONLY)
+    else:
         files.refuse_links(folder / sub)   # by name (a link made since fails the open: O_NOFOLLOW)
         dir_fd = files.open_nofollow(folder / sub, os.O_RDONLY | os.O_DIRECTORY)
         try:

@@ -130,16 +130,21 @@ def long_warmup_notes(key: str, warm: int, steps: int, schedule: Callable[[int],
 def notes(build_at: Callable[..., Callable[[int], float]], node, run) -> list[str]:
     """A component's ``notes`` (bound to its ``build``: the lr it notes is its own schedule's)."""
     return long_warmup_notes("warmup_num_steps", node.warmup_num_steps, run.train.steps,
-                             functools.partial(build_at, node, run.optimizer.lr)) + _held_floor(node, run)
+                             functools.partial(build_at, node, run.optimizer.lr))
+
+
+def cosine_notes(node, run) -> list[str]:
+    """warmup_cosine_lr's ``notes``: the warm-up's, and where its lr holds at the floor."""
+    return notes(build_cosine, node, run) + _held_floor(node, run)
 
 
 def _held_floor(node, run) -> list[str]:
     """The note for a cosine whose ``total_num_steps`` ends before the run: its lr holds at the floor from then
     on, where DeepSpeed's WarmupCosineLR, unclamped, would climb back up the cosine."""
-    steps, total = run.train.steps, getattr(node, "total_num_steps", None)
-    if not isinstance(node, WarmupCosineLRConfig) or total is None or total >= steps:
+    steps, total = run.train.steps, node.total_num_steps
+    if total is None or total >= steps:
         return []
-    warm = max(2, node.warmup_num_steps)
+    warm, _ = warmup(node.warmup_num_steps, node.warmup_type)
     held = steps - (total if total > warm else warm + 1)   # the updates from the floor's first on
     if held <= 0:
         return []
@@ -165,7 +170,7 @@ def checked_by_build(build_at: Callable[..., Callable[[int], float]]):
 
 
 COMPONENTS = {name: Component(config=config, build=build_at, check=checked_by_build(build_at),
-                              notes=functools.partial(notes, build_at))
+                              notes=cosine_notes if build_at is build_cosine else functools.partial(notes, build_at))
               for name, config, build_at in (("warmup_lr", WarmupLRConfig, build),
                                              ("warmup_decay_lr", WarmupDecayLRConfig, build_decay),
                                              ("warmup_cosine_lr", WarmupCosineLRConfig, build_cosine))}

@@ -46,6 +46,11 @@ class Layout:
     def partition(self, rank: int) -> tuple[int, int]:
         return rank * self.shard, (rank + 1) * self.shard
 
+    def real(self, rank: int) -> int:
+        """The elements of ``rank``'s partition that hold parameters (the rest is padding)."""
+        lo, hi = self.partition(rank)
+        return max(0, min(hi, self.numel) - lo)
+
     def nonfinite_names(self, values: torch.Tensor, start: int = 0) -> list[str]:
         """The parameters with a non-finite element among ``values`` (the buffer's elements from ``start``
         on), in layout order. One reduction per slot and one host read, however many elements are NaN."""

@@ -158,10 +158,9 @@ class PartitionedStage(BaseStage):
 
     def _own(self, layout: Layout, owned: torch.Tensor, master_dtype: torch.dtype) -> list[Piece]:
         """Own ``owned`` (this rank's partition of ``layout``, working values) and place its master."""
-        lo, hi = layout.partition(self.dist.rank)
-        pieces = self.offload.place(owned, master_dtype, self.chunk, real=max(0, min(hi, layout.numel) - lo))
+        pieces = self.offload.place(owned, master_dtype, self.chunk, real=layout.real(self.dist.rank))
         self.layouts.append(layout)
-        self.bounds.append((lo, hi))
+        self.bounds.append(layout.partition(self.dist.rank))
         self.pieces.append(pieces)
         return pieces
 

@@ -180,8 +180,7 @@ class Zero3Stage(PartitionedStage):
             self.offload.save_grad(g.index, g.part_grad, final=final)
             g.part_grad = g.part_grad.new_empty(0)
             return
-        lo, hi = self.bounds[g.index]
-        real = max(0, min(hi, g.layout.numel) - lo)   # the padding is never reported
+        real = g.layout.real(self.dist.rank)   # the padding is never reported
         if final and real:
             self.offload.grads_final(g.index, 0, real, g.grad())
 

@@ -267,7 +267,7 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
         # (SGD's buffer is the next gradient); state this optimizer keeps none of is not read.
         saved = body["optimizer"]
         fresh, unread = _state_change(saved, per, own)
-        first = initial_scalars(c.update.tx, mapped.params)
+        first = initial_scalars(c.update.tx, mapped.params) if fresh else {}   # (only what the checkpoint lacks)
         if (fresh or unread) and group.rank == 0:
             said = ([f"holds no optimizer state {', '.join(fresh)}: {'it starts' if len(fresh) == 1 else 'they start'} "
                      f"anew at this resume, as in torch.optim"]
