@@ -39,7 +39,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from framework.comm.accelerator._base import CpuAccelerator, DeviceMismatch, Event, HostSync, OrderError, all_cpu
-from framework.comm.accelerator._hostsync import HostMade, NoHostSync, _host_key, framework_caller, tensors_of
+from framework.comm.accelerator._hostsync import (HostMade, NoHostSync, _host_key, framework_caller, new_outputs,
+                                                  tensors_of)
 from framework.comm.accelerator._hostsync import place as _place
 
 
@@ -420,11 +421,10 @@ class AllocatedOn(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if "out" not in kwargs:
-            inputs = {_host_key(t) for t in tensors_of(args, kwargs)}   # (a view or an in-place result: not new)
-            for t in (out,) if isinstance(out, Tensor) else out if isinstance(out, (tuple, list)) else ():
-                if (key := _host_key(t)) is not None and key not in inputs:
-                    with self.acc._lock:
-                        self.acc._allocated_on[key] = (self.acc._keeper(t, self.acc._allocated_on, key), self.stream)
+            for t in new_outputs(args, kwargs, out):
+                key = _host_key(t)
+                with self.acc._lock:
+                    self.acc._allocated_on[key] = (self.acc._keeper(t, self.acc._allocated_on, key), self.stream)
         return out
 
 

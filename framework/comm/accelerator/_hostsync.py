@@ -108,13 +108,18 @@ def _named_host(acc, device) -> bool:
     return device is acc.host or isinstance(device, str) and device == "cpu"
 
 
+def new_outputs(args, kwargs, out) -> list[Tensor]:
+    """The tensors a torch call returned whose storage none of its inputs has (not a view, nor an input returned
+    as it is, nor an in-place result): what the call made."""
+    inputs = {_host_key(t) for t in tensors_of(args, kwargs)}
+    return [t for t in ((out,) if isinstance(out, Tensor) else out if isinstance(out, (tuple, list)) else ())
+            if isinstance(t, Tensor) and _host_key(t) not in (None, *inputs)]
+
+
 def _register_made(acc, name: str, args, kwargs, out) -> None:
     """``out`` of a call that named the host, made by framework code: host memory (not an input returned as it is)."""
     if framework_caller():
-        inputs = {_host_key(t) for t in tensors_of(args, kwargs)}
-        made = [t for t in ((out,) if isinstance(out, Tensor) else out if isinstance(out, (tuple, list)) else ())
-                if isinstance(t, Tensor) and t.device.type == "cpu" and _host_key(t) not in (None, *inputs)]
-        acc.register_host(*made, what=name)
+        acc.register_host(*[t for t in new_outputs(args, kwargs, out) if t.device.type == "cpu"], what=name)
 
 
 def framework_caller(skip=None) -> bool:
