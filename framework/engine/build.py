@@ -31,7 +31,7 @@ from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState, capture_rng
 from framework.engine.step import Components, LossFn, build_train_step, checked_loss, one_micro_batch
 from framework.core.footprint import Footprint
-from framework.core.utils import dtype_name, few
+from framework.core.utils import counted, dtype_name, few
 from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained, whole_tensors
 
@@ -391,7 +391,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
         notices = list(cfg.notices)
         if cfg.dist.nproc > 1 and cfg.dist.nproc != dist.world:   # (the command line spawns that many ranks)
             notices.append(f"note: initialize: dist.nproc={cfg.dist.nproc} is read by the command line only; this "
-                           f"engine joined a world of {dist.world} rank(s): launch the ranks yourself (torchrun "
+                           f"engine joined a world of {counted(dist.world, 'rank')}: launch the ranks yourself (torchrun "
                            f"--nproc-per-node {cfg.dist.nproc}) or drop dist.nproc")
         if notices:
             print("\n".join(notices), file=sys.stderr, flush=True)

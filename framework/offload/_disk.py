@@ -20,7 +20,7 @@ from framework.core.errors import ConfigError, FrameworkError, SwapIOError, say
 from framework.core.footprint import Footprint
 from framework.core.room import available_ram
 from framework.core.units import GiB, MiB
-from framework.core.utils import sq_norm_part
+from framework.core.utils import counted, sq_norm_part
 from framework.offload._aio import AsyncIO, aligned_empty
 from framework.offload._diskstore import DiskStore, parked, pool_layout
 from framework.offload._nvmespec import NVMeOffloadConfig
@@ -71,7 +71,7 @@ class NVMePlacement(HostPlacement):
         self._cleaned = True
         count, freed = remove_stale(self.spec.nvme_path)
         if count:
-            say(f"nvme: removed {count} stale swap file(s) of dead processes from {self.spec.nvme_path}, "
+            say(f"nvme: removed {counted(count, 'stale swap file')} of dead processes from {self.spec.nvme_path}, "
                 f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", sys.stdout)
 
     def expect(self, sizes: Sequence[int], working: torch.dtype, master: torch.dtype) -> None:

@@ -16,7 +16,7 @@ from framework.core.errors import FrameworkError
 from framework.engine.state import FORMAT, TrainState, optimizer_leaves, with_scalars
 from framework.precision import Policy, PrecisionState
 from framework.stages import PieceSpec, check_shape, cover
-from framework.core.utils import few
+from framework.core.utils import counted, few
 from framework.persist.tensorfiles import nonfinite, read_per_device
 from framework.persist.rng import derive
 
@@ -216,14 +216,14 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     for p, h in StateLayout.of(specs, rank=rank, world=world).mine():
         if p.name not in index:
             raise FrameworkError(f"load_state_dict: parameter {p.name!r} is not in the saved state "
-                                 f"({len(index)} parameters from {len(saved)} rank(s))")
+                                 f"({len(index)} parameters from {counted(len(saved), 'rank')})")
         shape, frags = index[p.name]
         check_shape(p.name, shape, p.shape)
         try:
             parts = cover(h.lo, h.hi, [f["range"] for f in frags])
         except LookupError as e:
             raise FrameworkError(f"load_state_dict: parameter {p.name!r} {shape}: {e} of the "
-                                 f"{len(saved)} saved rank(s)") from None
+                                 f"{counted(len(saved), 'saved rank')}") from None
         plans[h.piece].append((h, frags, parts))
     for plan, flat in zip(plans, flats):
         if not plan:
@@ -248,7 +248,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     else:
         rng = derive(seed, first["step"], rank, device if device is not None else torch.device("cpu"))[0]
         if rank == 0:
-            print(f"load_state_dict: saved by {len(saved)} rank(s), loaded by {world}: each rank's random generators "
+            print(f"load_state_dict: saved by {counted(len(saved), 'rank')}, loaded by {world}: each rank's random generators "
                   f"are derived from (seed, step, rank), so its draws (dropout) are not those of an uninterrupted "
                   f"run", flush=True)
     return with_saved_scalars(state, first, rng, saved_opt["scalars"], policy)

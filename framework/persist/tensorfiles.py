@@ -23,7 +23,7 @@ from framework.core.errors import ConfigError, FrameworkError, first_line
 from framework.core.paths import WEIGHTS_INDEX as INDEX, WEIGHTS_READ, WEIGHTS_SINGLE as SINGLE, weights_file
 from framework.core.room import FULL, free_bytes, free_note
 from framework.core.units import MiB, size
-from framework.core.utils import dtype_name, few
+from framework.core.utils import counted, dtype_name, few
 from framework.persist import stepfolders
 
 # Elements converted and written per call: bounds the memory a save needs beyond the model states.
@@ -71,7 +71,7 @@ class WeightsSource(contextlib.AbstractContextManager):
                         self._at[name] = (fd, 8 + size + int(m["data_offsets"][0]))
             missing = sorted(set(weight_map or ()) - set(self.meta))
             if missing:
-                raise ConfigError(f"load_weights: {self.where} names {len(missing)} tensor(s) that are not in their "
+                raise ConfigError(f"load_weights: {self.where} names {counted(len(missing), 'tensor')} that {'is' if len(missing) == 1 else 'are'} not in their "
                                   f"files: {few(missing, 20, str)}")
         except BaseException:
             self.close()
@@ -345,8 +345,8 @@ def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype
         counts, what=f"{what}: overflow count, non-finite names")
     overflow, bad = sum(n for n, _ in everyone), {n for _, names in everyone for n in names}
     if main and overflow:
-        print(f"warning: {what}: {overflow} finite value(s) beyond the {dtype_name(dtype)} range (largest "
-              f"{torch.finfo(dtype).max:g}) were written as inf; save as bf16 or fp32 to keep them",
+        print(f"warning: {what}: {counted(overflow, 'finite value')} beyond the {dtype_name(dtype)} range (largest "
+              f"{torch.finfo(dtype).max:g}) {'was' if overflow == 1 else 'were'} written as inf; save as bf16 or fp32 to keep them",
               file=sys.stderr, flush=True)
     if main and bad:
         print(f"warning: {what}: NaN or inf values in {few(sorted(bad))} were written as they are: the weights hold "

@@ -13,7 +13,7 @@ from framework.comm.accelerator import Accelerator
 from framework.comm.collectives import Collectives, Pending
 from framework.core.errors import TrainingError
 from framework.core.footprint import Footprint
-from framework.core.utils import few, tensor_bytes
+from framework.core.utils import counted, few, tensor_bytes
 from framework.stages._flat import ALIGN
 
 Entry = tuple[nn.Parameter, str]   # a parameter and its name
@@ -242,7 +242,7 @@ class FlatGrads:
             raise TrainingError(
                 f"{self.stage}: the gradient of {replaced[0]!r} was replaced during backward instead of being "
                 f"accumulated in place (a backward with create_graph=True, or a hook assigning .grad): "
-                f"{len(replaced)} parameter(s) affected; gradients must accumulate into the stage's buffers")
+                f"{counted(len(replaced), 'parameter')} affected; gradients must accumulate into the stage's buffers")
         if not sync and self.accum_dtype != self.grads[0].dtype:
             if self.acc is None:
                 self.acc = [torch.zeros_like(g, dtype=self.accum_dtype) for g in self.grads]

@@ -744,7 +744,7 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     afresh = _run(forkrun, tmp_path, "checkpoint.every=2", "checkpoint.resume=off", "hydra.run.dir=outputs/a")
     assert afresh.returncode != 0
     lines = error_lines(afresh)
-    assert len(lines) == 1 and "holds 2 checkpoint(s), newest step-6, which this run's saves would" in lines[0], lines
+    assert len(lines) == 1 and "holds 2 checkpoints, newest step-6, which this run's saves would" in lines[0], lines
     assert (run / ".hydra" / "overrides.yaml").read_text() == recorded   # the refused run's is not recorded
     # Rewound to step-4 and saved step-5: resume=auto continues that newest commit, not the
     # abandoned step-6 beside it.

@@ -377,7 +377,7 @@ def test_dist_nproc_gives_the_ranks_and_dropped_micro_batches_are_said(capsys, m
     assert cli.main(["model=gpt-nano", "dist.nproc=2", "micro_batches=3,16,64", "stages=ddp", "offloads=none",
                      "checkpointing=false", "--json"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("hardware: 2 rank(s),"), out
+    assert out[0].startswith("hardware: 2 ranks,"), out
     assert "note: micro_batches 3, 64 left out: they do not divide the per-rank batch 16 (train.micro_batch x " \
            "train.grad_accum, global batch 32 over 2 ranks)" in out, out
     assert [c["micro_batch"] for c in json.loads(out[-1])] == [16]

@@ -299,7 +299,7 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
     (tmp_path / f"step-{N}.tmp").mkdir()                # an interrupted save
     (tmp_path / "step-9").mkdir()                      # a folder without a manifest
     _train(dist, ["checkpoint.every=0"], str(tmp_path), resume="off", steps=0)   # no saves: a note
-    assert f"resume=off: starting from step 0 although {tmp_path} holds 1 checkpoint(s), newest step-{K}" \
+    assert f"resume=off: starting from step 0 although {tmp_path} holds 1 checkpoint, newest step-{K}" \
         in capsys.readouterr().out
     with pytest.raises(ConfigError, match=f"holds 1 checkpoint.s., newest step-{K}, which this run's saves would"):
         _train(dist, [], str(tmp_path), resume="off", steps=0)   # saves: they would overwrite them

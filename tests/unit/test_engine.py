@@ -1059,7 +1059,7 @@ def test_initialize_prints_the_notices_of_a_config_composed_before_it(capsys):
     assert err.count("keys DeepSpeed does not know, ignored") == 1 and "my_unknown_top_key" in err, err
     assert err.count("warm-up (warmup_steps=100) is longer than the run") == 1, err
     assert err.count("note: initialize: dist.nproc=2 is read by the command line only; this engine joined a world "
-                     "of 1 rank(s)") == 1, err
+                     "of 1 rank:") == 1, err
     with framework.initialize(torch.nn.Linear(3, 2), loss, ds_config=ds, overrides=["train.steps=3"]):
         pass
     err = capsys.readouterr().err

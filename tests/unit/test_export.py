@@ -392,7 +392,7 @@ def test_export_to_fp16_counts_the_values_that_overflow(tmp_path, capsys):
     capsys.readouterr()
     assert main([str(tmp_path / "step-1"), "--to", str(tmp_path / "out"), "--dtype", "fp16"]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("warning: export: 2 finite value(s) beyond the float16 range"), err
+    assert len(err) == 1 and err[0].startswith("warning: export: 2 finite values beyond the float16 range"), err
     assert main([str(tmp_path / "step-1"), "--to", str(tmp_path / "out32")]) == 0
     assert capsys.readouterr().err == ""
 

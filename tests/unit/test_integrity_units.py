@@ -514,7 +514,7 @@ def test_an_agreed_outcome_marks_every_ranks_error_alike(tmp_path, how, outcomes
 @pytest.mark.parametrize("dcp_wrapped,more", [(True, False), (False, True)])
 def test_one_full_disk_reported_by_every_rank_is_said_once(tmp_path, monkeypatch, dcp_wrapped, more):
     """DCP raises rank 1's ENOSPC on every rank, and each rank measures the free bytes at its own moment: on a
-    busy disk two numbers for one cause, which once read as "(and 1 more rank(s))" (a CI flake). One failure is
+    busy disk two numbers for one cause, which once read as "(and 1 more rank)" (a CI flake). One failure is
     said once, in one rank's words, the same on every rank; two ranks' own failures are still both counted."""
     from torch.distributed.checkpoint.api import CheckpointException
 

@@ -25,7 +25,7 @@ from typing import Callable
 from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank, say
 from framework.core.registry import closest_hint
-from framework.core.utils import few
+from framework.core.utils import counted, few
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._load import (afresh, batch_change, changed, data_change, job_values, load,
@@ -114,7 +114,7 @@ class Checkpointer:
             except FrameworkError as e:
                 e.args = (f"{e}{spent}", *e.args[1:])
                 raise
-            how = (f"resharded from {body['world']} rank(s), stage {body['stage']}; RNG re-derived"
+            how = (f"resharded from {counted(body['world'], 'rank')}, stage {body['stage']}; RNG re-derived"
                    if body["world"] != self.group.world else f"resharded from stage {body['stage']}"
                    if body["stage"] != self.config["stage"]["name"] else "same layout")
             self.resumed_from = Path(folder)
@@ -227,7 +227,7 @@ def find_latest(root: Path, sweep_dir: Path | None = None, owned: Path | None = 
             break
         passed.append(f"{folder}: {', '.join(theirs for theirs, _ in other)}")
     if passed:
-        print(f"checkpoint: resume=latest: passed over {len(passed)} checkpoint(s) saved with other values of "
+        print(f"checkpoint: resume=latest: passed over {counted(len(passed), 'checkpoint')} saved with other values of "
               f"this job's overrides (newest {passed[0]})", flush=True)
     return found
 
@@ -326,7 +326,7 @@ def shared(dist, root: Path) -> None:
     blind = [(r, host) for r, (seen, host) in enumerate(views) if not seen]
     if blind:
         r, host = blind[0]
-        more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
+        more = f" (and {counted(len(blind) - 1, 'more rank')})" if len(blind) > 1 else ""
         raise on_every_rank(ConfigError(   # (every rank has every view)
             f"checkpoint.dir {root} is not one folder every rank sees (rank {r} on host {host} does not see the files "
             f"rank 0 on host {views[0][1]} writes there{more}): put it on a shared file system"))
@@ -338,7 +338,7 @@ def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
     existing = _scan(root, owned=bool(every))[0]
     if not existing:
         return None
-    what = f"{root} holds {len(existing)} checkpoint(s), newest {existing[0].name}"
+    what = f"{root} holds {counted(len(existing), 'checkpoint')}, newest {existing[0].name}"
     if every:
         raise ConfigError(f"checkpoint.resume={resume}: {what}, which this run's saves would overwrite or rotate away"
                           + ("" if resume == "off" else " (this resume reads another folder)")

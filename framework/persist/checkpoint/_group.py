@@ -14,6 +14,7 @@ from framework.comm.distributed import agree
 from framework.core.errors import CheckpointError, ConfigError, DistributedError, FrameworkError, on_every_rank
 from framework.core.room import DISK_FULL, free_note
 from framework.core.units import size
+from framework.core.utils import counted
 
 
 def glue():
@@ -78,7 +79,7 @@ def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, 
     if problems:
         raise on_every_rank(CheckpointError(
             f"checkpoint: saving {tmp.name.removesuffix('.tmp')} failed ({what}): {problems[0]}"
-            + (f" (and {len(problems) - 1} more rank(s))" if len(problems) > 1 else "") + "; the previous checkpoints are kept"))
+            + (f" (and {counted(len(problems) - 1, 'more rank')})" if len(problems) > 1 else "") + "; the previous checkpoints are kept"))
     return [r for r, _, _ in everyone]
 
 

@@ -21,7 +21,7 @@ from framework.persist.checkpoint._save import dcp_key, dcp_values, optim_keys
 from framework.persist.layout import (StateLayout, check_format, nonfinite_items, pieces,
                                       with_saved_scalars)
 from framework.persist.weights import whole_tensors
-from framework.core.utils import few, under
+from framework.core.utils import counted, few, under
 
 # Model keys that may change between a save and a resume: how the same weights are computed.
 _MODEL_FREE = {"activation_checkpointing", "attn_implementation", "dropout", "pretrained"}
@@ -326,7 +326,7 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
     if len(states) != len(want):
         if rank == 0:
             print(f"checkpoint: {folder} was saved on another kind of device; " + (
-                f"its {len(states) - 1} device generator state(s) per rank are dropped (this run is on the {device.type})"
+                f"its {counted(len(states) - 1, 'device generator state')} per rank {'is' if len(states) == 2 else 'are'} dropped (this run is on the {device.type})"
                 if len(states) > len(want) else
                 f"this run's {device.type} generator is derived from (seed, step, rank), so its draws (dropout) are "
                 f"not those of an uninterrupted run") + "; the CPU generators resume as saved", flush=True)
