@@ -189,6 +189,21 @@ def test_a_collective_is_ordered_after_its_issuing_stream_and_before_its_waiter(
         acc.collective([fresh], "x")                # ...and the collective is issued unordered on compute
 
 
+def test_memory_made_in_a_compute_context_nested_in_a_side_stream_is_computes(acc):
+    """A compute context inside a side stream's allocates from compute's pool: the side stream must wait for
+    compute before using it, as for any compute allocation (one made directly on the side stream need not)."""
+    _produce(acc)                                    # compute has queued work
+    compute, side = acc.current_stream(), acc.new_stream("side")
+    with acc.stream(side):
+        own = torch.zeros(8)
+        with acc.stream(compute):
+            nested = torch.zeros(8)
+        acc.use(writes=[own])
+        with pytest.raises(OrderError, match="on stream 'side' uses a .* device buffer that the compute stream's "
+                                             "allocator handed out"):
+            acc.use(writes=[nested])
+
+
 def test_freeing_memory_a_side_stream_still_reads_is_reported_at_the_next_call(acc):
     host, side = acc.empty_host(1 << 10, torch.float32), acc.new_stream("copy")
     tmp = torch.ones(1 << 10)

@@ -146,7 +146,7 @@ class CheckingCpuAccelerator(CpuAccelerator):
             if stream is self._compute:
                 yield
             else:   # (what torch allocates here comes from that stream's pool, not compute's)
-                with AllocatedOn(self, stream):
+                with AllocatedOn(self):
                     yield
         finally:
             self._local.stream = before
@@ -411,20 +411,22 @@ class CheckingCpuAccelerator(CpuAccelerator):
 
 
 class AllocatedOn(TorchFunctionMode):
-    """While ``stream`` (not compute) is current: the storages torch calls make are from its pool (``acc._fresh``)."""
+    """Inside a side stream's context: the storages torch calls make are from the stream current at the call's
+    pool (``acc._fresh``), compute's where a compute context is nested inside (the mode stays on torch's stack)."""
 
-    def __init__(self, acc: CheckingCpuAccelerator, stream: Clocked):
+    def __init__(self, acc: CheckingCpuAccelerator):
         super().__init__()
-        self.acc, self.stream = acc, stream
+        self.acc = acc
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if "out" not in kwargs:
+        stream = self.acc.current_stream()
+        if "out" not in kwargs and stream is not self.acc._compute:
             for t in new_outputs(args, kwargs, out):
                 key = _host_key(t)
                 with self.acc._lock:
-                    self.acc._allocated_on[key] = (self.acc._keeper(t, self.acc._allocated_on, key), self.stream)
+                    self.acc._allocated_on[key] = (self.acc._keeper(t, self.acc._allocated_on, key), stream)
         return out
 
 
