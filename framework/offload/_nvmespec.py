@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 class AIOConfig:
     """DeepSpeed's ``aio`` section: how the IO engine (``offload._aio``) splits and queues requests."""
     block_size: int = 1048576          # bytes per request (a multiple of 4096: O_DIRECT)
-    queue_depth: int = 8               # requests in flight
-    intra_op_parallelism: int = 1      # IO threads per request
+    # Their product is the number of IO threads, each taking the next block of any request from one queue
+    # (DeepSpeed's two knobs kept for its configs: only the product matters here).
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
     # DeepSpeed's libaio knobs: the engine always batches and overlaps completion with submission,
     # which is what these defaults mean; another value is refused (it would do nothing).
     single_submit: bool = False

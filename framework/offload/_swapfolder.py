@@ -61,7 +61,8 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
         try:   # exist_ok: the ranks of one host share the folder and may make it at the same moment
             make_dirs(path)   # 0700, parents too
         except OSError as e:
-            raise ConfigError(f"{where}: cannot create it ({e.strerror}); set offload.nvme_path to a "
+            at = f"{e.filename}: " if e.filename and Path(e.filename) != path else ""   # (a parent in the way)
+            raise ConfigError(f"{where}: cannot create it ({at}{e.strerror}); set offload.nvme_path to a "
                               "writable folder") from None
     if not path.is_dir():
         raise ConfigError(f"{where} is not a folder; set offload.nvme_path to a folder")

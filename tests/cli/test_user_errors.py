@@ -34,8 +34,8 @@ def test_nvme_path_that_is_a_file(tmp_path):
     assert str(e.value).endswith(f"offload.nvme_path={afile} is not a folder; set offload.nvme_path to a folder")
     # zero3's shards on nvme: the folder is checked before construction spills them there, in the same line
     for path, says in ((afile, "is not a folder; set offload.nvme_path to a folder"),
-                       (afile / "sub", "cannot create it (exists and is not a folder); set offload.nvme_path to a "
-                                       "writable folder")):
+                       (afile / "sub", f"cannot create it ({afile}: exists and is not a folder); set "
+                                       "offload.nvme_path to a writable folder")):   # (the parent in the way named)
         cfg = tiny_config("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "offload=nvme",
                           f"offload.nvme_path={path}")
         with pytest.raises(framework.ConfigError) as e:
