@@ -128,6 +128,9 @@ TYPOS = [
     (("micro_batch_size",), 2, "did you mean 'train_micro_batch_size_per_gpu'"),
     (("optimizer", "params", "epsilon"), 1e-6, "did you mean 'optimizer.params.eps'"),
     (("fp16", "initial_loss_scale"), 12, "did you mean 'fp16.initial_scale_power'"),
+    # Megatron's key is the scale itself: the hint gives the power it means
+    (("fp16", "initial_loss_scale"), 4294967296, "did you mean 'fp16.initial_scale_power'?): it takes the power of "
+                                                 "2, 32 for a scale of 4.29497e+09"),
     (("optimizer", "params", "learning_rate"), 1e-4, "did you mean 'optimizer.params.lr'"),
     (("optimizer", "name"), "AdamW", "did you mean 'optimizer.type'"),
     (("clip_grad_norm",), 0.5, "did you mean 'gradient_clipping'"),

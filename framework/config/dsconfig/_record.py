@@ -67,7 +67,7 @@ class Translation:
             elif (where := misplaced(key, path)) is not None:
                 self.error(f"'{pre}{key}' belongs {where}; move it there")
             elif (near := close(key, [*known, *aliases])) is not None:
-                self.error(f"unknown key '{pre}{key}' (did you mean '{pre}{near}'?)")
+                self.error(f"unknown key '{pre}{key}' (did you mean '{pre}{near}'?){_as_power(near, value)}")
             elif not path and (meant := section_meant(key, value)) is not None:
                 self.error(f"unknown key '{key}' (did you mean '{meant}'?): DeepSpeed ignores an unknown top-level "
                            f"key, so the run would go without it")
@@ -134,3 +134,12 @@ class Translation:
         else:
             self.error(f"{ds_key} must be {KINDS[kind]}, got {json.dumps(value)}")
         return None
+
+
+def _as_power(near: str, value: Any) -> str:
+    """A loss scale given under a key that takes its power of 2 (Megatron's initial_loss_scale): the power,
+    where the value cannot be one (above initial_scale_power's range) and is a power of 2."""
+    if near != "initial_scale_power" or isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not (math.isfinite(value) and value > 127 and math.log2(value).is_integer()):
+        return ""
+    return f": it takes the power of 2, {math.log2(value):g} for a scale of {value:g}"
