@@ -109,15 +109,22 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
 
 
 def notes(cfg: HFConfig, run: Any) -> list[str]:
-    """A config.json naming a 16-bit dtype (most hub configs say bfloat16) in an fp32 run: say it trains in fp32."""
+    """A ``model.config`` folder that holds weights: say they are not loaded (a pretrained folder under the wrong
+    key would otherwise train from scratch unremarked). A config.json naming a 16-bit dtype (most hub configs say
+    bfloat16) in an fp32 run: say it trains in fp32."""
     key, file, raw = _raw_config(cfg)
+    out = []
+    folder = Path(cfg.config).expanduser() if cfg.config is not None else None
+    if folder is not None and folder.is_dir() and (found := weights_file(folder)) is not None:
+        out.append(f"note: model.config={cfg.config} holds weights ({found.name}) that are not loaded: model.config "
+                   f"builds a new model; use model.pretrained={cfg.config} to start from them")
     stated = raw.get("dtype", raw.get("torch_dtype"))
     want = {"bfloat16": "bf16", "float16": "fp16"}.get(str(stated).removeprefix("torch."))
     ours = next((name for name, c in registry("precision").entries.items() if type(run.precision) is c.config), None)
-    if want is None or ours != "fp32":
-        return []
-    return [f"note: {key}: {file} says dtype {stated}; training in fp32 (precision=fp32); set precision={want} "
-            f"to train in 16-bit"]
+    if want is not None and ours == "fp32":
+        out.append(f"note: {key}: {file} says dtype {stated}; training in fp32 (precision=fp32); set precision={want} "
+                   f"to train in 16-bit")
+    return out
 
 
 def hidden_size(cfg: HFConfig) -> int | None:

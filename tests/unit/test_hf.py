@@ -506,3 +506,15 @@ def test_jetmoe_router_loss_takes_its_aux_loss_coef():
     theirs = model(input_ids=x, labels=x).loss
     y = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
     assert causal_lm_loss(model, (x, y)).item() == pytest.approx(theirs.item(), rel=1e-6)
+
+
+def test_a_config_folder_holding_weights_says_they_are_not_loaded(tmp_path):
+    """model.config= naming a save_pretrained folder builds a new model: one note says its weights are unused and
+    names model.pretrained=; a folder with only a config.json, or the config.json file itself, says nothing."""
+    path = write_config("llama", tmp_path)
+    assert not [n for n in hf_cfg(tmp_path).notices if "not loaded" in n]
+    (tmp_path / "model.safetensors").touch()
+    notes = [n for n in hf_cfg(tmp_path).notices if "not loaded" in n]
+    assert notes == [f"note: model.config={tmp_path} holds weights (model.safetensors) that are not loaded: "
+                     f"model.config builds a new model; use model.pretrained={tmp_path} to start from them"]
+    assert not [n for n in hf_cfg(path).notices if "not loaded" in n]
