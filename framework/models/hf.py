@@ -260,11 +260,12 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     except Exception as e:  # noqa: BLE001 - a config the model's constructor rejects (asserts, shape errors)
         raise ConfigError(f"{key}: {cls.__name__} cannot be built from {file}: {one_line(e)}") from None
     if cfg.pretrained is not None:
-        # Our loader reads tensors under the model's own names only: refuse checkpoints whose keys
-        # transformers renames or fuses on load (e.g. Mixtral's experts).
+        # Our loader reads tensors under the model's own names only: refuse a checkpoint whose keys transformers
+        # would rename or fuse on load (the hub's Mixtral experts). Decided by the folder's names, not the class:
+        # a folder already under the model's names (our own export) needs no conversion.
         from transformers.conversion_mapping import get_model_conversion_mapping
 
-        if get_model_conversion_mapping(model, add_legacy=False):
+        if get_model_conversion_mapping(model, add_legacy=False) and _needs_conversion(model, file.parent):
             raise ConfigError(f"model.pretrained: {config.model_type} checkpoints need key conversions on load "
                               f"(transformers.conversion_mapping renames or fuses their weights), which framework's "
                               f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and "
@@ -275,6 +276,34 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
         what = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
         getattr(model, f"{what}_checkpointing_enable")(**{f"{what}_checkpointing_kwargs": {"use_reentrant": False}})
     return model
+
+
+def _needs_conversion(model: nn.Module, folder: Path) -> bool:
+    """Whether some tensor of ``folder``'s weights maps to no name of ``model`` (``checkpoint_names``); False where
+    its names cannot be read without loading it all (the loader then says what is wrong with the file)."""
+    names = set(model.state_dict())   # (tied aliases included; on meta nothing is read)
+    mapped = checkpoint_names(model, _weight_names(folder), names).values()
+    return any(n is not None and n not in names for n in mapped)
+
+
+def _weight_names(folder: Path) -> list[str]:
+    """The tensor names of a save_pretrained folder's weights, read from the index or the safetensors header (a
+    torch file's, from its mapped zip: no data read); [] where they cannot be read so."""
+    path = weights_file(folder)
+    try:
+        if path is None:
+            return []
+        if path.name.endswith(".index.json"):
+            return list(json.loads(path.read_text())["weight_map"])
+        if path.suffix == ".safetensors":
+            with path.open("rb") as f:   # an 8-byte little-endian length, then that many bytes of JSON header
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size)) if size <= path.stat().st_size else {}
+            return [k for k in header if k != "__metadata__"]
+        state = torch.load(path, map_location="meta", weights_only=True, mmap=True)
+        return list(state) if isinstance(state, dict) else []
+    except Exception:  # noqa: BLE001 - a bad file: the loader reads it and says what is wrong
+        return []
 
 
 def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[str]) -> dict[str, str | None]:
