@@ -94,8 +94,7 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
         module = hf_model_from_config(path)
         for o in model_keys:   # a model.* key would change nothing in the config.json: refused, not ignored
             if override_key(o) == "model.activation_checkpointing":
-                raise ConfigError(f"estimate: {o} does not apply to model={value} (its activations are traced "
-                                  f"on the meta device, where transformers' checkpointing cannot run); drop it")
+                raise _no_hf_checkpointing(o, value)
             hint = "; set its sequence length with context=N" if ".context" in o.split("=")[0] else \
                 "; edit the config.json to change the model"
             raise ConfigError(f"estimate: {o} does not apply to model={value} (a Hugging Face config.json is built "
@@ -115,10 +114,19 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
     else:
         models.get(value)   # an unknown name: one line, with how to name a Hugging Face model
         cfg = compose([f"model={value}", *overrides])
+        if isinstance(cfg.model, hf_lib.HFConfig) and cfg.model.activation_checkpointing:   # before it is built
+            raise _no_hf_checkpointing("model.activation_checkpointing=true", value)
     vocab, source = build_vocab(cfg, overrides)
     with torch.device("meta"):
         module = component(cfg, "model").build(cfg.model, vocab_size=vocab)
     return module, cfg, False, {"size": vocab, "from": source}
+
+
+def _no_hf_checkpointing(override: str, value: str) -> ConfigError:
+    """The refusal of transformers' checkpointing, whichever way the model is named: before anything is built or
+    traced (the trace would fail, after transformers' own warnings)."""
+    return ConfigError(f"estimate: {override} does not apply to model={value} (its activations are traced on the "
+                       f"meta device, where transformers' checkpointing cannot run); drop it")
 
 
 def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:

@@ -109,15 +109,22 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
 
 
 def notes(cfg: HFConfig, run: Any) -> list[str]:
-    """A config.json naming a 16-bit dtype (most hub configs say bfloat16) in an fp32 run: say it trains in fp32."""
+    """A ``model.config`` folder that holds weights: say they are not loaded (a pretrained folder under the wrong
+    key would otherwise train from scratch unremarked). A config.json naming a 16-bit dtype (most hub configs say
+    bfloat16) in an fp32 run: say it trains in fp32."""
     key, file, raw = _raw_config(cfg)
+    out = []
+    folder = Path(cfg.config).expanduser() if cfg.config is not None else None
+    if folder is not None and folder.is_dir() and (found := weights_file(folder)) is not None:
+        out.append(f"note: model.config={cfg.config} holds weights ({found.name}) that are not loaded: model.config "
+                   f"builds a new model; use model.pretrained={cfg.config} to start from them")
     stated = raw.get("dtype", raw.get("torch_dtype"))
     want = {"bfloat16": "bf16", "float16": "fp16"}.get(str(stated).removeprefix("torch."))
     ours = next((name for name, c in registry("precision").entries.items() if type(run.precision) is c.config), None)
-    if want is None or ours != "fp32":
-        return []
-    return [f"note: {key}: {file} says dtype {stated}; training in fp32 (precision=fp32); set precision={want} "
-            f"to train in 16-bit"]
+    if want is not None and ours == "fp32":
+        out.append(f"note: {key}: {file} says dtype {stated}; training in fp32 (precision=fp32); set precision={want} "
+                   f"to train in 16-bit")
+    return out
 
 
 def hidden_size(cfg: HFConfig) -> int | None:
@@ -253,11 +260,12 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     except Exception as e:  # noqa: BLE001 - a config the model's constructor rejects (asserts, shape errors)
         raise ConfigError(f"{key}: {cls.__name__} cannot be built from {file}: {one_line(e)}") from None
     if cfg.pretrained is not None:
-        # Our loader reads tensors under the model's own names only: refuse checkpoints whose keys
-        # transformers renames or fuses on load (e.g. Mixtral's experts).
+        # Our loader reads tensors under the model's own names only: refuse a checkpoint whose keys transformers
+        # would rename or fuse on load (the hub's Mixtral experts). Decided by the folder's names, not the class:
+        # a folder already under the model's names (our own export) needs no conversion.
         from transformers.conversion_mapping import get_model_conversion_mapping
 
-        if get_model_conversion_mapping(model, add_legacy=False):
+        if get_model_conversion_mapping(model, add_legacy=False) and _needs_conversion(model, file.parent):
             raise ConfigError(f"model.pretrained: {config.model_type} checkpoints need key conversions on load "
                               f"(transformers.conversion_mapping renames or fuses their weights), which framework's "
                               f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and "
@@ -268,6 +276,34 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
         what = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
         getattr(model, f"{what}_checkpointing_enable")(**{f"{what}_checkpointing_kwargs": {"use_reentrant": False}})
     return model
+
+
+def _needs_conversion(model: nn.Module, folder: Path) -> bool:
+    """Whether some tensor of ``folder``'s weights maps to no name of ``model`` (``checkpoint_names``); False where
+    its names cannot be read without loading it all (the loader then says what is wrong with the file)."""
+    names = set(model.state_dict())   # (tied aliases included; on meta nothing is read)
+    mapped = checkpoint_names(model, _weight_names(folder), names).values()
+    return any(n is not None and n not in names for n in mapped)
+
+
+def _weight_names(folder: Path) -> list[str]:
+    """The tensor names of a save_pretrained folder's weights, read from the index or the safetensors header (a
+    torch file's, from its mapped zip: no data read); [] where they cannot be read so."""
+    path = weights_file(folder)
+    try:
+        if path is None:
+            return []
+        if path.name.endswith(".index.json"):
+            return list(json.loads(path.read_text())["weight_map"])
+        if path.suffix == ".safetensors":
+            with path.open("rb") as f:   # an 8-byte little-endian length, then that many bytes of JSON header
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size)) if size <= path.stat().st_size else {}
+            return [k for k in header if k != "__metadata__"]
+        state = torch.load(path, map_location="meta", weights_only=True, mmap=True)
+        return list(state) if isinstance(state, dict) else []
+    except Exception:  # noqa: BLE001 - a bad file: the loader reads it and says what is wrong
+        return []
 
 
 def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[str]) -> dict[str, str | None]:

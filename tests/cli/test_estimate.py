@@ -393,12 +393,19 @@ def test_a_rank_outside_the_world_is_refused_by_predict(rank):
 
 
 def test_a_model_the_meta_trace_cannot_run_is_one_line(capsys):
-    # transformers' packed-sequence check reads a tensor's value under activation checkpointing
+    # transformers' packed-sequence check reads a tensor's value under activation checkpointing: the CLI refuses
+    # the key before building (one line, as for model=config.json, no transformers warning first); the library's
+    # predict, given such a model, says so from the trace.
     cfg = ROOT / "recipes" / "hf_gpt2_zero3" / "gpt2_config.json"
-    assert main(["model=hf", f"model.config={cfg}", "model.context=64", "model.activation_checkpointing=true"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()   # (after transformers' own warning)
-    assert err[-1].startswith("error: memory prediction: the model reads a tensor's value") and \
-        err[-1].endswith("model.activation_checkpointing=false"), err
+    args = ["model=hf", f"model.config={cfg}", "model.context=64", "model.activation_checkpointing=true"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: estimate: model.activation_checkpointing=true does not apply to model=hf (its "
+                   "activations are traced on the meta device, where transformers' checkpointing cannot run); "
+                   "drop it\n"), err
+    with pytest.raises(ConfigError, match=r"^memory prediction: the model reads a tensor's value.*"
+                                          r"model\.activation_checkpointing=false$"):
+        predict(compose(args), 1)
 
 
 def test_model_yaml_path(capsys):

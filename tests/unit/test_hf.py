@@ -214,7 +214,10 @@ def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
                             f"model.safetensors.index.json, model.safetensors, pytorch_model.bin); give a "
                             f"save_pretrained folder with its weights, or model.config={folder} to train a new "
                             f"model from its config.json")
-    (folder / "model.safetensors").touch()   # (never read: build refuses first)
+    from safetensors.torch import save_file
+
+    # The hub's layout: experts unfused under block_sparse_moe, which transformers renames and fuses on load.
+    save_file({"model.layers.0.block_sparse_moe.experts.0.w1.weight": torch.zeros(2, 2)}, folder / "model.safetensors")
     cfg = framework.compose(["model=hf", f"model.pretrained={folder}", "model.context=16"])
     with pytest.raises(ConfigError, match="mixtral checkpoints need key conversions on load"):
         with framework.zero_init():
@@ -222,7 +225,7 @@ def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
     # Mappings keyed by class name are found too (GPTNeoXForCausalLM renames embed_out to lm_head).
     neox = tmp_path / "neox"
     write_config("llama", neox, model_type="gpt_neox", num_attention_heads=4)
-    (neox / "pytorch_model.bin").touch()
+    torch.save({"embed_out.weight": torch.zeros(2)}, neox / "pytorch_model.bin")
     cfg = framework.compose(["model=hf", f"model.pretrained={neox}", "model.context=16"])
     with pytest.raises(ConfigError, match="gpt_neox checkpoints need key conversions on load"):
         with framework.zero_init():
@@ -506,3 +509,38 @@ def test_jetmoe_router_loss_takes_its_aux_loss_coef():
     theirs = model(input_ids=x, labels=x).loss
     y = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
     assert causal_lm_loss(model, (x, y)).item() == pytest.approx(theirs.item(), rel=1e-6)
+
+
+def test_a_config_folder_holding_weights_says_they_are_not_loaded(tmp_path):
+    """model.config= naming a save_pretrained folder builds a new model: one note says its weights are unused and
+    names model.pretrained=; a folder with only a config.json, or the config.json file itself, says nothing."""
+    path = write_config("llama", tmp_path)
+    assert not [n for n in hf_cfg(tmp_path).notices if "not loaded" in n]
+    (tmp_path / "model.safetensors").touch()
+    notes = [n for n in hf_cfg(tmp_path).notices if "not loaded" in n]
+    assert notes == [f"note: model.config={tmp_path} holds weights (model.safetensors) that are not loaded: "
+                     f"model.config builds a new model; use model.pretrained={tmp_path} to start from them"]
+    assert not [n for n in hf_cfg(path).notices if "not loaded" in n]
+
+
+def test_pretrained_takes_a_folder_already_under_the_models_names_whatever_its_conversion_mapping(tmp_path):
+    """Mixtral's class has a conversion mapping (the hub's unfused experts), but a folder whose tensors already
+    carry the model's own names (as framework's export writes them) needs none: it loads, as from_pretrained
+    loads it."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = {**CONFIGS["llama"], "model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 1}
+    write_config("llama", tmp_path, **raw)
+    raw.pop("model_type")
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("mixtral", **raw), dtype=torch.float32)
+    assert any(".mlp.experts.gate_up_proj" in n for n in model.state_dict())
+    save_file({n: t.detach().clone().contiguous() for n, t in model.state_dict().items()},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True, dtype=torch.float32)
+    cfg = framework.compose(["model=hf", f"model.pretrained={tmp_path}", "model.context=16", "logger=none"])
+    with _engine(cfg) as engine:
+        framework.load_weights(engine, tmp_path)
+        got = dict(engine.components.module.named_parameters())
+        assert all(torch.equal(got[n], p) for n, p in hf.named_parameters())
