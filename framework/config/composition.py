@@ -200,7 +200,10 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         raise ConfigError(f"ds_config: {errors[0]}")
     if errors:
         raise ConfigError(f"ds_config: {len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors))
-    base = validate(cfg, choices, final=False)   # (the file's values laid on it below)
+    try:
+        base = validate(cfg, choices, final=False)   # (the file's values laid on it below)
+    except ConfigError as e:   # e.g. a stage and an offload the file chose that do not go together
+        raise ConfigError(_from_file(str(e), {}, {g: t.choice_keys[g] for g in mine})) from None
     values = flat(base.to_dict())
     if callable(world):
         world = world()
@@ -232,8 +235,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     try:
         config = validate(cfg, choices)
     except ConfigError as e:   # a bad value the file states: name the file's key too
-        raise ConfigError(_from_file(str(e), {k: v for k, v in resolved.ds_keys.items()
-                                              if not cli.owns(k)})) from None
+        raise ConfigError(_from_file(str(e), {k: v for k, v in resolved.ds_keys.items() if not cli.owns(k)},
+                                     {g: t.choice_keys[g] for g in mine})) from None
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE if g in mine else dsconfig.YAML
                                           for g in t.choices},
                                        **{k: v for k, v in resolved.sources.items() if not cli.deletes(k)}})
@@ -243,15 +246,19 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
                                     batch_world=batch_world)
 
 
-def _from_file(message: str, ds_keys: Mapping[str, str]) -> str:
-    """``message`` with "(from ds_config's KEY)" on its first line, KEY the file's key behind the first of
-    ``ds_keys``'s (our dotted keys) it names; unchanged when it names none."""
-    hits = [(m.start(), ds_key) for key, ds_key in ds_keys.items()
-            if (m := re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message))]
+def _from_file(message: str, ds_keys: Mapping[str, str], choice_keys: Mapping[str, str]) -> str:
+    """``message`` with "(from ds_config's KEY and ...)" on its first line, the file's keys behind those of
+    ``ds_keys`` (our dotted keys) and ``choice_keys`` (groups the file chose, named as ``group=``) it names, in
+    its order; unchanged when it names none."""
+    hits = sorted({(m.start(), ds_key) for pattern, ds_key in (
+        *((rf"(?<![\w.]){re.escape(key)}(?!\w)", k) for key, k in ds_keys.items()),
+        *((rf"(?<![\w.]){re.escape(group)}=", k) for group, k in choice_keys.items()))
+        if (m := re.search(pattern, message))})
     if not hits:
         return message
     first, *rest = message.split("\n", 1)
-    return "\n".join([f"{first} (from ds_config's {min(hits)[1]})", *rest])
+    named = list(dict.fromkeys(ds_key for _, ds_key in hits))
+    return "\n".join([f"{first} (from ds_config's {' and '.join(named)})", *rest])
 
 
 def _set_key(cfg: Any, key: str, value: Any) -> None:

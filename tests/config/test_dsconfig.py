@@ -466,7 +466,8 @@ def test_batch_triple_mismatch_names_all_numbers_and_world():
     # A command-line micro batch against a whole triple in the file: the same check.
     msg = error_of({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4},
                    ["train.micro_batch=8"], world=1)
-    assert "train_micro_batch_size_per_gpu=8" in msg and "gradient_accumulation_steps=4" in msg
+    # (the 8 named as the command line's: the file says 4)
+    assert "but train.micro_batch=8 (command line) x gradient_accumulation_steps=4 x world size 1 = 32" in msg, msg
     assert "not divisible by train.micro_batch=5" in error_of({"train_batch_size": 16}, ["train.micro_batch=5"])
 
 
@@ -805,6 +806,17 @@ def test_a_bad_value_from_the_file_names_the_files_key(ds, start, ds_key):
         assert error_of(ds, ["train.grad_clip=-2"]) == "config: train.grad_clip must be >= 0, got -2"
 
 
+def test_a_refused_combination_of_the_files_choices_names_the_files_keys():
+    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}
+    msg = error_of(ds)
+    assert msg.startswith("config: offload=cpu is not supported with stage=ddp; valid: ") and "\n" not in msg, msg
+    assert msg.endswith(" (from ds_config's zero_optimization.offload_optimizer.device / offload_param.device and "
+                        "zero_optimization.stage)"), msg
+    # the command line's choice is its own: only the file's key is named
+    msg = error_of(ds, ["+stage=ddp"])
+    assert msg.endswith(" (from ds_config's zero_optimization.offload_optimizer.device / offload_param.device)"), msg
+
+
 # --- defects found in review (round 9) ----------------------------------------------------------
 
 def _folder(tmp_path, ds: dict, body: str = "") -> str:
@@ -929,6 +941,11 @@ DS019 = [
     ({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": False}}}, "error", "fp32_optimizer_states"),
     ({"managed_gradient_accumulation": True}, None, "managed_gradient_accumulation"),
     ({"managed_gradient_accumulation": False}, "error", "managed_gradient_accumulation=false is not supported"),
+    # false would rebuild the fp32 masters from the 16-bit weights at a resume: not a knob that changes nothing
+    ({"zero_optimization": {"stage": 2, "load_from_fp32_weights": True}}, None,
+     "zero_optimization.load_from_fp32_weights (a resume restores the saved fp32 masters)"),
+    ({"zero_optimization": {"stage": 2, "load_from_fp32_weights": False}}, "error",
+     "zero_optimization.load_from_fp32_weights=false (DeepSpeed rebuilds the fp32 masters"),
     # as in DeepSpeed, AdamW decouples the decay whatever adam_w_mode says (Adam with false is L2: it does something)
     ({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}, None,
      "optimizer.params.adam_w_mode (type AdamW always decouples the weight decay, as in DeepSpeed; use type Adam "

@@ -82,8 +82,7 @@ ZERO_STAGE = {"reduce_bucket_size": ("int", "h*h"), "allgather_bucket_size": ("i
               "overlap_comm": ("bool", ""), "contiguous_gradients": ("bool", ""), "reduce_scatter": ("bool", ""),
               "round_robin_gradients": ("bool", ""), "stage3_gather_16bit_weights_on_model_save": ("bool", "")}
 # zero_optimization keys that only tune speed or memory in DeepSpeed and have no counterpart here.
-ZERO_PERF = ("use_multi_rank_bucket_allreduce", "compute_grad_norm", "load_from_fp32_weights",
-             "ignore_unused_parameters", "parameter_alignment", "memory_efficient_linear",
+ZERO_PERF = ("use_multi_rank_bucket_allreduce", "compute_grad_norm", "ignore_unused_parameters", "parameter_alignment", "memory_efficient_linear",
              "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
              "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "mics_hierarchical_params_gather",
              "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
@@ -100,6 +99,7 @@ ZERO_FEATURES = (("zenflow", None, "ZenFlow"), ("legacy_stage1", False, "legacy 
 STAGE3_KEYS = tuple(k.removeprefix("stage3_") for k in (*ZERO_STAGE, *ZERO_PERF) if k.startswith("stage3_"))
 ZERO_KEYS = ("stage", "offload_param", "offload_optimizer", "sub_group_size", "leaf_module",
              "cpu_offload_use_pin_memory",   # deprecated, and ignored by DeepSpeed (a warning)
+             "load_from_fp32_weights",       # false: rebuild the masters from the 16-bit weights at a load
              *(k for k in (*ZERO_STAGE, *ZERO_PERF) if not k.startswith("stage3_")), *(f[0] for f in ZERO_FEATURES))
 ALIASES_ZERO = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
                 "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}

@@ -238,5 +238,7 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
     if isinstance(tb, int):
         m, g = final("train.micro_batch"), final("train.grad_accum")
         if m * g * world != tb and not any("divisible" in x for x in mismatches):
-            mismatches.append(f"train_batch_size={tb} but train_micro_batch_size_per_gpu={m} x "
-                              f"gradient_accumulation_steps={g} x world size {world} = {m * g * world}")
+            # (each factor under the name of where it came from: the command line's is not the file's)
+            said = [f"{k}={final(k)} (command line)" if k in run.cli_keys else f"{name}={final(k)}"
+                    for k, name in names.items()]
+            mismatches.append(f"train_batch_size={tb} but {said[0]} x {said[1]} x world size {world} = {m * g * world}")

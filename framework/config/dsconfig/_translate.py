@@ -115,6 +115,12 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
         if key in z:
             tr.typed(z[key], "int" if "threshold" in key else "bool", Z + key)
             tr.inert_key(Z + key, "a speed/memory knob of DeepSpeed's with no counterpart here")
+    if "load_from_fp32_weights" in z:   # (not a speed knob: false changes the masters a resume starts from)
+        fp32 = tr.typed(z["load_from_fp32_weights"], "bool", Z + "load_from_fp32_weights")
+        tr.inert_or_error(fp32 is not False, Z + "load_from_fp32_weights",
+                          f"{Z}load_from_fp32_weights=false (DeepSpeed rebuilds the fp32 masters from the 16-bit "
+                          f"weights at a load, losing precision) is not supported here: a resume always restores "
+                          f"the saved fp32 masters; remove it or give true", "a resume restores the saved fp32 masters")
 
 
 def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
