@@ -29,7 +29,7 @@ from framework.models.hf import config_hidden_size
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState, capture_rng
-from framework.engine.step import Components, LossFn, build_train_step, checked_loss, one_micro_batch
+from framework.engine.step import Components, LossFn, build_train_step, call_loss, checked_loss, one_micro_batch
 from framework.core.footprint import Footprint
 from framework.core.utils import counted, dtype_name, few
 from framework.persist.layout import load_state_dict, state_dict
@@ -130,7 +130,7 @@ class Engine(contextlib.AbstractContextManager):
         try:
             for b in batches:
                 with torch.no_grad(), c.stage.forward_pass(train=False):
-                    total[0] += checked_loss(c.loss_fn(c.module, b)).float()
+                    total[0] += checked_loss(call_loss(c, b)).float()
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
             self._stepping = outer
             c.module.train(was_training)
