@@ -101,14 +101,20 @@ def registry(group: str) -> Registry:
         if info.name.startswith("_") or info.name == "base":  # protocols, not components
             continue
         module = importlib.import_module(f"{package.__name__}.{info.name}")
-        if hasattr(module, "COMPONENTS"):
-            found = dict(module.COMPONENTS)
-        elif hasattr(module, "COMPONENT"):
-            found = {info.name: module.COMPONENT}
-        else:
-            raise TypeError(f"{module.__name__} is in a registry package but defines no COMPONENT")
+        found = components_of(module, info.name)
         for name, component in found.items():
             if check is not None:
                 check(module.__name__, name, component)
         entries.update(found)
     return Registry(group, MappingProxyType(entries), getattr(package, "UNKNOWN_HINT", ""))
+
+
+def components_of(module, name: str) -> dict[str, Component]:
+    """The entries a public module (``name``) of a registry package defines: its ``COMPONENTS``, or its
+    ``COMPONENT`` under its own name. Every public module there is read as one (a helper is private: ``_name``)."""
+    if hasattr(module, "COMPONENTS"):
+        return dict(module.COMPONENTS)
+    if hasattr(module, "COMPONENT"):
+        return {name: module.COMPONENT}
+    raise ConfigError(f"{module.__name__} is in a registry package but defines no COMPONENT (or COMPONENTS): if "
+                      f"it is a helper, not a component, prefix its file name with _ ({name}.py -> _{name}.py)")

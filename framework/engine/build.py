@@ -29,7 +29,7 @@ from framework.models.hf import config_hidden_size
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState, capture_rng
-from framework.engine.step import Components, LossFn, build_train_step, checked_loss, one_micro_batch
+from framework.engine.step import Components, LossFn, build_train_step, call_loss, checked_loss, one_micro_batch
 from framework.core.footprint import Footprint
 from framework.core.utils import counted, dtype_name, few
 from framework.persist.layout import load_state_dict, state_dict
@@ -130,7 +130,7 @@ class Engine(contextlib.AbstractContextManager):
         try:
             for b in batches:
                 with torch.no_grad(), c.stage.forward_pass(train=False):
-                    total[0] += checked_loss(c.loss_fn(c.module, b)).float()
+                    total[0] += checked_loss(call_loss(c, b)).float()
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
             self._stepping = outer
             c.module.train(was_training)
@@ -191,7 +191,8 @@ class Engine(contextlib.AbstractContextManager):
                                 f"(e.g. module.load_state_dict), which the engine's master copies do not see: load weights "
                                 f"before framework.initialize, or into the engine with framework.load_weights(engine, "
                                 f"path) or engine.load_state_dict (under zero3 also framework.gathered(params, "
-                                f"modifier_rank=0))")
+                                f"modifier_rank=0)); to drop the edit and go on from the engine's weights, call "
+                                f"engine.discard_edits(engine.state)")
 
     def _check_whole(self) -> None:
         if self._loading is not None:
@@ -302,10 +303,50 @@ class Engine(contextlib.AbstractContextManager):
         (None: its own), and the working parameters published from the masters as after a step. ``every``: False
         for a load that left some weights as they were (``load_weights(strict=False)``), which keeps the mark of
         an earlier load that failed. Collective."""
-        c = self.components
         if loaded is not None:
             state = replace(loaded, params=state.params,
                             opt_state=merge_scalars(state.opt_state, loaded.opt_state, len(state.params)))
+        self._republish(state)
+        self._state = state
+        self._loading = None if every or loaded is not None else self._before
+        if loaded is not None:   # every master, moment and scalar replaced: a half-applied step is gone
+            self._half_applied = None
+        return state
+
+    def discard_edits(self, state: TrainState) -> TrainState:
+        """Write ``state``'s weights back onto the module (the 16-bit working copies and parameters published from
+        the masters, parameters replaced on the module put back), discarding in-place edits made outside
+        ``framework.gathered`` since initialize or the last load, which ``check_unedited`` refuses to step or save
+        over. Returns ``state``. Collective."""
+        if self.closed:
+            raise FrameworkError("discard_edits: this engine is closed (engine.close() or its with block ended); "
+                                 "build a new one with framework.initialize")
+        if self._stepping is not None:
+            raise FrameworkError(f"discard_edits called inside {self._stepping}; call it after it returns")
+        self._check_current(state, "discard_edits")
+        # (agreed: a rank that cannot discard stops every rank, none waits in the publish's collectives)
+        agree(self.components.dist, partial(self._check_discardable, state), "discard_edits")
+        self._republish(state)
+        return state
+
+    def _check_discardable(self, state: TrainState) -> None:
+        """fp32 weights without offload (ddp, zero1/2) are views of the masters' storage: an edit there is the
+        masters' too and nothing holds the value it replaced. (Storage addresses only: no tensor read.)"""
+        masters = {m.untyped_storage().data_ptr() for m in state.params if isinstance(m, torch.Tensor)} - {0}
+        edited = set(self.components.stage.edited())
+        kept = [n for n, p, v, _ in self.components.stage.watched if n in edited and p._version != v
+                and p.untyped_storage().data_ptr() in masters]
+        if kept:
+            raise TrainingError(f"discard_edits: the edit of {counted(len(kept), 'parameter')} ({few(kept, 3, str)}) "
+                                f"cannot be discarded: these weights are the master copies themselves (fp32 without "
+                                f"offload), so the edit is in them and the old values are gone: load weights saved "
+                                f"before the edit (framework.load_weights or engine.load_state_dict), or keep the edit "
+                                f"by saving module.state_dict() and loading it with framework.load_weights(engine, path)")
+
+    def _republish(self, state: TrainState) -> None:
+        """The working parameters published from ``state``'s masters as after a step, the stage's parameters back
+        on the module, and their version counters taken again (collective)."""
+        c = self.components
         out16 = c.stage.out16()
         if out16 is not None:
             offload = self._swapping()   # (a swapped piece's 16-bit copy is made when the publish reads it)
@@ -313,12 +354,7 @@ class Engine(contextlib.AbstractContextManager):
             copy_16bit([o for i, o in enumerate(out16) if i not in skip],
                        [p for i, p in enumerate(state.params) if i not in skip])
         c.stage.publish(list(state.params))
-        c.stage.settle(rebind=True)   # the working weights are the loaded ones again
-        self._state = state
-        self._loading = None if every or loaded is not None else self._before
-        if loaded is not None:   # every master, moment and scalar replaced: a half-applied step is gone
-            self._half_applied = None
-        return state
+        c.stage.settle(rebind=True)   # the working weights are the masters' again
 
     def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, *,
                         max_shard_size: int | str = "5GB") -> list:

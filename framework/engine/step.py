@@ -10,6 +10,7 @@ raises ``TrainingError``, or with ``train.on_nonfinite=warn`` is skipped and rep
 from __future__ import annotations
 
 import math
+import re
 import sys
 from dataclasses import dataclass, replace
 from functools import partial
@@ -86,7 +87,7 @@ def build_train_step(c: Components, applying: Callable[[int], None]
             loss_sum = torch.zeros((), dtype=torch.float32, device=c.dist.device)
             for k, micro in enumerate(batch.micro):
                 with c.stage.forward_pass(train=True):
-                    loss = checked_loss(c.loss_fn(c.module, micro), train=True)
+                    loss = checked_loss(call_loss(c, micro), train=True)
                 if loss.dtype == torch.float16 and c.policy.scaler is not None and not warned:   # (metadata)
                     warned = _warn_fp16_loss(c, scale, n)
                 with c.dist.acc.hot("the backward pass (its hooks)"):   # no host syncs (checked on the CPU)
@@ -151,6 +152,25 @@ def one_micro_batch(batch: Any, kinds: tuple[type, ...] = (tuple, list)) -> str 
     if isinstance(batch, kinds) and len(batch) > 1 and all(isinstance(t, torch.Tensor) for t in batch):
         return f"a {type(batch).__name__} of {len(batch)} tensors"
     return None
+
+
+# torch's words for operands of two dtypes (matmul, linear, conv, addmm, index ops)
+_DTYPE_MISMATCH = re.compile(r"same dtype|expected scalar type|Input type \(.*\) and (weight|bias) type")
+
+
+def call_loss(c: Components, micro: Any) -> Any:
+    """``loss_fn(module, micro)``; under a 16-bit precision a dtype mismatch torch raises from deep in the model
+    (a float32 input into bf16 weights) gets a note naming the setting. (Only the failing path reads anything.)"""
+    try:
+        return c.loss_fn(c.module, micro)
+    except RuntimeError as e:
+        if (c.policy.param_dtype != torch.float32 and _DTYPE_MISMATCH.search(str(e))
+                and not any(n.startswith("note: precision=") for n in getattr(e, "__notes__", ()))):   # (nested)
+            dtype = str(c.policy.param_dtype).removeprefix("torch.")
+            e.add_note(f"note: precision={c.policy.name}: the module's trainable parameters are {dtype}; cast float "
+                       f"inputs to it in loss_fn (x.to({c.policy.param_dtype})) and return a float32 loss "
+                       f"(docs/library.md)")
+        raise
 
 
 def checked_loss(loss: Any, train: bool = False) -> torch.Tensor:

@@ -236,7 +236,14 @@ def output_dir(out_dir: str | os.PathLike, dtype: torch.dtype | None, what: str)
         raise ConfigError(f"{what}: dtype={dtype} cannot be written; use one of {', '.join(str(t) for t in allowed)}")
     if not os.fspath(out_dir).strip():
         raise ConfigError(f"{what}: the output folder is empty ({os.fspath(out_dir)!r}); name a folder")
-    return Path(out_dir)
+    path = Path(out_dir)
+    if path.suffix.lower() in _FILE_SUFFIXES:   # (a name as torch.save takes: a folder of that name would confuse)
+        raise ConfigError(f"{what} takes a folder, not a file name: {os.fspath(out_dir)} ends in {path.suffix}; pass "
+                          f"the folder to write model.safetensors (or its shards) into, e.g. {path.parent / path.stem}")
+    return path
+
+
+_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 
 _OUTPUT = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")

@@ -88,6 +88,16 @@ def test_every_page_is_listed():
     assert pages <= set(DOCS), sorted(pages - set(DOCS))
 
 
+@pytest.mark.parametrize("doc,heading", [("README.md", "## Library API"), ("docs/library.md", "# Library use")])
+def test_the_library_loop_runs_as_pasted(doc, heading):
+    """The first python block after ``heading`` (the training loop a newcomer copies first) defines all it uses
+    and trains, with its steps shortened."""
+    text = (ROOT / doc).read_text()
+    block = re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S).group(1)
+    assert "train.steps=100" in block, block
+    exec(compile(block.replace("train.steps=100", f"train.steps={STEPS}"), doc, "exec"), {})
+
+
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
     """A folder with what a fresh clone has (the documents, recipes, the test configs) and

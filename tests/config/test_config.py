@@ -1,5 +1,6 @@
 """Config groups = registries; every YAML composes and builds; strict validation."""
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from framework import ConfigError, compose
 from framework.config import COMPATIBLE, GROUPS, Config, validate
 from framework.comm.distributed import connect
 from framework.core.paths import conf_dir
-from framework.core.registry import closest, registry
+from framework.core.registry import closest, components_of, registry
 from tests._helpers import TINY
 
 
@@ -265,6 +266,16 @@ def test_a_wrong_group_name_is_one_line_with_the_closest(group):
     assert "\n" not in msg and "search path" not in msg, msg
     assert f"unknown {group} '{wrong}' (did you mean '{name}'?); available: " in msg, msg
     assert ", ".join(registry(group).names()) in msg
+
+
+def test_a_public_helper_module_in_a_registry_package_is_one_line_saying_to_prefix_it():
+    """A helper module without COMPONENT in a component package: every command once ended in a TypeError
+    traceback from the registry; one ConfigError line naming the _ prefix instead."""
+    with pytest.raises(ConfigError) as e:
+        components_of(types.ModuleType("framework.optimizers.helpers"), "helpers")
+    assert str(e.value) == ("framework.optimizers.helpers is in a registry package but defines no COMPONENT (or "
+                            "COMPONENTS): if it is a helper, not a component, prefix its file name with _ (helpers.py "
+                            "-> _helpers.py)"), str(e.value)
 
 
 @pytest.mark.parametrize("override,name", [

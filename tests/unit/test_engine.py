@@ -1185,9 +1185,16 @@ def test_a_load_after_parameters_were_replaced_gives_the_module_the_engines_back
     loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
     for stage in ("ddp", "zero3"):
         with framework.initialize(module, loss, tiny_config(f"+stage={stage}", "scheduler=constant")) as engine:
+            mine = list(module.parameters())
             module.load_state_dict(torch.load(tmp_path / "w.pt"), assign=True)
-            with pytest.raises(framework.TrainingError, match=r"changed in place \(or replaced\)"):
+            with pytest.raises(framework.TrainingError, match=r"changed in place \(or replaced\).*call "
+                                                              r"engine\.discard_edits\(engine\.state\)$"):
                 engine.train_step(engine.state, framework.Batch((micro,)))
+            # The way out without a save: the engine's parameters back on the module, stepping and saving again.
+            engine.discard_edits(engine.state)
+            assert all(p is q for p, q in zip(module.parameters(), mine)), stage
+            engine.state_dict(engine.state)
+            module.load_state_dict(torch.load(tmp_path / "w.pt"), assign=True)
             framework.load_weights(engine, tmp_path / "w.pt")
             with framework.gathered(list(module.parameters())):
                 before = module[0].weight.detach().clone()

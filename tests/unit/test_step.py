@@ -395,6 +395,14 @@ def test_frozen_parameters_stay_whole_are_cast_and_materialised(stage, tmp_path)
     with framework.initialize(model, mse, framework.compose([*over, "precision=bf16"])) as engine:
         assert model.f.weight.dtype == torch.bfloat16 and not model.f.weight.requires_grad
         engine.train_step(engine.state, Batch(((x.bfloat16(), y.bfloat16()),)))
+        # An fp32 input: torch's error from deep in the model, with a note naming the setting (once).
+        note = ("note: precision=bf16: the module's trainable parameters are bfloat16; cast float inputs to it in "
+                "loss_fn (x.to(torch.bfloat16)) and return a float32 loss (docs/library.md)")
+        for call in (lambda: engine.train_step(engine.state, Batch(((x, y),))),
+                     lambda: engine.eval_step(engine.state, [(x, y)])):
+            with pytest.raises(RuntimeError, match="same dtype") as e:
+                call()
+            assert e.value.__notes__ == [note], e.value.__notes__
     with framework.zero_init():   # materialised by the model's initialiser, like the trainable ones
         model = WithFrozen()
     with framework.initialize(model, mse, framework.compose(over)) as engine:
