@@ -198,3 +198,27 @@ def env_set(**values: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# W&B's words for a server it did not reach (its Go service's, after its own retries), its advice to the caller included
+WANDB_UNREACHABLE = ('Timed out while retrying: Post "https://api.wandb.ai/graphql": dial tcp: lookup api.wandb.ai: '
+                     'no such host Consider increasing the init_timeout setting: '
+                     'wandb.init(settings=wandb.Settings(init_timeout=...))')
+
+
+def fake_wandb(asked: dict, wait_s: float = 0.0):
+    """A stand-in ``wandb`` module whose ``init`` records its keywords in ``asked``, waits ``wait_s``, then fails as
+    W&B does without a network: no server is contacted, and wandb need not be installed."""
+    import time
+    import types
+
+    def init(**kw):
+        asked.update(kw)
+        time.sleep(wait_s)
+        raise RuntimeError(WANDB_UNREACHABLE)
+
+    fake = types.ModuleType("wandb")
+    fake.Settings = lambda **kw: types.SimpleNamespace(**kw)
+    fake.setup = lambda settings=None: types.SimpleNamespace(settings=types.SimpleNamespace(init_timeout=90.0))
+    fake.init = init
+    return fake

@@ -18,7 +18,7 @@ from framework.core import files
 from framework.persist.checkpoint import Checkpointer, checkpoint_root
 from framework.config import Config
 from framework.config.dsconfig import COMMAND_LINE
-from framework.comm.distributed import Dist
+from framework.comm.distributed import Dist, agree
 from framework.core.errors import ConfigError, Interrupted, Terminated
 from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
 from framework.engine.materialize import zero_init
@@ -94,10 +94,13 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             # start is a new run here: the folder's records (of another history) are set aside.
             mine = ckpt.resumed_from is not None and bool(
                 {run.run_dir.resolve(), ckpt.root.resolve()} & set(ckpt.resumed_from.resolve().parents))
-            logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=replace(run, resumed=mine)),
-                               start=state.step if mine else 0)
-        # The W&B config: the resolved values and where each came from.
-        logger.start({**built.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
+            logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=replace(
+                run, resumed=mine, peers_wait_s=dist.timeout_s if dist.world > 1 else None)),
+                start=state.step if mine else 0)
+        # The W&B config: the resolved values and where each came from. Rank 0's start (W&B reaching its server)
+        # may fail: the other ranks hear its error rather than wait in the first step's collectives.
+        agree(dist, lambda: logger.start({**built.to_dict(), "config_sources": dict(cfg.sources)}, t.steps),
+              "the logger's start")
         if on_ready is not None:   # (rank 0's)
             on_ready(run.run_dir)
         t_start = t_window = time.perf_counter()

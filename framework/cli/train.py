@@ -278,31 +278,33 @@ def _made(folder: Path, base: Path | None) -> list[Path]:
     return [folder, *(p for p in folder.parents if base in p.parents)]
 
 
-def _remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool = False) -> None:
+def _remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool = False) -> bool:
     """Remove the folders made for a job refused before it trained (rank 0's; every rank's where the error was
     raised ``alike``: another rank's Hydra may make the folder again after rank 0 removed it). One it ``owned``
-    goes only under its lock again and while it holds only what the job wrote; one it never held only if empty."""
+    goes only under its lock again and while it holds only what the job wrote; one it never held only if empty.
+    Whether the run folder was removed."""
     if not made or (env_int("RANK", 0) != 0 and not alike):   # (rank 0 may still be writing into it)
-        return
+        return False
     try:
         if owned:
             fd = files.open_nofollow(made[0] / RUN_LOCK, os.O_RDWR)
             try:   # (locked by another run, or a file system without locks: nothing removed)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if not {p.name for p in made[0].iterdir()} <= {"train.log", RUN_LOCK, *Path(subdir or ".").parts[:1]}:
-                    return
+                    return False
                 shutil.rmtree(made[0], ignore_errors=True)
             finally:
                 os.close(fd)
         else:
             made[0].rmdir()   # (not empty: another run's now)
     except OSError:
-        return
+        return False
     for p in made[1:]:
         try:
             p.rmdir()
         except OSError:   # holds another run's folder (or a sweep's multirun.yaml)
             break
+    return not made[0].exists()
 
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
@@ -376,7 +378,10 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         except Exception as e:
             basic_sweep = multirun and hc.launcher._target_ == BASIC_LAUNCHER
             if isinstance(e, FrameworkError):
-                _remove_made(made, subdir, bool(owned), e.every_rank)
+                # Rank 0 printed this folder and the files it writes there (its header) once it owned it: gone.
+                if _remove_made(made, subdir, bool(owned), e.every_rank) and owned:
+                    say(f"note: run folder {run.run_dir} removed (the run was refused before training: none of "
+                        f"its files were written)")
                 say(f"error: {e}")   # (under torchrun every rank prints its line)
                 if not basic_sweep:
                     sys.exit(1)   # (another launcher reports the job's exit)

@@ -36,6 +36,8 @@ class RunInfo:
     sweep_dir: Path | None = None   # a multirun job's sweep folder: resume=latest passes over its other jobs'
     # the keys of a multirun job's overrides that say which job it is: it resumes no state saved with other values
     naming: frozenset[str] = frozenset()
+    # how long the other ranks wait for rank 0's logger to start (dist.timeout_s); None: no other ranks
+    peers_wait_s: float | None = None
 
     @property
     def job(self) -> str | None:

@@ -19,6 +19,11 @@ RUN_ID = "wandb-run-id"   # in the run folder: the W&B run a resume from the fol
 # wandb's own modes (its Settings.mode); "shared" and "run" go online as "online" does, "dryrun" is offline.
 MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
 ONLINE = ("online", "shared", "run")
+INIT_TIMEOUT_S = 90.0   # W&B's own wait for its server to start a run (its init_timeout), where it names none
+PEERS_SHARE = 0.5       # the part of dist.timeout_s W&B may wait for its server while the other ranks wait for it
+# W&B's words (its Go service's, Python's) for a server it did not reach, rather than one that refused the run
+UNREACHABLE = ("timed out", "dial tcp", "no such host", "connection refused", "network is unreachable",
+               "name resolution", "name or service not known", "connection reset")
 
 
 @dataclass(kw_only=True)
@@ -41,28 +46,48 @@ class WandbLogger:
         import wandb
 
         run_id = self._run_id() if self.run_info.resumed else None
+        bound = None
         try:
             # The mode process-wide too, not only for this run: W&B's own usage telemetry reads it there, and
             # would go online (to W&B's servers) from an offline run. (Each job sets it; a job after an online
             # one in the same process, as in a sweep mixing modes, may still send that telemetry.)
-            wandb.setup(settings=wandb.Settings(mode=mode(self.cfg)))
+            own = getattr(getattr(wandb.setup(settings=wandb.Settings(mode=mode(self.cfg))), "settings", None),
+                          "init_timeout", INIT_TIMEOUT_S)
+            # The other ranks wait for this start in a collective of dist.timeout_s: W&B gives up well before
+            # (its own wait is ~2 min without a network), so they hear its error rather than time out.
+            if (wait := self.run_info.peers_wait_s) is not None and wait * PEERS_SHARE < own:
+                bound = wait * PEERS_SHARE
             self.run = wandb.init(project=self.cfg.project, entity=self.cfg.entity, mode=mode(self.cfg),
                                   group=self.run_info.group, name=self.run_info.name, tags=list(self.cfg.tags),
                                   dir=str(self.run_info.run_dir), config=config, reinit="finish_previous",
+                                  **(dict(settings=wandb.Settings(init_timeout=bound)) if bound else {}),
                                   **(dict(id=run_id, resume="allow") if run_id else {}))
         except Exception as e:   # (UsageError, CommError, pydantic's ValidationError, ...): one line, no traceback
-            if isinstance(e, OSError) and e.filename:   # its files: no setting or key of W&B's is at fault
-                raise ConfigError(f"logger=wandb: W&B cannot write its files in {self.run_info.run_dir / 'wandb'} "
-                                  f"({e.strerror or e}: {e.filename}); move away what is in the way there (a file "
-                                  f"where a folder belongs), fix its permissions or free space, or choose another "
-                                  f"run folder") from None
-            why = " ".join(str(e).split(" For further information")[0].split())[:300] or type(e).__name__
-            offline = ", or run with logger.mode=offline" if mode(self.cfg) in ONLINE else ""
-            raise ConfigError(f"logger=wandb: W&B refused to start the run: {why}; check the logger.* settings "
-                              f"(project, entity, tags, mode) and WANDB_API_KEY{offline}") from None
+            raise self._refused(e, bound) from None
         if mode(self.cfg) != "disabled" and self.run is not None and self.run.id != run_id:
             files.write_atomic(self.run_info.run_dir / RUN_ID, self.run.id.encode())   # for a resume of this run
         self.console.start(config, total_steps)
+
+    def _refused(self, e: Exception, bound: float | None) -> ConfigError:
+        """One line for W&B failing to start the run: its files, its server out of reach, else its settings."""
+        if isinstance(e, OSError) and e.filename:   # its files: no setting or key of W&B's is at fault
+            return ConfigError(f"logger=wandb: W&B cannot write its files in {self.run_info.run_dir / 'wandb'} "
+                               f"({e.strerror or e}: {e.filename}); move away what is in the way there (a file "
+                               f"where a folder belongs), fix its permissions or free space, or choose another "
+                               f"run folder")
+        # (W&B's advice to pass wandb.Settings(init_timeout=...) to wandb.init is none a user of this CLI can take)
+        why = str(e)
+        for cut in (" For further information", " Consider increasing"):
+            why = why.split(cut)[0]
+        why = " ".join(why.split())[:300] or type(e).__name__
+        offline = ", or run with logger.mode=offline" if mode(self.cfg) in ONLINE else ""
+        if isinstance(e, TimeoutError) or any(m in why.lower() for m in UNREACHABLE):
+            within = (f" within {bound:g}s ({PEERS_SHARE:g} of dist.timeout_s, which the other ranks wait for it; "
+                      f"raise dist.timeout_s to wait longer)" if bound else "")
+            return ConfigError(f"logger=wandb: could not reach the W&B server{within}: {why}; check the network "
+                               f"(and WANDB_BASE_URL if set){offline}")
+        return ConfigError(f"logger=wandb: W&B refused to start the run: {why}; check the logger.* settings "
+                           f"(project, entity, tags, mode) and WANDB_API_KEY{offline}")
 
     def _run_id(self) -> str | None:
         """The W&B run id a resumed run continues: the one this run folder's earlier run wrote."""

@@ -137,11 +137,16 @@ def test_a_refused_run_removes_the_folders_made_for_it(forkrun, tmp_path):
         p = forkrun.run("framework.train", [*SHORT, "model.vocab_size=99"], cwd=tmp_path, env=ENV)
         assert p.returncode == 1 and "model.vocab_size=99 differs" in error_lines(p)[-1], p.stderr
         assert [q.name for q in tmp_path.iterdir()] == (["outputs"] if outputs else [])
+        # The header named the folder and the files the run writes there: the folder removed is said too.
+        folder = p.stdout.splitlines()[0].removeprefix("run folder: ").removesuffix(" (train.log: this console)")
+        assert f"note: run folder {folder} removed (the run was refused before training: none of its files were " \
+               f"written)" in p.stderr.splitlines(), (p.stdout, p.stderr)
         (tmp_path / "outputs").mkdir(exist_ok=True)   # (kept: there before)
     (tmp_path / "outputs" / "mine").mkdir()   # an empty folder of the user's, named as the run folder: kept
     p = forkrun.run("framework.train", [*SHORT, "model.vocab_size=99", "hydra.run.dir=outputs/mine"], cwd=tmp_path,
                     env=ENV)
     assert p.returncode == 1 and [q.name for q in (tmp_path / "outputs").iterdir()] == ["mine"]
+    assert "removed" not in p.stderr, p.stderr
 
 
 def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkeypatch):

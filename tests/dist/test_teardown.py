@@ -191,3 +191,42 @@ def test_a_jobs_buffers_are_freed_before_the_next_job_of_the_process_starts(tmp_
     finally:
         gc.enable()
     assert not alive, "the first job's stage (and its buffers) outlived the start of the next job"
+
+
+def _wandb_unreachable(dist, run_dir: str):
+    """The CLI's loop with W&B online and no network (a stand-in wandb on rank 0, slow to fail): each rank's error."""
+    import sys
+    from dataclasses import replace
+    from pathlib import Path
+
+    from framework.cli.loop import train
+    from framework.core.errors import FrameworkError
+    from framework.loggers import RunInfo
+    from framework.loggers.wandb import WandbConfig
+    from tests._helpers import fake_wandb, tiny_config
+
+    cfg = tiny_config("train.steps=1", "train.eval_every=0")
+    cfg = replace(cfg, logger=WandbConfig(mode="online", live=False), choices={**cfg.choices, "logger": "wandb"})
+    asked: dict = {}
+    saved = sys.modules.get("wandb")
+    sys.modules["wandb"] = fake_wandb(asked, wait_s=1.0)
+    try:
+        train(cfg, RunInfo(Path(run_dir), None, None), dist)
+    except FrameworkError as e:
+        return str(e), e.every_rank, getattr(asked.get("settings"), "init_timeout", None)
+    finally:   # (the pool's ranks run later tests)
+        if saved is None:
+            sys.modules.pop("wandb", None)
+        else:
+            sys.modules["wandb"] = saved
+    return None
+
+
+def test_a_logger_rank_0_cannot_start_stops_every_rank_with_its_line(pools, tmp_path):
+    """Rank 0's W&B failing to reach its server (after a while): the other ranks wait for its outcome rather than
+    time out in the first step's collectives blaming a peer, and all end with W&B's line; W&B is given half the
+    ranks' dist.timeout_s (the pool's 60 s), so its error comes before their wait ends."""
+    (r0, every0, bound), (r1, every1, _) = pools(2).run(_wandb_unreachable, str(tmp_path / "run"), timeout=50)
+    assert r0.startswith("logger=wandb: could not reach the W&B server within 30s (0.5 of dist.timeout_s"), r0
+    assert r1 == f"the logger's start failed on another rank: rank 0: {r0}", r1
+    assert every0 and every1 and bound == 30.0

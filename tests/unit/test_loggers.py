@@ -506,6 +506,28 @@ def test_wandb_refusing_to_start_the_run_is_one_line(monkeypatch, tmp_path, cfg,
     assert ("or run with logger.mode=offline" in str(e.value)) == (cfg.get("mode") == "online"), e.value
 
 
+def test_wandb_not_reaching_its_server_says_so_and_not_wandbs_own_advice(monkeypatch, tmp_path):
+    """No network: the line says the server was not reached and offers logger.mode=offline, not W&B's advice to
+    pass wandb.Settings(init_timeout=...) (no key of ours) nor the settings and key. Alone, W&B waits as long as
+    it would; with other ranks waiting for it, half their dist.timeout_s, and the line says so."""
+    from framework.loggers.wandb import WandbConfig, WandbLogger
+    from tests._helpers import fake_wandb
+
+    for peers, bound in ((None, None), (40.0, 20.0), (600.0, None)):
+        asked: dict = {}
+        monkeypatch.setitem(sys.modules, "wandb", fake_wandb(asked))
+        logger = WandbLogger(WandbConfig(live=False, mode="online"),
+                             run=RunInfo(tmp_path / "run", None, None, peers_wait_s=peers))
+        with pytest.raises(ConfigError) as e:
+            logger.start({}, 1)
+        within = f" within {bound:g}s (0.5 of dist.timeout_s, which the other ranks wait for it; raise " \
+                 f"dist.timeout_s to wait longer)" if bound else ""
+        assert str(e.value) == (f'logger=wandb: could not reach the W&B server{within}: Timed out while retrying: '
+                                f'Post "https://api.wandb.ai/graphql": dial tcp: lookup api.wandb.ai: no such host; '
+                                f'check the network (and WANDB_BASE_URL if set), or run with logger.mode=offline'), e.value
+        assert getattr(asked.get("settings"), "init_timeout", None) == bound, asked
+
+
 def test_wandb_failing_on_its_files_names_them_not_the_settings(monkeypatch, tmp_path):
     """A file where W&B's folder belongs in the run folder: the error and the path, not the logger.* settings."""
     from framework.loggers.wandb import WandbConfig, WandbLogger
