@@ -136,7 +136,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str], *, final: bo
         if component.check is not None:
             nodes[group] = component.check(nodes[group], chosen["stage"], MappingProxyType(nodes))
     # (after every check: a note may read another group's resolved node, a warm-up's the optimizer's lr)
-    run = SimpleNamespace(**vars(root), **nodes)
+    run = SimpleNamespace(**vars(root), choices=MappingProxyType(chosen), **nodes)
     notes = [note for group in GROUPS if (component := registry(group).get(chosen[group])).notes is not None
              for note in component.notes(nodes[group], run)]
     config = Config(**vars(root), choices=chosen, notices=tuple(notes), **nodes)

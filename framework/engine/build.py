@@ -433,14 +433,14 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
             print("\n".join(notices), file=sys.stderr, flush=True)
     check_batch_world(cfg, dist.world)   # (every rank alike, before any collective of the engine)
     policy = component(cfg, "precision").build(cfg.precision)
-    # Trainable parameters are cast to the working dtype: fp32 ones under bf16/fp16 are the ordinary case,
-    # any other dtype (float64, a 16-bit one in an fp32 run) is said once.
-    cast = [(n, p.dtype) for n, p in module.named_parameters() if p.requires_grad and p.is_floating_point()
+    # Parameters (frozen ones too) are cast to the working dtype: fp32 ones under bf16/fp16 are the ordinary
+    # case, any other dtype (float64, a 16-bit one in an fp32 run) is said once.
+    cast = [(n, p.dtype, p.requires_grad) for n, p in module.named_parameters() if p.is_floating_point()
             and p.dtype not in (policy.param_dtype, torch.float32)]
     if cast and dist.is_main:
-        names = few(cast, 5, lambda x: f"{x[0]} {dtype_name(x[1])}")
-        print(f"note: initialize: trainable parameters of another dtype ({names}) are cast to precision={policy.name}'s "
-              f"working dtype {dtype_name(policy.param_dtype)} and train in it (forward sees them in it)",
+        names = few(cast, 5, lambda x: f"{x[0]} {dtype_name(x[1])}{'' if x[2] else ' (frozen)'}")
+        print(f"note: initialize: parameters of another dtype ({names}) are cast to precision={policy.name}'s "
+              f"working dtype {dtype_name(policy.param_dtype)} (forward sees them in it; trainable ones train in it)",
               file=sys.stderr, flush=True)
     offload = component(cfg, "offload").build(cfg.offload, accelerator=dist.acc)
     offload.connect(dist)

@@ -10,9 +10,12 @@ from framework.engine.build import component
 
 
 def test_round_robin_gradients_is_accepted():
-    """zero2 lays parameters out round-robin (tests/dist/test_zero12.py); zero1 copies after backward
-    on every rank at once, so the key changes nothing there and one note says why."""
-    assert compose(["+stage=zero2", "stage.round_robin_gradients=true"]).notices == ()
+    """zero2 with offload lays parameters out round-robin to spread the host copies (tests/dist/test_zero12.py);
+    without offload that only reorders ownership, and zero1 copies after backward on every rank at once: there
+    the key changes nothing a user sees and one note says why."""
+    assert compose(["+stage=zero2", "offload=cpu", "stage.round_robin_gradients=true"]).notices == ()
+    cfg = compose(["+stage=zero2", "stage.round_robin_gradients=true"])
+    assert len(cfg.notices) == 1 and "without offload only reorders which rank owns" in cfg.notices[0], cfg.notices
     cfg = compose(["+stage=zero1", "stage.round_robin_gradients=true"])
     assert len(cfg.notices) == 1 and "changes nothing with zero1" in cfg.notices[0]
     assert compose(["+stage=zero1", "stage.round_robin_gradients=false"]).notices == ()

@@ -1024,9 +1024,9 @@ def test_a_backward_pass_of_the_users_own_between_steps_is_told_apart_from_loss_
         assert state.step == (2 if stage == "zero3" else 3)
 
 
-def test_initialize_notes_trainable_parameters_cast_to_another_dtype_on_rank_0(capsys):
-    """A float64 (or, in an fp32 run, 16-bit) trainable parameter trains in the working dtype: said once, not
-    left to a Float/Double mismatch deep in forward; an fp32 model under bf16 is the ordinary case (no note)."""
+def test_initialize_notes_parameters_cast_to_another_dtype_on_rank_0(capsys):
+    """A float64 (or, in an fp32 run, 16-bit) parameter, frozen or trainable, is cast to the working dtype: said
+    once, not left to a Float/Double mismatch deep in forward; an fp32 model under bf16 is the ordinary case (no note)."""
     def make():
         module = torch.nn.Linear(3, 2)
         module.hi = torch.nn.Parameter(torch.randn(2, dtype=torch.float64))
@@ -1034,13 +1034,14 @@ def test_initialize_notes_trainable_parameters_cast_to_another_dtype_on_rank_0(c
         module.kept = torch.nn.Parameter(torch.randn(2, dtype=torch.float64), requires_grad=False)
         return module
     loss = lambda m, mb: m(mb[0]).sum()   # noqa: E731
-    for precision, note in [("fp32", "(hi float64, lo bfloat16) are cast to precision=fp32's working dtype float32 "
-                                     "and train in it"),
-                            ("bf16", "(hi float64) are cast to precision=bf16's working dtype bfloat16")]:
+    for precision, note in [("fp32", "(hi float64, lo bfloat16, kept float64 (frozen)) are cast to precision=fp32's "
+                                     "working dtype float32 (forward sees them in it; trainable ones train in it)"),
+                            ("bf16", "(hi float64, kept float64 (frozen)) are cast to precision=bf16's working dtype "
+                                     "bfloat16")]:
         with framework.initialize(make(), loss, tiny_config(f"precision={precision}")) as engine:
             assert engine.components.module.hi.dtype == engine.components.policy.param_dtype
         err = capsys.readouterr().err
-        assert f"note: initialize: trainable parameters of another dtype {note}" in err and err.count("note: initialize:") == 1
+        assert f"note: initialize: parameters of another dtype {note}" in err and err.count("note: initialize:") == 1
     with framework.initialize(torch.nn.Linear(3, 2), loss, tiny_config("precision=bf16")):
         pass
     assert "note: initialize" not in capsys.readouterr().err
