@@ -200,9 +200,10 @@ def env_set(**values: str):
                 os.environ[k] = v
 
 
-# W&B's words for a server it did not reach (its Go service's, after its own retries), its advice to the caller included
+# W&B's words for a server it did not reach (its Go service's, after its own retries), its advice to the caller
+# included (on a line of its own, as W&B's service writes it)
 WANDB_UNREACHABLE = ('Timed out while retrying: Post "https://api.wandb.ai/graphql": dial tcp: lookup api.wandb.ai: '
-                     'no such host Consider increasing the init_timeout setting: '
+                     'no such host\nConsider increasing the init_timeout setting: '
                      'wandb.init(settings=wandb.Settings(init_timeout=...))')
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -76,9 +77,8 @@ class WandbLogger:
                                f"where a folder belongs), fix its permissions or free space, or choose another "
                                f"run folder")
         # (W&B's advice to pass wandb.Settings(init_timeout=...) to wandb.init is none a user of this CLI can take)
-        why = str(e)
-        for cut in (" For further information", " Consider increasing"):
-            why = why.split(cut)[0]
+        # (any whitespace before it: W&B's Go service puts a line break there)
+        why = re.split(r"\s+(?:For further information|Consider increasing)", str(e))[0]
         why = " ".join(why.split())[:300] or type(e).__name__
         offline = ", or run with logger.mode=offline" if mode(self.cfg) in ONLINE else ""
         if isinstance(e, TimeoutError) or any(m in why.lower() for m in UNREACHABLE):
