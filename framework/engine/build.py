@@ -352,7 +352,8 @@ class Engine(contextlib.AbstractContextManager):
                                 f"cannot be discarded: these weights are the master copies themselves (fp32 without "
                                 f"offload), so the edit is in them and the old values are gone: load weights saved "
                                 f"before the edit (framework.load_weights or engine.load_state_dict), or keep the edit "
-                                f"by saving module.state_dict() and loading it with framework.load_weights(engine, path)")
+                                f"by saving module.state_dict() and loading it with "
+                                f"framework.load_weights(engine, path)")
 
     def _republish(self, state: TrainState) -> None:
         """The working parameters published from ``state``'s masters as after a step, the stage's parameters back
@@ -438,8 +439,8 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
         notices = list(cfg.notices)
         if cfg.dist.nproc > 1 and cfg.dist.nproc != dist.world:   # (the command line spawns that many ranks)
             notices.append(f"note: initialize: dist.nproc={cfg.dist.nproc} is read by the command line only; this "
-                           f"engine joined a world of {counted(dist.world, 'rank')}: launch the ranks yourself (torchrun "
-                           f"--nproc-per-node {cfg.dist.nproc}) or drop dist.nproc")
+                           f"engine joined a world of {counted(dist.world, 'rank')}: launch the ranks yourself "
+                           f"(torchrun --nproc-per-node {cfg.dist.nproc}) or drop dist.nproc")
         if notices:
             print("\n".join(notices), file=sys.stderr, flush=True)
     check_batch_world(cfg, dist.world)   # (every rank alike, before any collective of the engine)

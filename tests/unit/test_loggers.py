@@ -531,7 +531,8 @@ def test_wandb_not_reaching_its_server_says_so_and_not_wandbs_own_advice(monkeyp
                  f"dist.timeout_s to wait longer)" if bound else ""
         assert str(e.value) == (f'logger=wandb: could not reach the W&B server{within}: Timed out while retrying: '
                                 f'Post "https://api.wandb.ai/graphql": dial tcp: lookup api.wandb.ai: no such host; '
-                                f'check the network (and WANDB_BASE_URL if set), or run with logger.mode=offline'), e.value
+                                f'check the network (and WANDB_BASE_URL if set), or run with '
+                                f'logger.mode=offline'), e.value
         assert (getattr(asked.get("settings"), "init_timeout", None) is None) == (bound is None), asked
 
 
