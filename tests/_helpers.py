@@ -200,25 +200,37 @@ def env_set(**values: str):
                 os.environ[k] = v
 
 
-# W&B's words for a server it did not reach (its Go service's, after its own retries), its advice to the caller included
+# W&B's words for a server it did not reach (its Go service's, after its own retries), its advice to the caller
+# included (on a line of its own, as W&B's service writes it)
 WANDB_UNREACHABLE = ('Timed out while retrying: Post "https://api.wandb.ai/graphql": dial tcp: lookup api.wandb.ai: '
-                     'no such host Consider increasing the init_timeout setting: '
+                     'no such host\nConsider increasing the init_timeout setting: '
                      'wandb.init(settings=wandb.Settings(init_timeout=...))')
 
 
-def fake_wandb(asked: dict, wait_s: float = 0.0):
+def fake_wandb(asked: dict, wait_s: float = 0.0, viewer_s: float = 10.0):
     """A stand-in ``wandb`` module whose ``init`` records its keywords in ``asked``, waits ``wait_s``, then fails as
-    W&B does without a network: no server is contacted, and wandb need not be installed."""
+    W&B does without a network: no server is contacted, and wandb need not be installed. ``asked["gives_up_in"]``:
+    how long after ``init`` was called W&B itself would give up without a network: its account look-up's retries
+    (``viewer_s``, unless setup's settings turned it off), which its ``init_timeout`` does not count, then that."""
     import time
     import types
 
+    class Settings(types.SimpleNamespace):
+        model_fields = {"mode": None, "init_timeout": None, "x_disable_viewer": None}
+
+    def setup(settings=None):
+        asked["setup"] = settings
+        return types.SimpleNamespace(settings=types.SimpleNamespace(init_timeout=90.0))
+
     def init(**kw):
         asked.update(kw)
+        viewer = 0.0 if getattr(asked.get("setup"), "x_disable_viewer", False) else viewer_s
+        asked["gives_up_in"] = viewer + (getattr(kw.get("settings"), "init_timeout", None) or 90.0)
         time.sleep(wait_s)
         raise RuntimeError(WANDB_UNREACHABLE)
 
     fake = types.ModuleType("wandb")
-    fake.Settings = lambda **kw: types.SimpleNamespace(**kw)
-    fake.setup = lambda settings=None: types.SimpleNamespace(settings=types.SimpleNamespace(init_timeout=90.0))
+    fake.Settings = Settings
+    fake.setup = setup
     fake.init = init
     return fake

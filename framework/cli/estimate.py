@@ -94,6 +94,8 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
         module = hf_model_from_config(path)
         for o in model_keys:   # a model.* key would change nothing in the config.json: refused, not ignored
             if override_key(o) == "model.activation_checkpointing":
+                if _off(o):   # how it is traced anyway: accepted, as under model=hf model.config=...
+                    continue
                 raise _no_hf_checkpointing(o, value)
             hint = "; set its sequence length with context=N" if ".context" in o.split("=")[0] else \
                 "; edit the config.json to change the model"
@@ -120,6 +122,20 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
     with torch.device("meta"):
         module = component(cfg, "model").build(cfg.model, vocab_size=vocab)
     return module, cfg, False, {"size": vocab, "from": source}
+
+
+def _off(override: str) -> bool:
+    """Whether ``key=value`` sets a boolean false, read as the config would read it (false, False, 0, off...)."""
+    @dataclasses.dataclass
+    class Flag:
+        value: bool = True
+
+    if "=" not in override:   # (~key: a deletion, no value)
+        return False
+    try:
+        return not OmegaConf.merge(OmegaConf.structured(Flag), {"value": override.split("=", 1)[1]}).value
+    except OmegaConfBaseException:   # not a boolean: the refusal names the key as given
+        return False
 
 
 def _no_hf_checkpointing(override: str, value: str) -> ConfigError:

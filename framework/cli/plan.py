@@ -303,7 +303,8 @@ def _none_fits(planned: list[Planned]) -> str:
 def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, vocab: str,
               notes: list[str] = ()) -> str:
     gpu = f"{hw.gpu_mem / GiB:.1f} GiB per GPU" if hw.gpu_mem else "no GPU (the host is the device)"
-    lines = [f"hardware: {counted(hw.ranks, 'rank')}, {gpu}, {hw.cpu_mem / GiB:.1f} GiB host, {hw.nvme / GiB:.0f} GiB disk",
+    lines = [f"hardware: {counted(hw.ranks, 'rank')}, {gpu}, {hw.cpu_mem / GiB:.1f} GiB host, "
+             f"{hw.nvme / GiB:.0f} GiB disk",
              f"probe ({'measured now' if probe.get('measured_now') else 'cached'}: {probe['cache']}): "
              f"matmul {probe['matmul_flops'] / 1e9:.1f} GFLOP/s, copy {probe['device_copy_bytes_s'] / GB:.1f} GB/s, "
              f"h2d {probe['h2d_bytes_s'] / GB:.1f} GB/s, host optimizer {probe['host_optimizer_params_s'] / 1e6:.0f} "

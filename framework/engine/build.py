@@ -185,14 +185,22 @@ class Engine(contextlib.AbstractContextManager):
         the last load (``module.load_state_dict``, say): the next step would overwrite them from the masters, or
         keep them, depending on precision and offload; a save would not hold them."""
         edited = self.components.stage.edited()
-        if edited:
-            raise TrainingError(f"{what}: the weights of {len(edited)} trainable parameter{'s' if len(edited) != 1 else ''} "
-                                f"({few(edited, 3, str)}) were changed in place (or replaced) after framework.initialize "
-                                f"(e.g. module.load_state_dict), which the engine's master copies do not see: load weights "
-                                f"before framework.initialize, or into the engine with framework.load_weights(engine, "
-                                f"path) or engine.load_state_dict (under zero3 also framework.gathered(params, "
-                                f"modifier_rank=0)); to drop the edit and go on from the engine's weights, call "
-                                f"engine.discard_edits(engine.state)")
+        if not edited:
+            return
+        changed = (f"{what}: the weights of {counted(len(edited), 'trainable parameter')} ({few(edited, 3, str)}) "
+                   f"were changed in place (or replaced) after framework.initialize (e.g. module.load_state_dict)")
+        if kept := self._in_masters(self._state, edited):   # discard_edits would refuse: the edit is in the masters
+            whose = "they are" if len(kept) == len(edited) else f"those of {few(kept, 3, str)} are"
+            raise TrainingError(f"{changed}; here (fp32 without offload) {whose} the engine's master copies, so the "
+                                f"edit is in the engine, but it is refused so that the same code behaves alike under "
+                                f"every stage and precision: to keep it, load it into the engine "
+                                f"(framework.load_weights(engine, path) of a saved module.state_dict(), or "
+                                f"engine.load_state_dict); to drop it, load weights saved before it")
+        raise TrainingError(f"{changed}, which the engine's master copies do not see: load weights before "
+                            f"framework.initialize, or into the engine with framework.load_weights(engine, path) or "
+                            f"engine.load_state_dict (under zero3 also framework.gathered(params, modifier_rank=0)); "
+                            f"to drop the edit and go on from the engine's weights, call "
+                            f"engine.discard_edits(engine.state)")
 
     def _check_whole(self) -> None:
         if self._loading is not None:
@@ -329,19 +337,23 @@ class Engine(contextlib.AbstractContextManager):
         self._republish(state)
         return state
 
-    def _check_discardable(self, state: TrainState) -> None:
-        """fp32 weights without offload (ddp, zero1/2) are views of the masters' storage: an edit there is the
-        masters' too and nothing holds the value it replaced. (Storage addresses only: no tensor read.)"""
+    def _in_masters(self, state: TrainState, edited: Sequence[str]) -> list[str]:
+        """The ``edited`` parameters whose weights are views of the masters' storage (fp32 without offload: ddp,
+        zero1/2): an edit there is the masters' too and nothing holds the value it replaced. (Storage addresses
+        only: no tensor read.)"""
         masters = {m.untyped_storage().data_ptr() for m in state.params if isinstance(m, torch.Tensor)} - {0}
-        edited = set(self.components.stage.edited())
-        kept = [n for n, p, v, _ in self.components.stage.watched if n in edited and p._version != v
+        edited = set(edited)
+        return [n for n, p, v, _ in self.components.stage.watched if n in edited and p._version != v
                 and p.untyped_storage().data_ptr() in masters]
-        if kept:
+
+    def _check_discardable(self, state: TrainState) -> None:
+        if kept := self._in_masters(state, self.components.stage.edited()):
             raise TrainingError(f"discard_edits: the edit of {counted(len(kept), 'parameter')} ({few(kept, 3, str)}) "
                                 f"cannot be discarded: these weights are the master copies themselves (fp32 without "
                                 f"offload), so the edit is in them and the old values are gone: load weights saved "
                                 f"before the edit (framework.load_weights or engine.load_state_dict), or keep the edit "
-                                f"by saving module.state_dict() and loading it with framework.load_weights(engine, path)")
+                                f"by saving module.state_dict() and loading it with "
+                                f"framework.load_weights(engine, path)")
 
     def _republish(self, state: TrainState) -> None:
         """The working parameters published from ``state``'s masters as after a step, the stage's parameters back
@@ -427,8 +439,8 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
         notices = list(cfg.notices)
         if cfg.dist.nproc > 1 and cfg.dist.nproc != dist.world:   # (the command line spawns that many ranks)
             notices.append(f"note: initialize: dist.nproc={cfg.dist.nproc} is read by the command line only; this "
-                           f"engine joined a world of {counted(dist.world, 'rank')}: launch the ranks yourself (torchrun "
-                           f"--nproc-per-node {cfg.dist.nproc}) or drop dist.nproc")
+                           f"engine joined a world of {counted(dist.world, 'rank')}: launch the ranks yourself "
+                           f"(torchrun --nproc-per-node {cfg.dist.nproc}) or drop dist.nproc")
         if notices:
             print("\n".join(notices), file=sys.stderr, flush=True)
     check_batch_world(cfg, dist.world)   # (every rank alike, before any collective of the engine)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -20,7 +22,8 @@ RUN_ID = "wandb-run-id"   # in the run folder: the W&B run a resume from the fol
 MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
 ONLINE = ("online", "shared", "run")
 INIT_TIMEOUT_S = 90.0   # W&B's own wait for its server to start a run (its init_timeout), where it names none
-PEERS_SHARE = 0.5       # the part of dist.timeout_s W&B may wait for its server while the other ranks wait for it
+PEERS_SHARE = 0.5       # the part of dist.timeout_s W&B's whole start may take while the other ranks wait for it
+MIN_INIT_S = 1.0        # the least wait W&B is given for its server, however long its setup took
 # W&B's words (its Go service's, Python's) for a server it did not reach, rather than one that refused the run
 UNREACHABLE = ("timed out", "dial tcp", "no such host", "connection refused", "network is unreachable",
                "name resolution", "name or service not known", "connection reset")
@@ -43,24 +46,32 @@ class WandbLogger:
         self.finished = False   # finish(summary) reached
 
     def start(self, config: dict, total_steps: int) -> None:
+        t0 = time.monotonic()   # the other ranks' wait for this start begins about now
         import wandb
 
         run_id = self._run_id() if self.run_info.resumed else None
-        bound = None
+        wait, bound, left = self.run_info.peers_wait_s, None, None
         try:
             # The mode process-wide too, not only for this run: W&B's own usage telemetry reads it there, and
             # would go online (to W&B's servers) from an offline run. (Each job sets it; a job after an online
-            # one in the same process, as in a sweep mixing modes, may still send that telemetry.)
-            own = getattr(getattr(wandb.setup(settings=wandb.Settings(mode=mode(self.cfg))), "settings", None),
-                          "init_timeout", INIT_TIMEOUT_S)
+            # one in the same process, as in a sweep mixing modes, may still send that telemetry.) With other
+            # ranks waiting, no account look-up either: it only names the user in W&B's "logged in" line, and
+            # its retries (~10 s without a network) come before init_timeout's clock starts, so no bound of
+            # ours would hold.
+            viewer = (dict(x_disable_viewer=wait is not None)
+                      if "x_disable_viewer" in getattr(wandb.Settings, "model_fields", ()) else {})
+            own = getattr(getattr(wandb.setup(settings=wandb.Settings(mode=mode(self.cfg), **viewer)), "settings",
+                                  None), "init_timeout", INIT_TIMEOUT_S)
             # The other ranks wait for this start in a collective of dist.timeout_s: W&B gives up well before
-            # (its own wait is ~2 min without a network), so they hear its error rather than time out.
-            if (wait := self.run_info.peers_wait_s) is not None and wait * PEERS_SHARE < own:
+            # (its own wait is ~2 min without a network), so they hear its error rather than time out. The
+            # bound is for the whole start: what its import and setup took is taken off init's wait.
+            if wait is not None and wait * PEERS_SHARE < own + (time.monotonic() - t0):
                 bound = wait * PEERS_SHARE
+                left = max(bound - (time.monotonic() - t0), MIN_INIT_S)
             self.run = wandb.init(project=self.cfg.project, entity=self.cfg.entity, mode=mode(self.cfg),
                                   group=self.run_info.group, name=self.run_info.name, tags=list(self.cfg.tags),
                                   dir=str(self.run_info.run_dir), config=config, reinit="finish_previous",
-                                  **(dict(settings=wandb.Settings(init_timeout=bound)) if bound else {}),
+                                  **(dict(settings=wandb.Settings(init_timeout=left)) if left else {}),
                                   **(dict(id=run_id, resume="allow") if run_id else {}))
         except Exception as e:   # (UsageError, CommError, pydantic's ValidationError, ...): one line, no traceback
             raise self._refused(e, bound) from None
@@ -76,9 +87,8 @@ class WandbLogger:
                                f"where a folder belongs), fix its permissions or free space, or choose another "
                                f"run folder")
         # (W&B's advice to pass wandb.Settings(init_timeout=...) to wandb.init is none a user of this CLI can take)
-        why = str(e)
-        for cut in (" For further information", " Consider increasing"):
-            why = why.split(cut)[0]
+        # (any whitespace before it: W&B's Go service puts a line break there)
+        why = re.split(r"\s+(?:For further information|Consider increasing)", str(e))[0]
         why = " ".join(why.split())[:300] or type(e).__name__
         offline = ", or run with logger.mode=offline" if mode(self.cfg) in ONLINE else ""
         if isinstance(e, TimeoutError) or any(m in why.lower() for m in UNREACHABLE):

@@ -248,9 +248,9 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     else:
         rng = derive(seed, first["step"], rank, device if device is not None else torch.device("cpu"))[0]
         if rank == 0:
-            print(f"load_state_dict: saved by {counted(len(saved), 'rank')}, loaded by {world}: each rank's random generators "
-                  f"are derived from (seed, step, rank), so its draws (dropout) are not those of an uninterrupted "
-                  f"run", flush=True)
+            print(f"load_state_dict: saved by {counted(len(saved), 'rank')}, loaded by {world}: each rank's random "
+                  f"generators are derived from (seed, step, rank), so its draws (dropout) are not those of an "
+                  f"uninterrupted run", flush=True)
     return with_saved_scalars(state, first, rng, saved_opt["scalars"], policy)
 
 

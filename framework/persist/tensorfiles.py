@@ -71,7 +71,8 @@ class WeightsSource(contextlib.AbstractContextManager):
                         self._at[name] = (fd, 8 + size + int(m["data_offsets"][0]))
             missing = sorted(set(weight_map or ()) - set(self.meta))
             if missing:
-                raise ConfigError(f"load_weights: {self.where} names {counted(len(missing), 'tensor')} that {'is' if len(missing) == 1 else 'are'} not in their "
+                raise ConfigError(f"load_weights: {self.where} names {counted(len(missing), 'tensor')} that "
+                                  f"{'is' if len(missing) == 1 else 'are'} not in their "
                                   f"files: {few(missing, 20, str)}")
         except BaseException:
             self.close()
@@ -353,7 +354,8 @@ def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype
     overflow, bad = sum(n for n, _ in everyone), {n for _, names in everyone for n in names}
     if main and overflow:
         print(f"warning: {what}: {counted(overflow, 'finite value')} beyond the {dtype_name(dtype)} range (largest "
-              f"{torch.finfo(dtype).max:g}) {'was' if overflow == 1 else 'were'} written as inf; save as bf16 or fp32 to keep them",
+              f"{torch.finfo(dtype).max:g}) {'was' if overflow == 1 else 'were'} written as inf; save as bf16 or fp32 "
+              f"to keep them",
               file=sys.stderr, flush=True)
     if main and bad:
         print(f"warning: {what}: NaN or inf values in {few(sorted(bad))} were written as they are: the weights hold "

@@ -406,6 +406,11 @@ def test_a_model_the_meta_trace_cannot_run_is_one_line(capsys):
     with pytest.raises(ConfigError, match=r"^memory prediction: the model reads a tensor's value.*"
                                           r"model\.activation_checkpointing=false$"):
         predict(compose(args), 1)
+    # Off is how the trace runs anyway: accepted in the config.json form too (as under model=hf), on refused alike.
+    for on in ("true", "false"):
+        assert main([f"model={cfg}", "context=64", f"model.activation_checkpointing={on}", "--json"]) == \
+            (2 if on == "true" else 0), on
+    assert "transformers' checkpointing cannot run" in capsys.readouterr().err
 
 
 def test_model_yaml_path(capsys):

@@ -807,7 +807,8 @@ def test_a_bad_value_from_the_file_names_the_files_key(ds, start, ds_key):
 
 
 def test_a_refused_combination_of_the_files_choices_names_the_files_keys():
-    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}
+    ds = {"train_micro_batch_size_per_gpu": 2,
+          "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}
     msg = error_of(ds)
     assert msg.startswith("config: offload=cpu is not supported with stage=ddp; valid: ") and "\n" not in msg, msg
     assert msg.endswith(" (from ds_config's zero_optimization.offload_optimizer.device / offload_param.device and "

@@ -229,4 +229,4 @@ def test_a_logger_rank_0_cannot_start_stops_every_rank_with_its_line(pools, tmp_
     (r0, every0, bound), (r1, every1, _) = pools(2).run(_wandb_unreachable, str(tmp_path / "run"), timeout=50)
     assert r0.startswith("logger=wandb: could not reach the W&B server within 30s (0.5 of dist.timeout_s"), r0
     assert r1 == f"the logger's start failed on another rank: rank 0: {r0}", r1
-    assert every0 and every1 and bound == 30.0
+    assert every0 and every1 and 25.0 < bound <= 30.0, bound

@@ -1202,6 +1202,17 @@ def test_a_load_after_parameters_were_replaced_gives_the_module_the_engines_back
             engine.train_step(engine.state, framework.Batch((micro,)))
             with framework.gathered(list(module.parameters())):
                 assert not torch.equal(before, module[0].weight.detach()), stage
+            if stage == "ddp":   # fp32 without offload: an edit in place is in the masters, which discard_edits refuses
+                with torch.no_grad():
+                    module[0].weight.mul_(3)
+                with pytest.raises(framework.TrainingError) as e:
+                    engine.train_step(engine.state, framework.Batch((micro,)))
+                assert "(fp32 without offload) they are the engine's master copies" in str(e.value), e.value
+                assert "discard_edits" not in str(e.value) and "\n" not in str(e.value), e.value
+                with pytest.raises(framework.TrainingError, match="^discard_edits: the edit of 1 parameter"):
+                    engine.discard_edits(engine.state)
+                framework.load_weights(engine, tmp_path / "w.pt")   # the way on the refusal names
+                engine.train_step(engine.state, framework.Batch((micro,)))
         module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     # Tied weights: assign=True unties them; load_weights (strict) loads by the engine's names and ties them again.
     tied = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False))

@@ -82,7 +82,8 @@ ZERO_STAGE = {"reduce_bucket_size": ("int", "h*h"), "allgather_bucket_size": ("i
               "overlap_comm": ("bool", ""), "contiguous_gradients": ("bool", ""), "reduce_scatter": ("bool", ""),
               "round_robin_gradients": ("bool", ""), "stage3_gather_16bit_weights_on_model_save": ("bool", "")}
 # zero_optimization keys that only tune speed or memory in DeepSpeed and have no counterpart here.
-ZERO_PERF = ("use_multi_rank_bucket_allreduce", "compute_grad_norm", "ignore_unused_parameters", "parameter_alignment", "memory_efficient_linear",
+ZERO_PERF = ("use_multi_rank_bucket_allreduce", "compute_grad_norm", "ignore_unused_parameters", "parameter_alignment",
+             "memory_efficient_linear",
              "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
              "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "mics_hierarchical_params_gather",
              "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",

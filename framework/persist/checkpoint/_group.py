@@ -79,7 +79,8 @@ def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, 
     if problems:
         raise on_every_rank(CheckpointError(
             f"checkpoint: saving {tmp.name.removesuffix('.tmp')} failed ({what}): {problems[0]}"
-            + (f" (and {counted(len(problems) - 1, 'more rank')})" if len(problems) > 1 else "") + "; the previous checkpoints are kept"))
+            + (f" (and {counted(len(problems) - 1, 'more rank')})" if len(problems) > 1 else "")
+            + "; the previous checkpoints are kept"))
     return [r for r, _, _ in everyone]
 
 

@@ -326,7 +326,8 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
     if len(states) != len(want):
         if rank == 0:
             print(f"checkpoint: {folder} was saved on another kind of device; " + (
-                f"its {counted(len(states) - 1, 'device generator state')} per rank {'is' if len(states) == 2 else 'are'} dropped (this run is on the {device.type})"
+                f"its {counted(len(states) - 1, 'device generator state')} per rank "
+                f"{'is' if len(states) == 2 else 'are'} dropped (this run is on the {device.type})"
                 if len(states) > len(want) else
                 f"this run's {device.type} generator is derived from (seed, step, rank), so its draws (dropout) are "
                 f"not those of an uninterrupted run") + "; the CPU generators resume as saved", flush=True)
