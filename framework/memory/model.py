@@ -383,6 +383,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple, 
     plans, persistent = plan_units(module, s.gather_unit, s.split_root, s.stage3_param_persistence_threshold)
     shards = []
     swap_grads = placement.swap_grads(policy.grad_accum_dtype, cfg.train.grad_accum)   # owned grads in the swap file
+    in_place = world == 1 and not placement.shards.params_on_host   # a shard is its whole gathered buffer
 
     def group(named, gathered: bool) -> int:
         layout = make_layout(named, world)
@@ -392,7 +393,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple, 
         if not swap_grads:
             pred.add("grads", device=acc * layout.shard)
         pred.lazy |= placement.predict(pred, [layout.shard], *cut, real=[layout.real(rank)])
-        if gathered:
+        if gathered and not in_place:   # (in place: the persistent parameters are views of their shard)
             pred.add("gathered_persistent", device=w * layout.padded)
         return layout.padded
 
@@ -405,7 +406,6 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple, 
     # Gathered units stay live up to max_live plus the unit in use (DeepSpeed's 1e9 defaults keep a model
     # under a billion parameters gathered from forward into backward); world 1 with device shards gathers in place.
     biggest = max(sizes, default=0)
-    in_place = world == 1 and not placement.shards.params_on_host
     window = 0 if in_place else min(sum(sizes), s.stage3_max_live_parameters + biggest)
     pred.transient["zero3_live_window"] = w * window
     # Backward: the unit's full .grad tensors until reduced, and the reduction (world 1: one parameter's

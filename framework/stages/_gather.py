@@ -273,7 +273,8 @@ class Gatherer:
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
     def _start_gather(self, unit: Unit, in_place: bool = True) -> None:
-        """``in_place``: the hooks use an ``_in_place`` group's shard; ``gather_now`` a copy (edits discarded)."""
+        """``in_place``: the hooks (and the persistent unit's ``gather_now``) use an ``_in_place`` group's shard;
+        ``gather_now`` otherwise a copy (framework.gathered's edits discarded)."""
         unit.to(UnitState.GATHERING)   # (its works are empty: the last gather's finish cleared them)
         try:
             # Normal tensors even in a forward under torch.inference_mode: the buffers outlive it, and later
@@ -379,8 +380,8 @@ class Gatherer:
     def gather_now(self, unit: Unit) -> bool:
         """Gather ``unit`` for use outside its forward (framework.gathered); True if it was sharded."""
         sharded = unit.state is UnitState.SHARDED
-        if sharded:
-            self._start_gather(unit, in_place=False)
+        if sharded:   # the persistent unit, always gathered, in place where it can be (no second whole copy)
+            self._start_gather(unit, in_place=unit is self.persistent)
         self._finish_gather(unit)
         return sharded
 
@@ -419,7 +420,7 @@ class Gatherer:
             if not unit.held:
                 saved = self.entered.pop(id(unit))
                 for g in unit.groups:
-                    if self._in_place(g) and unit is not self.persistent:   # as the hooks gathered it
+                    if self._in_place(g):   # as the hooks (or, persistent, gather_now) gathered it
                         g.full = g.shard
                         self._point(g)
                     elif not written:

@@ -220,7 +220,8 @@ class Zero3Stage(PartitionedStage):
         fp.add("grads", device=tensor_bytes(g.part_grad for g in self.groups))
         self.offload.memory(fp, opt_state)
         if persistent is not None:
-            fp.add("gathered_persistent", device=tensor_bytes(g.full for g in persistent.groups))
+            fp.add("gathered_persistent", device=tensor_bytes(g.full for g in persistent.groups
+                                                              if g.full is not None and g.full is not g.shard))
 
     def stats(self) -> dict:
         return self.gatherer.stats()

@@ -113,7 +113,14 @@ def _footprints(dist, cases, folder):
             # (and, on CUDA, not in a hook: page-locking waits for the device)
             assert stepped == pinned, (case, "a step pinned or freed host memory")
             held = engine.memory(state).nonzero()
-            del state   # (freed at the next case's step otherwise, where the check would see it)
+            del state
+            stage = engine.components.stage
+            if "+stage=zero3" in case and stage.gatherer.persistent is not None:
+                # One rank with shards on the device: a shard is its whole buffer, and the persistent
+                # parameters are views of it (a second whole copy would hold them twice).
+                in_place = dist.world == 1 and not stage.offload.shards.params_on_host
+                assert all((g.full is g.shard) == in_place for g in stage.gatherer.persistent.groups), case
+                assert ("gathered_persistent" in held[0]) != in_place, (case, held)   # (freed at the next case's step otherwise, where the check would see it)
         finally:
             engine.close()
         if frozen:
