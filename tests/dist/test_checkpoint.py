@@ -301,13 +301,13 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
     _train(dist, ["checkpoint.every=0"], str(tmp_path), resume="off", steps=0)   # no saves: a note
     assert f"resume=off: starting from step 0 although {tmp_path} holds 1 checkpoint, newest step-{K}" \
         in capsys.readouterr().out
-    with pytest.raises(ConfigError, match=f"holds 1 checkpoint.s., newest step-{K}, which this run's saves would"):
+    with pytest.raises(ConfigError, match=f"holds 1 checkpoint, newest step-{K}, which this run's saves would"):
         _train(dist, [], str(tmp_path), resume="off", steps=0)   # saves: they would overwrite them
     # So is a resume from another folder's checkpoint, in the check before the ranks and in the loop's own.
     from framework.persist.checkpoint import preflight
     other = tmp_path / "other" / f"step-{K}"
     shutil.copytree(tmp_path / f"step-{K}", other)
-    refused = fr"checkpoint.resume={other}: {tmp_path} holds 1 checkpoint.s., newest step-{K}, which this run's saves"
+    refused = fr"checkpoint.resume={other}: {tmp_path} holds 1 checkpoint, newest step-{K}, which this run's saves"
     with pytest.raises(ConfigError, match=refused):
         preflight(_cfg(1, [], str(tmp_path), [f"checkpoint.resume={other}"]), None)
     with pytest.raises(ConfigError, match=refused):
