@@ -97,6 +97,7 @@ def _device_sq_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for wide in (False, True):
         group = [t for t in tensors if (t.dtype == torch.float64) == wide]
         if group:  # 16-bit tensors accumulate and return their norm in fp32, not in 16 bits
+            # (no public multi-tensor norm: clip_grad_norm_ calls this same private op)
             norms = torch._foreach_norm(group, 2, dtype=torch.float64 if wide else torch.float32)
             out.append(torch.stack(norms).double().square().sum())
     return out

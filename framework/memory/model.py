@@ -12,7 +12,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointError
+# (private, with no public equal: a mode that sees each aten op and its outputs, as torch's memory tracker uses)
 from torch.utils._python_dispatch import TorchDispatchMode
+# (private: torch's own walk of nested containers, the one dispatch modes use for an op's arguments)
 from torch.utils._pytree import tree_flatten
 
 from framework.core.errors import ConfigError, FrameworkError, first_line

@@ -136,6 +136,7 @@ class Gatherer:
             self.in_backward = True
             for u in self.units:
                 u.arrived, u.reduced = set(), False
+            # (private, with no public equal: a callback once the whole backward has run, as torch's FSDP registers it)
             torch.autograd.Variable._execution_engine.queue_callback(
                 self.dist.acc.hook(self._end_backward, "zero3's end-of-backward callback"))
 
