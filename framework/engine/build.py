@@ -125,7 +125,8 @@ class Engine(contextlib.AbstractContextManager):
         was_training = c.module.training
         c.module.eval()
         # [loss sum, batch count], all-reduced together: ranks with different numbers of batches agree on the mean
-        total = torch.tensor([0.0, len(batches)], dtype=torch.float32, device=c.dist.device)
+        total = torch.zeros(2, dtype=torch.float32, device=c.dist.device)
+        total[1] = len(batches)   # (a fill: torch.tensor([...]) on a device blocks, copying from pageable memory)
         outer, self._stepping = self._stepping, "eval_step"
         try:
             for b in batches:
