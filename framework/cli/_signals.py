@@ -110,16 +110,24 @@ _LOCK_CODE = frozenset(f.__code__.co_filename for f in (threading.Condition.wait
 # (a second or so): a deadlock must stay breakable, and a signal landing in the window is re-sent once or twice.
 _LOCK_RESENDS = 500
 _WAIT = threading.Condition.wait.__code__   # where it blocks it gives the lock back on any exception
-_JOIN = getattr(getattr(threading.Thread, "_wait_for_tstate_lock", None), "__code__", None)   # (as does a join)
+# A join gives nothing back either. Python 3.13 blocks in ``Thread.join`` itself (``_wait_for_tstate_lock`` is gone),
+# older ones in that helper; both are listed so that a signal during a join is acted on at once on every version.
+_JOINS = frozenset(code for code in (threading.Thread.join.__code__, getattr(
+    getattr(threading.Thread, "_wait_for_tstate_lock", None), "__code__", None)) if code is not None)
 
 
 def _taking_a_lock(frame) -> bool:
     """Whether raising in ``frame`` might leave a lock held (a signal landing there is sent again, soon); a wait
     blocked in a Condition or a join may still be interrupted."""
     code = frame.f_code if frame is not None else None
-    if code is None or code.co_filename not in _LOCK_CODE or code is _JOIN:
+    if code is None or code.co_filename not in _LOCK_CODE or code in _JOINS:
         return False
-    return not (code is _WAIT and "waiter.acquire(" in linecache.getline(code.co_filename, frame.f_lineno))
+    if code is not _WAIT:
+        return True
+    # Without the stdlib's sources (a .pyc-only install) the line is "": a signal is then acted on rather than
+    # deferred for a second or so, as most signals landing in a Condition's wait land where it blocks.
+    line = linecache.getline(code.co_filename, frame.f_lineno)
+    return bool(line) and "waiter.acquire(" not in line
 
 
 def terminated_line(e: SystemExit) -> str | None:

@@ -307,9 +307,6 @@ def _remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool 
     return not made[0].exists()
 
 
-BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
-
-
 def _naming(overrides: list[str], swept: frozenset[str]) -> list:
     """The overrides that say which job a sweep's job is: all but unswept ``NOT_IDENTITY`` ones (left out of its
     folder's name under an explicit checkpoint.dir, so a relaunch with more train.steps resumes the job)."""
@@ -376,7 +373,7 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                          )["val_loss"]
             return math.nan if val is None else val   # (summary.json, read back from ranks, has NaN as null)
         except Exception as e:
-            basic_sweep = multirun and hc.launcher._target_ == BASIC_LAUNCHER
+            basic_sweep = multirun and hc.runtime.choices.get("hydra/launcher") == "basic"
             if isinstance(e, FrameworkError):
                 # Rank 0 printed this folder and the files it writes there (its header) once it owned it: gone.
                 if _remove_made(made, subdir, bool(owned), e.every_rank) and owned:

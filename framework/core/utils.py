@@ -1,25 +1,54 @@
 """Small helpers shared across layers."""
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
 
-def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples, lists, dicts and dataclass instances (Hugging Face's ModelOutput)."""
+_ABSENT = object()   # a dataclass field never set (its instance has no such attribute)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with each tensor ``t`` inside nested tuples (named ones too), lists, mappings and dataclass instances
+    (Hugging Face's ModelOutput and BatchEncoding) replaced by ``fn(t)``. A container holding a replaced tensor is
+    copied as its own type (a defaultdict keeps its factory, a frozen dataclass its class, a mapping its attributes);
+    one holding none is returned as it is, so ``fn`` returning ``t`` copies nothing."""
     if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tensors_in(v)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from tensors_in(v)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from tensors_in(getattr(obj, f.name, None))
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        pairs = [(k, v, map_tensors(v, fn)) for k, v in obj.items()]
+        if all(new is v for _, v, new in pairs):
+            return obj
+        out = copy.copy(obj) if isinstance(obj, MutableMapping) else {}   # (its type's constructor may take no pairs)
+        for k, _, new in pairs:
+            out[k] = new
+        return out
+    if isinstance(obj, (tuple, list)):
+        items = [map_tensors(v, fn) for v in obj]
+        if all(new is v for new, v in zip(items, obj)):
+            return obj
+        return type(obj)(*items) if isinstance(obj, tuple) and hasattr(obj, "_fields") else type(obj)(items)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        pairs = [(f.name, v, map_tensors(v, fn)) for f in dataclasses.fields(obj)
+                 if (v := getattr(obj, f.name, _ABSENT)) is not _ABSENT]
+        if all(new is v for _, v, new in pairs):
+            return obj
+        out = copy.copy(obj)   # (no __init__ run: a field it derives, or one with init=False, stays as it was)
+        for name, _, new in pairs:
+            object.__setattr__(out, name, new)
+        return out
+    return obj
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested containers, as ``map_tensors`` walks them."""
+    found: list[torch.Tensor] = []
+    map_tensors(obj, lambda t: found.append(t) or t)
+    return found
 
 
 def few(items, n: int = 5, show=repr) -> str:
@@ -97,22 +126,12 @@ def _device_sq_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for wide in (False, True):
         group = [t for t in tensors if (t.dtype == torch.float64) == wide]
         if group:  # 16-bit tensors accumulate and return their norm in fp32, not in 16 bits
+            # (no public multi-tensor norm: clip_grad_norm_ calls this same private op)
             norms = torch._foreach_norm(group, 2, dtype=torch.float64 if wide else torch.float32)
             out.append(torch.stack(norms).double().square().sum())
     return out
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
-    """Move every tensor inside nested tuples (named ones too), lists, dicts and dataclass instances (no copy when
-    already there)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        items = [to_device(v, device) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
+    """Every tensor inside nested containers (as ``map_tensors`` walks them) on ``device`` (no copy when there)."""
+    return map_tensors(obj, lambda t: t.to(device, non_blocking=True))

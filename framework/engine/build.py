@@ -125,7 +125,8 @@ class Engine(contextlib.AbstractContextManager):
         was_training = c.module.training
         c.module.eval()
         # [loss sum, batch count], all-reduced together: ranks with different numbers of batches agree on the mean
-        total = torch.tensor([0.0, len(batches)], dtype=torch.float32, device=c.dist.device)
+        total = torch.zeros(2, dtype=torch.float32, device=c.dist.device)
+        total[1] = len(batches)   # (a fill: torch.tensor([...]) on a device blocks, copying from pageable memory)
         outer, self._stepping = self._stepping, "eval_step"
         try:
             for b in batches:
@@ -343,6 +344,7 @@ class Engine(contextlib.AbstractContextManager):
         only: no tensor read.)"""
         masters = {m.untyped_storage().data_ptr() for m in state.params if isinstance(m, torch.Tensor)} - {0}
         edited = set(edited)
+        # (Tensor._version: no public in-place write counter; a Python int, read with no device access)
         return [n for n, p, v, _ in self.components.stage.watched if n in edited and p._version != v
                 and p.untyped_storage().data_ptr() in masters]
 
@@ -391,6 +393,7 @@ def _buffer_copies(module: nn.Module) -> dict[str, torch.Tensor]:
     out, copies = {}, {}
     for path, sub in module.named_modules(remove_duplicate=False):
         for name, buf in sub._buffers.items():
+            # (no public flag says whether a buffer is persistent, short of state_dict(), which a model may override)
             if buf is not None and name not in sub._non_persistent_buffers_set:
                 if id(buf) not in copies:   # host sync: consolidation, between steps
                     copies[id(buf)] = buf.detach().to("cpu", copy=True)

@@ -76,4 +76,5 @@ def materialize_buffers(module: nn.Module, device: torch.device, dtype: torch.dt
             else:
                 value = buf.to(device, kept[id(buf)])
             done[id(buf)] = value
+        # (the slot itself: it keeps the buffer's persistence, and no registration hook runs for a swap)
         module.get_submodule(path)._buffers[key] = done[id(buf)]

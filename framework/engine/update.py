@@ -42,6 +42,7 @@ class PlainUpdate(Update):
         if applying is not None:
             applying()
         if coef != 1.0:
+            # (torch._foreach_*: no public multi-tensor op; torch.optim's own steps use the same ones)
             torch._foreach_mul_(grads, coef)
         opt_state = optimizer_step(self.tx, grads, opt_state, params, lr, self.stage.out16())
         self.stage.publish(list(params))

@@ -12,8 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointError
+# (private, with no public equal: a mode that sees each aten op and its outputs, as torch's memory tracker uses)
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from framework.core.errors import ConfigError, FrameworkError, first_line
 from framework.core.footprint import Footprint
@@ -39,8 +39,8 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and id(st := t.untyped_storage()) not in self.refs:
+        for t in tensors_in(out):
+            if id(st := t.untyped_storage()) not in self.refs:
                 key, n = id(st), st.nbytes()
                 self.live += n
                 self.peak = max(self.peak, self.live)
@@ -95,7 +95,7 @@ def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = Fals
     params = list(module.parameters())
     handles = [] if keep_grads else [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
                                      for p in params if p.requires_grad]
-    inputs = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    inputs = tensors_in(batch)
     mode = _LiveBytes(params + list(module.buffers()) + inputs)
     attention = _FusedAttention() if fused_attention else contextlib.nullcontext()
     try:

@@ -392,6 +392,7 @@ class HFInit:
         while chain[-1]:
             chain.append(chain[-1].rpartition(".")[0])
         owner = self.modules[path]
+        # (the slots themselves: setattr would run the registration hooks and checks of a new parameter or buffer)
         slots = owner._parameters if parameter else owner._buffers
         host = t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype, device="cpu")
         _poison(host)
@@ -461,6 +462,7 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu", seed: int 
                     done[id(old)] = nn.Parameter(t, requires_grad=old.requires_grad) if parameter else t
                 path, _, key = name.rpartition(".")
                 sub = model.get_submodule(path)
+                # (the slot itself: setattr would run the registration hooks and checks of a new parameter or buffer)
                 (sub._parameters if parameter else sub._buffers)[key] = done[id(old)]
     return model
 

@@ -233,6 +233,7 @@ class DiskStore:
         if fill is None:
             swapped = self.entries[key].swapped
             old = [t.detach() for t in swapped]   # aliases keeping the original memory until copied
+            # (torch._foreach_copy_: no public multi-tensor copy; torch.optim's own steps use the foreach ops)
             fill = partial(torch._foreach_copy_, swapped, old)   # (once the slot is pointed at)
         with self.cond:
             slot = self._free_slot(block=True)

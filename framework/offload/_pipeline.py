@@ -121,6 +121,7 @@ class PiecePipeline:
         if k not in self.undo:   # (only the host touches them: not pinned)
             self.undo[k] = [self.acc.empty_host(t.shape, t.dtype, pinned=False) for t in saved]
         self.acc.host_use(reads=saved, writes=self.undo[k])
+        # (torch._foreach_*: no public multi-tensor op; torch.optim's own steps use the same ones)
         torch._foreach_copy_(self.undo[k], saved)
         self.undone.add(k)
         return self._step(k, pc.grad, 1.0 / scale, opt_state, params, lr)

@@ -47,6 +47,7 @@ def copy_16bit(out16: Sequence[Tensor], params: Sequence[Tensor]) -> None:
 
 
 def apply_updates(params: Sequence[Tensor], updates: Sequence[Tensor]) -> None:
+    # (torch._foreach_* here and below: no public multi-tensor op; torch.optim's own steps use the same ones)
     torch._foreach_add_(list(params), list(updates))
 
 

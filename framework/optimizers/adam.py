@@ -7,6 +7,8 @@ from typing import Sequence
 
 import torch
 from torch import Tensor
+from torch.optim.adam import adam as torch_adam   # (the functional forms: public, unlike the kernels)
+from torch.optim.adamw import adamw as torch_adamw
 
 from framework.optimizers._transforms import GradientTransformation, ScaleByAdamState, check, optimizer, scale_by_adam
 from framework.core.registry import Component
@@ -30,7 +32,7 @@ def check_config(cfg: AdamConfig, *_, decoupled: bool = False) -> AdamConfig:
 
 def build(cfg: AdamConfig, decay_mask: Sequence[bool], decoupled: bool = False) -> GradientTransformation:
     check_config(cfg, decoupled=decoupled)
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel = torch_adamw if decoupled else torch_adam
 
     def torch_fused(grads: list[Tensor], adam: ScaleByAdamState, params: Sequence[Tensor], lr: float,
                     mask: list[bool]) -> None:
@@ -39,11 +41,11 @@ def build(cfg: AdamConfig, decay_mask: Sequence[bool], decoupled: bool = False) 
             idx = [i for i, m in enumerate(mask) if m == decayed]
             if not idx:
                 continue
-            # The kernel reads the step (for bias correction) as given: torch.optim increments
-            # it before the call, so pass the count this step will have.
-            steps = [torch.full((), float(adam.count + 1), device=params[i].device) for i in idx]
+            # The functional form increments each step (read for bias correction) before its kernel: pass the
+            # count of steps taken so far.
+            steps = [torch.full((), float(adam.count), device=params[i].device) for i in idx]
             kernel([params[i] for i in idx], [grads[i] for i in idx], [adam.mu[i] for i in idx],
-                   [adam.nu[i] for i in idx], [], steps, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                   [adam.nu[i] for i in idx], [], steps, fused=True, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
                    weight_decay=cfg.weight_decay if decayed else 0.0, eps=cfg.eps, amsgrad=False, maximize=False)
 
     hyper = dict(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, decoupled=decoupled, bias_correction=cfg.bias_correction)

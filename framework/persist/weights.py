@@ -47,6 +47,7 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     out, seen = {}, set()
     for mod_name, sub in module.named_modules():
         for b_name, buf in sub.named_buffers(recurse=False):   # (None buffers are not named)
+            # (no public flag says whether a buffer is persistent, short of state_dict(), which a model may override)
             if b_name not in sub._non_persistent_buffers_set and id(buf) not in seen:
                 seen.add(id(buf))
                 out[f"{mod_name}.{b_name}" if mod_name else b_name] = buf

@@ -10,7 +10,7 @@ import torch
 
 from framework.core.errors import ConfigError, TrainingError
 from framework.core.registry import Component
-from framework.core.utils import few
+from framework.core.utils import few, map_tensors
 
 
 @dataclass(frozen=True)
@@ -52,17 +52,11 @@ class Policy:
         return self.cast_inputs(args), self.cast_inputs(kwargs)
 
     def cast_inputs(self, micro: Any) -> Any:
-        """``micro`` with its floating tensors (in tuples, lists, dicts) in ``param_dtype`` under ``auto_cast``."""
+        """``micro`` with its floating tensors (in containers, as ``map_tensors`` walks them) in ``param_dtype`` under
+        ``auto_cast``."""
         if not self.auto_cast:
             return micro
-        if isinstance(micro, torch.Tensor):
-            return micro.to(self.param_dtype) if micro.is_floating_point() else micro
-        if isinstance(micro, Mapping):
-            return {k: self.cast_inputs(v) for k, v in micro.items()}
-        if isinstance(micro, (tuple, list)):
-            items = [self.cast_inputs(v) for v in micro]
-            return type(micro)(*items) if hasattr(micro, "_fields") else type(micro)(items)
-        return micro
+        return map_tensors(micro, lambda t: t.to(self.param_dtype) if t.is_floating_point() else t)
 
     @property
     def dynamic(self) -> bool:

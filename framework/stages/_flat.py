@@ -204,12 +204,14 @@ def broadcast_buffers(module: nn.Module, dist: Dist) -> None:
         if id(buf) not in dense:
             dense[id(buf)] = buf if buf.is_contiguous() else buf.contiguous()
             dist.broadcast(dense[id(buf)], what=f"initial values of buffer {name!r}")
+        # (the slot itself: it keeps the buffer's persistence, and no registration hook runs for a swap)
         module.get_submodule(path)._buffers[key] = dense[id(buf)]
 
 
 def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
     """Register ``new`` wherever ``old`` is registered (tied weights stay tied)."""
     for sub in module.modules():
+        # (the slots themselves: setattr would run the registration hooks and checks of a new parameter)
         for key, value in sub._parameters.items():
             if value is old:
                 sub._parameters[key] = new

@@ -13,9 +13,8 @@ from torch import nn
 from framework.comm.collectives import Pending
 from framework.comm.distributed import Dist
 from framework.core.errors import TrainingError
-from framework.core.utils import few, tensors_in
+from framework.core.utils import few, map_tensors, tensors_in
 from framework.stages._grads import late_gradient, reduce_to_owners, sparse_gradient
-from framework.stages._outputs import replace_tensors
 from framework.stages._shards import Unit, UnitGroup, UnitState, read_hint
 from framework.stages._trace import Trace, start_order_check, warn_partial
 
@@ -94,7 +93,7 @@ class Gatherer:
         own = {id(p) for p in unit.params}
         if any(id(t) in own for t in tensors_in(out)):
             # A parameter returned: a view instead (the release empties it; a hook on a leaf stays for good).
-            out = replace_tensors(out, lambda t: t.view_as(t) if id(t) in own else t)
+            out = map_tensors(out, lambda t: t.view_as(t) if id(t) in own else t)
         hooked = [t for t in tensors_in(out) if t.requires_grad and not t.is_leaf] if torch.is_grad_enabled() else []
         for t in hooked:
             t.register_hook(self.dist.acc.hook(lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
@@ -136,6 +135,7 @@ class Gatherer:
             self.in_backward = True
             for u in self.units:
                 u.arrived, u.reduced = set(), False
+            # (private, with no public equal: a callback once the whole backward has run, as torch's FSDP registers it)
             torch.autograd.Variable._execution_engine.queue_callback(
                 self.dist.acc.hook(self._end_backward, "zero3's end-of-backward callback"))
 

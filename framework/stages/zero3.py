@@ -301,6 +301,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     units = list({id(p.zero3_unit): p.zero3_unit for p in sharded}.values())
     # Held: forwards inside the block (and nested blocks) leave the units gathered; a train_step is refused.
     held, written = [], False
+    # (Tensor._version: no public in-place write counter; a Python int, read with no device access)
     entry = {id(p): p._version for p in sharded}   # (an edit made before the block stays an edit after it)
     try:
         for u in units:

@@ -404,6 +404,39 @@ def test_a_ctrl_c_still_breaks_a_main_thread_blocked_for_good_on_a_lock():
         signal.signal(signal.SIGINT, before)
 
 
+@pytest.mark.parametrize("blocked", ["join", "wait without the stdlib's sources"])
+def test_a_ctrl_c_during_a_join_or_a_wait_is_acted_on_at_once(blocked, monkeypatch):
+    """A main thread blocked in a join (Python 3.13 blocks in ``Thread.join`` itself) or in a Condition's wait
+    takes Ctrl-C at once, not after the lock code's re-sends (a second or more), also on a Python installed
+    without its .py sources, where ``linecache`` gives an empty line."""
+    import linecache
+    import signal
+    import threading
+    import time
+
+    done = threading.Event()
+    worker = threading.Thread(target=done.wait, args=(30,))
+    if blocked != "join":
+        monkeypatch.setattr(linecache, "getline", lambda *args, **kwargs: "")
+    main = threading.main_thread().ident
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
+    try:
+        with signals_unwind():
+            worker.start()
+            timer.start()
+            start = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                worker.join(30) if blocked == "join" else threading.Event().wait(30)
+            elapsed = time.monotonic() - start
+    finally:
+        done.set()
+        worker.join()
+        timer.cancel()
+        signal.signal(signal.SIGINT, before)
+    assert elapsed < 1.0, f"the Ctrl-C was acted on {elapsed:.2f} s after it was sent at 0.2 s"
+
+
 def test_a_rank_takes_the_same_ctrl_c_once_and_a_second_one_again():
     """Ctrl-C reaches a rank from the terminal and again from its launcher, as ``INTERRUPT``: the copy is
     ignored however late it is run, a deliberate second Ctrl-C (a SIGINT) cuts the rank's cleanup short; a

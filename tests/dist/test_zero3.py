@@ -1642,9 +1642,9 @@ def test_outputs_in_dict_subclasses_are_replaced_in_a_copy_of_the_same_type():
     # (a unit returning its own parameter inside a defaultdict: its type's constructor takes no pairs)
     from collections import defaultdict
 
-    from framework.stages._outputs import replace_tensors
+    from framework.core.utils import map_tensors
 
     t = torch.zeros(2)
-    out = replace_tensors(defaultdict(list, w=t, n=3), lambda x: x + 1)
+    out = map_tensors(defaultdict(list, w=t, n=3), lambda x: x + 1)
     assert type(out) is defaultdict and out.default_factory is list and out["n"] == 3
     assert torch.equal(out["w"], torch.ones(2)) and torch.equal(t, torch.zeros(2))

@@ -595,6 +595,36 @@ def test_a_checkpointer_that_saves_nothing_says_so_once(tmp_path, capsys):
     assert [p.name for p in tmp_path.rglob("step-*")] == ["step-0"] and "none saved" not in capsys.readouterr().out
 
 
+def test_an_async_save_keeps_the_warnings_filters_the_user_adds_meanwhile(tmp_path, recwarn):
+    """An async save runs on the Checkpointer's thread, where ``warnings.catch_warnings`` would put back the whole
+    process-wide filter list on leaving, dropping a filter the user's loop added meanwhile; DCP's one-process
+    warning stays hidden all the same."""
+    import warnings
+
+    from framework.persist.checkpoint import glue
+
+    writing, go_on = threading.Event(), threading.Event()
+
+    class Held(glue().dcp.FileSystemWriter):   # holds the save inside DCP's write until the filter is added
+        def write_data(self, *args, **kwargs):
+            writing.set()
+            go_on.wait(30)
+            return super().write_data(*args, **kwargs)
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    with warnings.catch_warnings():
+        with framework.initialize(torch.nn.Linear(3, 1), loss, tiny_config()) as engine:
+            with contextlib.closing(Checkpointer(tiny_config("checkpoint.async=true", "checkpoint.every=1"),
+                                                 engine, run_dir=tmp_path)) as ckpt:
+                ckpt.writer = Held
+                ckpt.save(engine.state)
+                assert writing.wait(30)
+                warnings.filterwarnings("error", message="the user's own")
+                go_on.set()
+            assert any(f[0] == "error" and f[1].pattern == "the user's own" for f in warnings.filters)
+    assert [p.name for p in tmp_path.rglob("step-*")] == ["step-0"]
+    assert not [w for w in recwarn if "torch.distributed is disabled" in str(w.message)]
+
+
 class _Checked(torch.nn.Linear):
     def forward(self, h):
         if not self.weight.numel():

@@ -1,4 +1,5 @@
 """train_step on one process equals a plain PyTorch loop (same init, batches, torch AdamW, clipping)."""
+import collections
 import copy
 import math
 import dataclasses
@@ -316,6 +317,12 @@ def test_batch_of_another_length_than_grad_accum_or_empty_is_refused_before_any_
     assert state.step == 3 and state.data == 7
 
 
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    x: torch.Tensor
+    ids: torch.Tensor
+
+
 def test_fp16_auto_cast_casts_the_floating_tensors_of_each_micro_batch():
     # DeepSpeed's fp16.auto_cast (precision.auto_cast): float inputs meet fp16 weights; token ids stay
     # integers; a static loss scale beside it is no reason to drop it.
@@ -337,6 +344,12 @@ def test_fp16_auto_cast_casts_the_floating_tensors_of_each_micro_batch():
         ids = torch.arange(3)
         cast = engine.components.policy.cast_inputs({"x": [x], "ids": ids, "n": 1})
         assert cast["x"][0].dtype == torch.float16 and cast["ids"] is ids and cast["n"] == 1
+        # a forward taking a dataclass of inputs (a Hugging Face style ModelInput), or a defaultdict: cast alike
+        inputs = _Inputs(x=x, ids=ids)
+        (cast,), _ = engine.components.policy.cast_forward(None, (inputs,), {})
+        assert type(cast) is _Inputs and cast.x.dtype == torch.float16 and cast.ids is ids and inputs.x is x
+        cast = engine.components.policy.cast_inputs(collections.defaultdict(list, x=x))
+        assert type(cast) is collections.defaultdict and cast.default_factory is list and cast["x"].dtype == torch.float16
     ds["fp16"].pop("auto_cast")   # without it float inputs fail in the model, as under DeepSpeed
     with framework.initialize(TwoLayer(), mse, ds_config=ds, overrides=["scheduler=constant"]) as engine:
         assert engine.components.policy.cast_inputs(x) is x

@@ -11,6 +11,7 @@ import contextlib
 import io
 import math
 import pickle
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -186,12 +187,26 @@ class SafeReader(FileSystemReader):
         return self._metadata
 
 
+# What DCP warns on each one-rank save or load: that it assumes one process, which no_dist asks for.
+NO_DIST_WARNING = "torch.distributed is disabled"
+
+
+def quiet_no_dist() -> None:
+    """Ignore DCP's one-process warning from now on, for a Checkpointer whose saves run on its own thread (see
+    ``single_process_quiet``). One targeted filter, set from the main thread; set again, it is not added twice."""
+    warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
+
+
 @contextlib.contextmanager
 def single_process_quiet():
     """Without DCP's "torch.distributed is disabled" warning: no_dist is what a one-rank save or load asks for.
-    (The filter list is process-wide: on an async save's thread it may hide that warning elsewhere meanwhile.)"""
+    Off the main thread it changes nothing (``catch_warnings`` restores the process-wide filter list on leaving,
+    which drops a filter another thread added meanwhile): an async Checkpointer sets ``quiet_no_dist`` instead."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
         yield
 
 
