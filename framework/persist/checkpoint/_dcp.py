@@ -7,11 +7,9 @@ shape: ordinary DCP files. ``Boxes`` implements the hooks DCP's planners call (t
 """
 from __future__ import annotations
 
-import contextlib
 import io
 import math
 import pickle
-import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -192,22 +190,11 @@ NO_DIST_WARNING = "torch.distributed is disabled"
 
 
 def quiet_no_dist() -> None:
-    """Ignore DCP's one-process warning from now on, for a Checkpointer whose saves run on its own thread (see
-    ``single_process_quiet``). One targeted filter, set from the main thread; set again, it is not added twice."""
+    """Ignore DCP's one-process warning from now on (no_dist is what a one-rank save or load asks for): one
+    targeted, lasting filter, set again without being added twice. Not ``catch_warnings`` around each call:
+    it restores the process-wide filter list on leaving, dropping a filter another thread (the user's, while an
+    async save runs) added meanwhile."""
     warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
-
-
-@contextlib.contextmanager
-def single_process_quiet():
-    """Without DCP's "torch.distributed is disabled" warning: no_dist is what a one-rank save or load asks for.
-    Off the main thread it changes nothing (``catch_warnings`` restores the process-wide filter list on leaving,
-    which drops a filter another thread added meanwhile): an async Checkpointer sets ``quiet_no_dist`` instead."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
-        yield
 
 
 def read(folder: Path, metadata, targets: dict, release: Callable[[torch.Tensor], None] | None = None,
@@ -215,8 +202,9 @@ def read(folder: Path, metadata, targets: dict, release: Callable[[torch.Tensor]
     """DCP's load of ``targets`` (``Boxes`` or tensors by key) from ``folder`` (``kwargs``: the group or ``no_dist``);
     a failure is one CheckpointError (naming a record torch refuses to unpickle)."""
     try:
-        with single_process_quiet():
-            dcp.load(targets, storage_reader=SafeReader(folder, metadata), planner=LoadPlanner(release), **kwargs)
+        if kwargs.get("no_dist"):
+            quiet_no_dist()
+        dcp.load(targets, storage_reader=SafeReader(folder, metadata), planner=LoadPlanner(release), **kwargs)
     except FrameworkError:
         raise
     except (Exception, CheckpointException) as e:   # noqa: BLE001 - DCP wraps per-rank failures

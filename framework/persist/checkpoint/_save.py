@@ -267,9 +267,8 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
 
     def write_files():
         dcp = glue()
-        with dcp.single_process_quiet():
-            dcp.dcp.save(snap["dcp"], planner=dcp.SavePlanner(snap["release"]), **group.dcp_kwargs(),
-                         storage_writer=(snap["writer"] or dcp.dcp.FileSystemWriter)(tmp, sync_files=True))
+        dcp.dcp.save(snap["dcp"], planner=dcp.SavePlanner(snap["release"]), **group.dcp_kwargs(),   # (quiet_no_dist
+                     storage_writer=(snap["writer"] or dcp.dcp.FileSystemWriter)(tmp, sync_files=True))  # at world 1)
         files.write_new(tmp / f"rng-{rank}.json", json.dumps(snap["rng"]).encode())
         point("after-shard")
         if rank == 0:
