@@ -155,7 +155,10 @@ def check(name: str, cfg, stage: str = "", nodes: Mapping[str, Any] | None = Non
         if bad:
             raise ConfigError(f"precision.{key} must be {rule}, got {value:g}")
     if not 0 <= cfg.initial_scale_power <= 127:   # 2**128 is not a float32 (nor a float beyond 2**1023)
-        raise ConfigError(f"precision.initial_scale_power must be in [0, 127], got {cfg.initial_scale_power}")
+        scale = cfg.initial_scale_power   # (a loss scale given for its power: say which power it is)
+        hint = (f"; it is the power of 2 (a scale of {scale} is initial_scale_power {scale.bit_length() - 1})"
+                if scale > 127 and scale & (scale - 1) == 0 else "")
+        raise ConfigError(f"precision.initial_scale_power must be in [0, 127], got {scale}{hint}")
     if not cfg.loss_scale <= 2 ** 32:   # (NaN too) a static scale never comes down: every overflow is skipped
         raise ConfigError(f"precision.loss_scale={cfg.loss_scale:g} is above 2**32: fp16 gradients scaled by it "
                           f"overflow on every step and a static scale never lowers itself, so no step would "

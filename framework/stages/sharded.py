@@ -294,8 +294,9 @@ def _zero1_notes(node: ZeroConfig, run) -> list[str]:
 
 def _zero2_notes(node: ZeroConfig, run) -> list[str]:
     return ["note: stage.round_robin_gradients=true without offload only reorders which rank owns which "
-            "gradients: the same numbers, memory and traffic (DeepSpeed uses it to spread an offloaded step's host "
-            "copies across ranks)"] if node.round_robin_gradients and run.choices["offload"] == "none" else []
+            "gradients (and caps each bucket's share per rank at reduce_bucket_size / world): the same numbers "
+            "(DeepSpeed uses it to spread an offloaded step's host copies across ranks)"] \
+        if node.round_robin_gradients and run.choices["offload"] == "none" else []
 
 
 COMPONENTS = {"zero1": Component(config=ZeroConfig, build=Zero1Stage, check=_check_zero1, notes=_zero1_notes),

@@ -104,6 +104,9 @@ def test_grad_accum_dtype_other_values_are_refused(precision, value):
     (["precision=fp16", "precision.hysteresis=0"], r"precision\.hysteresis must be >= 1, got 0"),
     (["precision=fp16", "precision.loss_scale_window=0"], r"precision\.loss_scale_window must be >= 1"),
     (["precision=fp16", "precision.initial_scale_power=128"], r"precision\.initial_scale_power must be in \[0, 127\]"),
+    # a loss scale given for its power (Megatron's habit): the power is named
+    (["precision=fp16", "precision.initial_scale_power=65536"],
+     r"got 65536; it is the power of 2 \(a scale of 65536 is initial_scale_power 16\)$"),
     (["precision=fp16", "precision.loss_scale=128", "precision.hysteresis=3"], r"precision\.hysteresis=3 has no effect"),
     (["+stage=ddp", "stage.bucket_size=0"], r"stage\.bucket_size must be >= 1 element, got 0"),
     (["+stage=zero1", "stage.allgather_bucket_size=0"], r"stage\.allgather_bucket_size must be >= 1 element, got 0"),

@@ -48,6 +48,8 @@ def translate(ds: dict) -> Translation:
     else:
         aio_keys(tr, top.get("aio"), applies=False)
     precision(tr, top)
+    if isinstance(z := top.get("zero_optimization"), dict) and "load_from_fp32_weights" in z:
+        load_from_fp32(tr, z)
     for key, walk in (("optimizer", optimizer), ("scheduler", scheduler)):
         if top.get(key) is not None:
             walk(tr, top[key])
@@ -115,12 +117,19 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
         if key in z:
             tr.typed(z[key], "int" if "threshold" in key else "bool", Z + key)
             tr.inert_key(Z + key, "a speed/memory knob of DeepSpeed's with no counterpart here")
-    if "load_from_fp32_weights" in z:   # (not a speed knob: false changes the masters a resume starts from)
-        fp32 = tr.typed(z["load_from_fp32_weights"], "bool", Z + "load_from_fp32_weights")
-        tr.inert_or_error(fp32 is not False, Z + "load_from_fp32_weights",
-                          f"{Z}load_from_fp32_weights=false (DeepSpeed rebuilds the fp32 masters from the 16-bit "
-                          f"weights at a load, losing precision) is not supported here: a resume always restores "
-                          f"the saved fp32 masters; remove it or give true", "a resume restores the saved fp32 masters")
+
+
+def load_from_fp32(tr: Translation, z: dict) -> None:
+    """Not a speed knob: false has DeepSpeed's ZeRO rebuild the fp32 masters from the 16-bit weights at a load,
+    losing precision, where this code always restores the saved masters (read after the precision is chosen)."""
+    fp32 = tr.typed(z["load_from_fp32_weights"], "bool", Z + "load_from_fp32_weights")
+    sixteen = z.get("stage", 0) in (1, 2, 3) and tr.choices.get("precision") in ("fp16", "bf16")
+    tr.inert_or_error(fp32 is not False or not sixteen, Z + "load_from_fp32_weights",
+                      f"{Z}load_from_fp32_weights=false (DeepSpeed rebuilds the fp32 masters from the 16-bit "
+                      f"weights at a load, losing precision) is not supported here: a resume always restores "
+                      f"the saved fp32 masters; remove it or give true", "a resume restores the saved fp32 masters"
+                      if fp32 is not False else "changes nothing here: no 16-bit weights to rebuild masters from, "
+                      "or stage 0, which does not read it")
 
 
 def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
@@ -171,7 +180,8 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
         # As in DeepSpeed, whose stages 1 and 2 read only offload_optimizer: the whole section is inert.
         tr.inert_key(f"{Z}offload_param", "parameters are partitioned only under stage 3; DeepSpeed ignores it")
         sections[1] = ({}, "offload_param", "none")
-    ratio, why = o.get("ratio"), f"{Z}offload_optimizer.device / offload_param.device"
+    ratio, why = o.get("ratio"), " / ".join(f"{Z}{name}.device" for sec, name in (
+        (o, "offload_optimizer"), (q, "offload_param")) if "device" in sec) or f"{Z}offload_optimizer"
     if stage == 3 and sections == [(o, "offload_optimizer", "cpu"), (q, "offload_param", "none")] and \
             ratio == 0 and not isinstance(ratio, bool):
         # DeepSpeed then steps all of the optimizer on the device, and nothing else is in host memory: offload=none
