@@ -61,8 +61,6 @@ class Checkpointer:
         self.pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="checkpoint", initializer=engine.components.dist.acc.bind_thread) \
             if self.cfg.async_ else None
-        if self.group.world == 1:
-            glue().quiet_no_dist()   # (once, here: a save on the pool's thread leaves the filters alone)
         self._pending: concurrent.futures.Future | None = None
         self.writer = None   # DCP's storage writer, None: FileSystemWriter (tests put one that fails on purpose here)
         self.resumed_from: Path | None = None   # the checkpoint folder ``resume`` loaded

@@ -266,9 +266,11 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
     agree_save(group, "making the folder", make_folder, tmp)   # the folder exists before any rank writes
 
     def write_files():
-        dcp = glue()
-        dcp.dcp.save(snap["dcp"], planner=dcp.SavePlanner(snap["release"]), **group.dcp_kwargs(),   # (quiet_no_dist
-                     storage_writer=(snap["writer"] or dcp.dcp.FileSystemWriter)(tmp, sync_files=True))  # at world 1)
+        dcp, where = glue(), group.dcp_kwargs()
+        if where.get("no_dist"):   # (a lasting filter, added here on first use: DCP is imported by the first save)
+            dcp.quiet_no_dist()
+        dcp.dcp.save(snap["dcp"], planner=dcp.SavePlanner(snap["release"]), **where,
+                     storage_writer=(snap["writer"] or dcp.dcp.FileSystemWriter)(tmp, sync_files=True))
         files.write_new(tmp / f"rng-{rank}.json", json.dumps(snap["rng"]).encode())
         point("after-shard")
         if rank == 0:
