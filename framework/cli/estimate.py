@@ -92,11 +92,10 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
     model_keys = [o for o in overrides if override_key(o).split(".")[0] == "model"]
     if hf:   # our stages, precision, batch and offload keys around it
         module = hf_model_from_config(path)
+        ckpt = [o for o in model_keys if override_key(o) == "model.activation_checkpointing"]
         for o in model_keys:   # a model.* key would change nothing in the config.json: refused, not ignored
-            if override_key(o) == "model.activation_checkpointing":
-                if _off(o):   # how it is traced anyway: accepted, as under model=hf model.config=...
-                    continue
-                raise _no_hf_checkpointing(o, value)
+            if o in ckpt:   # (typed by the compose below: false, how it is traced anyway, is accepted)
+                continue
             hint = "; set its sequence length with context=N" if ".context" in o.split("=")[0] else \
                 "; edit the config.json to change the model"
             raise ConfigError(f"estimate: {o} does not apply to model={value} (a Hugging Face config.json is built "
@@ -104,6 +103,8 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
         # A DeepSpeed file's "auto" sizes (10*h, 0.9*h*h, h*h) take this model's hidden size, as under
         # model=hf model.config=...; not the composed default model's (None: the file's "auto" is refused).
         cfg = compose(overrides, hidden_size=hf_lib.config_hidden_size(module.config), hidden_from_model=False)
+        if ckpt and cfg.model.activation_checkpointing:
+            raise _no_hf_checkpointing(ckpt[-1], value)
         if hf_lib.causal_lm_class(module.config) is not None:   # one model=hf trains: the data's ids must fit it
             hf_lib.check_vocab(data_vocab(cfg, context), module.config, value)   # (its data at its context)
         size = getattr(module.config, "vocab_size", None)   # else its text part's; None where it states none
@@ -124,23 +125,9 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
     return module, cfg, False, {"size": vocab, "from": source}
 
 
-def _off(override: str) -> bool:
-    """Whether ``key=value`` sets a boolean false, read as the config would read it (false, False, 0, off...)."""
-    @dataclasses.dataclass
-    class Flag:
-        value: bool = True
-
-    if "=" not in override:   # (~key: a deletion, no value)
-        return False
-    try:
-        return not OmegaConf.merge(OmegaConf.structured(Flag), {"value": override.split("=", 1)[1]}).value
-    except OmegaConfBaseException:   # not a boolean: the refusal names the key as given
-        return False
-
-
 def _no_hf_checkpointing(override: str, value: str) -> ConfigError:
-    """The refusal of transformers' checkpointing, whichever way the model is named: before anything is built or
-    traced (the trace would fail, after transformers' own warnings)."""
+    """The refusal of transformers' checkpointing, whichever way the model is named: before the model is traced
+    (the trace would fail, after transformers' own warnings)."""
     return ConfigError(f"estimate: {override} does not apply to model={value} (its activations are traced on the "
                        f"meta device, where transformers' checkpointing cannot run); drop it")
 

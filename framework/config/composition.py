@@ -200,10 +200,11 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         raise ConfigError(f"ds_config: {errors[0]}")
     if errors:
         raise ConfigError(f"ds_config: {len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors))
+    chosen_by = {g: t.choice_keys[g] for g in mine}   # the file's key behind each group it chose
     try:
         base = validate(cfg, choices, final=False)   # (the file's values laid on it below)
     except ConfigError as e:   # e.g. a stage and an offload the file chose that do not go together
-        raise ConfigError(_from_file(str(e), {}, {g: t.choice_keys[g] for g in mine})) from None
+        raise ConfigError(_from_file(str(e), {}, chosen_by)) from None
     values = flat(base.to_dict())
     if callable(world):
         world = world()
@@ -236,7 +237,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         config = validate(cfg, choices)
     except ConfigError as e:   # a bad value the file states: name the file's key too
         raise ConfigError(_from_file(str(e), {k: v for k, v in resolved.ds_keys.items() if not cli.owns(k)},
-                                     {g: t.choice_keys[g] for g in mine})) from None
+                                     chosen_by)) from None
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE if g in mine else dsconfig.YAML
                                           for g in t.choices},
                                        **{k: v for k, v in resolved.sources.items() if not cli.deletes(k)}})

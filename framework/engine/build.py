@@ -340,8 +340,8 @@ class Engine(contextlib.AbstractContextManager):
 
     def _in_masters(self, state: TrainState, edited: Sequence[str]) -> list[str]:
         """The ``edited`` parameters whose weights are views of the masters' storage (fp32 without offload: ddp,
-        zero1/2, zero3's persistent ones at one rank): an edit there is the masters' too and nothing holds the value it replaced. (Storage addresses
-        only: no tensor read.)"""
+        zero1/2, zero3's persistent ones at one rank): an edit there is the masters' too and nothing holds the
+        value it replaced. (Storage addresses only: no tensor read.)"""
         masters = {m.untyped_storage().data_ptr() for m in state.params if isinstance(m, torch.Tensor)} - {0}
         edited = set(edited)
         # (Tensor._version: no public in-place write counter; a Python int, read with no device access)

@@ -22,7 +22,7 @@ from torch import nn
 from framework.core.batch import Batch
 from framework.comm.distributed import Dist
 from framework.core.errors import DataError, TrainingError
-from framework.core.utils import counted, few
+from framework.core.utils import counted, dtype_name, few
 from framework.precision import Policy, next_scale
 from framework.stages.base import BaseStage
 from framework.engine.state import TrainState, capture_rng, restore_rng
@@ -154,8 +154,10 @@ def one_micro_batch(batch: Any, kinds: tuple[type, ...] = (tuple, list)) -> str 
     return None
 
 
-# torch's words for operands of two dtypes (matmul, linear, conv, addmm, index ops)
+# torch's words for operands of two dtypes (matmul, linear, conv, addmm, index ops), one of them 16-bit (not a
+# float target where a loss wants class indices: "expected scalar type Long but found Float")
 _DTYPE_MISMATCH = re.compile(r"same dtype|expected scalar type|Input type \(.*\) and (weight|bias) type")
+_SIXTEEN = re.compile(r"BFloat16|Half|bfloat16|float16")
 
 
 def call_loss(c: Components, micro: Any) -> Any:
@@ -164,9 +166,9 @@ def call_loss(c: Components, micro: Any) -> Any:
     try:
         return c.loss_fn(c.module, micro)
     except RuntimeError as e:
-        if (c.policy.param_dtype != torch.float32 and _DTYPE_MISMATCH.search(str(e))
+        if (c.policy.param_dtype != torch.float32 and _DTYPE_MISMATCH.search(str(e)) and _SIXTEEN.search(str(e))
                 and not any(n.startswith("note: precision=") for n in getattr(e, "__notes__", ()))):   # (nested)
-            dtype = str(c.policy.param_dtype).removeprefix("torch.")
+            dtype = dtype_name(c.policy.param_dtype)
             e.add_note(f"note: precision={c.policy.name}: the module's trainable parameters are {dtype}; cast float "
                        f"inputs to it in loss_fn (x.to({c.policy.param_dtype})) and return a float32 loss "
                        f"(docs/library.md)")

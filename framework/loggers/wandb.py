@@ -65,9 +65,10 @@ class WandbLogger:
             # The other ranks wait for this start in a collective of dist.timeout_s: W&B gives up well before
             # (its own wait is ~2 min without a network), so they hear its error rather than time out. The
             # bound is for the whole start: what its import and setup took is taken off init's wait.
-            if wait is not None and wait * PEERS_SHARE < own + (time.monotonic() - t0):
+            spent = time.monotonic() - t0
+            if wait is not None and wait * PEERS_SHARE < own + spent:
                 bound = wait * PEERS_SHARE
-                left = max(bound - (time.monotonic() - t0), MIN_INIT_S)
+                left = max(bound - spent, MIN_INIT_S)
             self.run = wandb.init(project=self.cfg.project, entity=self.cfg.entity, mode=mode(self.cfg),
                                   group=self.run_info.group, name=self.run_info.name, tags=list(self.cfg.tags),
                                   dir=str(self.run_info.run_dir), config=config, reinit="finish_previous",

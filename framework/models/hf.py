@@ -25,7 +25,6 @@ from torch import Tensor, nn
 
 from framework.core.errors import ConfigError, FrameworkError, one_line
 from framework.core.paths import WEIGHTS_READ, weights_file
-from framework.core.registry import registry
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 
 
@@ -120,8 +119,7 @@ def notes(cfg: HFConfig, run: Any) -> list[str]:
                    f"builds a new model; use model.pretrained={cfg.config} to start from them")
     stated = raw.get("dtype", raw.get("torch_dtype"))
     want = {"bfloat16": "bf16", "float16": "fp16"}.get(str(stated).removeprefix("torch."))
-    ours = next((name for name, c in registry("precision").entries.items() if type(run.precision) is c.config), None)
-    if want is not None and ours == "fp32":
+    if want is not None and run.choices["precision"] == "fp32":
         out.append(f"note: {key}: {file} says dtype {stated}; training in fp32 (precision=fp32); set precision={want} "
                    f"to train in 16-bit")
     return out
@@ -265,9 +263,10 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
         # a folder already under the model's names (our own export) needs no conversion.
         from transformers.conversion_mapping import get_model_conversion_mapping
 
-        if get_model_conversion_mapping(model, add_legacy=False) and _needs_conversion(model, file.parent):
-            raise ConfigError(f"model.pretrained: {config.model_type} checkpoints need key conversions on load "
-                              f"(transformers.conversion_mapping renames or fuses their weights), which framework's "
+        if get_model_conversion_mapping(model, add_legacy=False) and (name := _unconverted(model, file.parent)):
+            raise ConfigError(f"model.pretrained: this {config.model_type} checkpoint's tensor names (e.g. {name!r}) "
+                              f"need key conversions on load (transformers.conversion_mapping renames or fuses "
+                              f"them), which framework's "
                               f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and "
                               f"pass the model to framework.initialize, or use model.config to train one from scratch")
         if (file.parent / "generation_config.json").is_file():   # e.g. a chat model's eos ids, kept on export
@@ -278,17 +277,18 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     return model
 
 
-def _needs_conversion(model: nn.Module, folder: Path) -> bool:
-    """Whether some tensor of ``folder``'s weights maps to no name of ``model`` (``checkpoint_names``); False where
-    its names cannot be read without loading it all (the loader then says what is wrong with the file)."""
+def _unconverted(model: nn.Module, folder: Path) -> str | None:
+    """A tensor of ``folder``'s weights that maps to no name of ``model`` (``checkpoint_names``), or None; None too
+    where the names cannot be read (the loader then says what is wrong with the file)."""
     names = set(model.state_dict())   # (tied aliases included; on meta nothing is read)
-    mapped = checkpoint_names(model, _weight_names(folder), names).values()
-    return any(n is not None and n not in names for n in mapped)
+    mapped = checkpoint_names(model, _weight_names(folder), names)
+    return next((key for key, n in mapped.items() if n is not None and n not in names), None)
 
 
 def _weight_names(folder: Path) -> list[str]:
     """The tensor names of a save_pretrained folder's weights, read from the index or the safetensors header (a
-    torch file's, from its mapped zip: no data read); [] where they cannot be read so."""
+    torch file's, from its mapped zip: no data read); [] where they cannot be read so. (Not persist's reader:
+    models sit below persistence.)"""
     path = weights_file(folder)
     try:
         if path is None:

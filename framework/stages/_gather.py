@@ -90,17 +90,18 @@ class Gatherer:
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
             return None
         unit.active -= 1
-        own = {id(p) for p in unit.params}
-        if any(id(t) in own for t in tensors_in(out)):
+        own, found = {id(p) for p in unit.params}, tensors_in(out)
+        if any(id(t) in own for t in found):
             # A parameter returned: a view instead (the release empties it; a hook on a leaf stays for good).
             out = map_tensors(out, lambda t: t.view_as(t) if id(t) in own else t)
-        hooked = [t for t in tensors_in(out) if t.requires_grad and not t.is_leaf] if torch.is_grad_enabled() else []
+            found = tensors_in(out)
+        hooked = [t for t in found if t.requires_grad and not t.is_leaf] if torch.is_grad_enabled() else []
         for t in hooked:
             t.register_hook(self.dist.acc.hook(lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
         # Its backward would find its parameters released (a raw size mismatch deep in autograd).
         unannounced = torch.is_grad_enabled() and not hooked and any(p.requires_grad for p in unit.params)
         # An output sharing a gathered buffer's bytes is given that buffer at the release (no host sync).
-        outputs = {t.untyped_storage().data_ptr() for t in tensors_in(out)}
+        outputs = {t.untyped_storage().data_ptr() for t in found}
         for g in unit.groups:
             if g.full is not None and g.full is not g.shard and g.full.untyped_storage().data_ptr() in outputs:
                 g.lent = True
@@ -380,7 +381,7 @@ class Gatherer:
     def gather_now(self, unit: Unit) -> bool:
         """Gather ``unit`` for use outside its forward (framework.gathered); True if it was sharded."""
         sharded = unit.state is UnitState.SHARDED
-        if sharded:   # the persistent unit, always gathered, in place where it can be (no second whole copy)
+        if sharded:   # in place for the persistent unit where it can be (no second whole copy); others into a copy
             self._start_gather(unit, in_place=unit is self.persistent)
         self._finish_gather(unit)
         return sharded
@@ -396,7 +397,8 @@ class Gatherer:
             if not any(id(p) in asked for p in g.params):
                 continue
             if g.full is g.shard:
-                # Gathered in place by the hooks: the blocks edit a copy; the outermost exit points back at the shard.
+                # Gathered in place (by the hooks, or the persistent unit by gather_now): the blocks edit a copy;
+                # the outermost exit points back at the shard.
                 with torch.inference_mode(False):   # (a normal tensor: a regather fills it in place)
                     g.full = g.shard.clone()
                 self._point(g)

@@ -62,8 +62,8 @@ class BaseStage:
         if params is None:
             owners: dict = {}   # every module attribute that holds each parameter (tied ones: several)
             for m in self.module.modules():
-                # (_parameters, _version: no public view of a module's own slots, with tied ones under each name, nor of a
-                # tensor's in-place write counter, a Python int read with no device access)
+                # (_parameters, _version: no public view of a module's own slots, with tied ones under each name,
+                # nor of a tensor's in-place write counter, a Python int read with no device access)
                 for a, p in m._parameters.items():
                     owners.setdefault(id(p), []).append((m, a))
             self.watched = tuple((n, p, p._version, tuple(owners[id(p)]))

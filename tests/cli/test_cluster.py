@@ -3,6 +3,7 @@ composes and generates the sbatch script Slurm would receive; the plain sbatch +
 builds a valid torchrun command line; Slurm task ids map to torchrun's rank variables."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shlex
@@ -370,10 +371,25 @@ def test_a_signal_never_leaves_a_lock_held():
         signal.signal(signal.SIGINT, before)
 
 
+@contextlib.contextmanager
+def _ctrl_c_soon():
+    """A timer (not started) that sends the main thread a SIGINT 0.2 s after its start, under Python's own
+    handler; the timer is cancelled and the handler put back on leaving."""
+    import signal
+    import threading
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    try:
+        yield timer
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, before)
+
+
 def test_a_ctrl_c_still_breaks_a_main_thread_blocked_for_good_on_a_lock():
     """The re-sends from lock code are bounded: a main thread waiting for good to take a lock another thread
     holds (a deadlock) still ends on Ctrl-C, a second or so later."""
-    import signal
     import threading
     import time
 
@@ -386,11 +402,8 @@ def test_a_ctrl_c_still_breaks_a_main_thread_blocked_for_good_on_a_lock():
     holder = threading.Thread(target=hold)
     holder.start()
     held.wait()
-    main = threading.main_thread().ident
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
     try:
-        with signals_unwind():
+        with _ctrl_c_soon() as timer, signals_unwind():
             timer.start()
             start = time.monotonic()
             with pytest.raises(KeyboardInterrupt):
@@ -400,8 +413,6 @@ def test_a_ctrl_c_still_breaks_a_main_thread_blocked_for_good_on_a_lock():
     finally:
         done.set()
         holder.join()
-        timer.cancel()
-        signal.signal(signal.SIGINT, before)
 
 
 @pytest.mark.parametrize("blocked", ["join", "wait without the stdlib's sources"])
@@ -410,7 +421,6 @@ def test_a_ctrl_c_during_a_join_or_a_wait_is_acted_on_at_once(blocked, monkeypat
     takes Ctrl-C at once, not after the lock code's re-sends (a second or more), also on a Python installed
     without its .py sources, where ``linecache`` gives an empty line."""
     import linecache
-    import signal
     import threading
     import time
 
@@ -418,11 +428,8 @@ def test_a_ctrl_c_during_a_join_or_a_wait_is_acted_on_at_once(blocked, monkeypat
     worker = threading.Thread(target=done.wait, args=(30,))
     if blocked != "join":
         monkeypatch.setattr(linecache, "getline", lambda *args, **kwargs: "")
-    main = threading.main_thread().ident
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
     try:
-        with signals_unwind():
+        with _ctrl_c_soon() as timer, signals_unwind():
             worker.start()
             timer.start()
             start = time.monotonic()
@@ -432,8 +439,6 @@ def test_a_ctrl_c_during_a_join_or_a_wait_is_acted_on_at_once(blocked, monkeypat
     finally:
         done.set()
         worker.join()
-        timer.cancel()
-        signal.signal(signal.SIGINT, before)
     assert elapsed < 1.0, f"the Ctrl-C was acted on {elapsed:.2f} s after it was sent at 0.2 s"
 
 

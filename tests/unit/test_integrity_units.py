@@ -666,7 +666,7 @@ def test_an_interrupt_while_dcp_writes_or_reads_a_checkpoint_is_raised_as_such(t
     kind = type(stop())
     tmp = tmp_path / "step-2.tmp"
     tmp.mkdir()
-    glue().quiet_no_dist()   # (what a one-rank Checkpointer sets)
+    glue().quiet_no_dist()   # (what a one-rank save or load sets)
     with pytest.raises(BaseException) as got:
         agree_save(_OneRank(), "writing the files",
                    lambda: dcp.save({"w": torch.ones(4)}, storage_writer=Writer(tmp), no_dist=True), tmp)
@@ -691,7 +691,7 @@ def test_a_save_failing_while_an_interrupt_is_handled_is_a_save_failure(tmp_path
 
     tmp = tmp_path / "step-2.tmp"
     tmp.mkdir()
-    glue().quiet_no_dist()   # (what a one-rank Checkpointer sets)
+    glue().quiet_no_dist()   # (what a one-rank save or load sets)
     try:
         raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -709,7 +709,7 @@ def test_a_file_size_limit_during_a_save_is_not_called_a_full_disk(tmp_path):
 
     tmp = tmp_path / "step-2.tmp"
     tmp.mkdir()
-    glue().quiet_no_dist()   # (what a one-rank Checkpointer sets)
+    glue().quiet_no_dist()   # (what a one-rank save or load sets)
     with pytest.raises(CheckpointError) as got, file_size_limit(64 << 10):
         agree_save(_OneRank(), "writing the files", lambda: dcp.save(
             {"w": torch.ones(1 << 16), "b": [torch.ones(2)]}, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True),

@@ -416,6 +416,12 @@ def test_frozen_parameters_stay_whole_are_cast_and_materialised(stage, tmp_path)
             with pytest.raises(RuntimeError, match="same dtype") as e:
                 call()
             assert e.value.__notes__ == [note], e.value.__notes__
+    def long_wanted(module, micro):   # torch's words for an index dtype, no 16-bit type named: not the precision's
+        raise RuntimeError("expected scalar type Long but found Float")
+    with framework.initialize(WithFrozen(), long_wanted, framework.compose([*over, "precision=bf16"])) as engine:
+        with pytest.raises(RuntimeError, match="Long but found Float") as e:
+            engine.train_step(engine.state, Batch(((x.bfloat16(), y.bfloat16()),)))
+        assert not getattr(e.value, "__notes__", None), e.value.__notes__
     with framework.zero_init():   # materialised by the model's initialiser, like the trainable ones
         model = WithFrozen()
     with framework.initialize(model, mse, framework.compose(over)) as engine:

@@ -143,7 +143,7 @@ class CheckingCpuAccelerator(CpuAccelerator):
         before = self.current_stream()
         self._local.stream = stream
         try:
-            if stream is self._compute:
+            if stream is self._compute or before is not self._compute:   # (inside a side stream: its mode is on)
                 yield
             else:   # (what torch allocates here comes from that stream's pool, not compute's)
                 with AllocatedOn(self):
@@ -411,8 +411,8 @@ class CheckingCpuAccelerator(CpuAccelerator):
 
 
 class AllocatedOn(TorchFunctionMode):
-    """Inside a side stream's context: the storages torch calls make are from the stream current at the call's
-    pool (``acc._fresh``), compute's where a compute context is nested inside (the mode stays on torch's stack)."""
+    """Inside a side stream's context: the storages torch calls make are from the pool of the stream current at
+    each call (``acc._fresh``): compute's inside a nested compute context (the mode stays on torch's stack)."""
 
     def __init__(self, acc: CheckingCpuAccelerator):
         super().__init__()

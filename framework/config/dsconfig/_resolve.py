@@ -239,6 +239,6 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
         m, g = final("train.micro_batch"), final("train.grad_accum")
         if m * g * world != tb and not any("divisible" in x for x in mismatches):
             # (each factor under the name of where it came from: the command line's is not the file's)
-            said = [f"{k}={final(k)} (command line)" if k in run.cli_keys else f"{name}={final(k)}"
-                    for k, name in names.items()]
+            said = [f"{k}={v} (command line)" if k in run.cli_keys else f"{names[k]}={v}"
+                    for k, v in (("train.micro_batch", m), ("train.grad_accum", g))]
             mismatches.append(f"train_batch_size={tb} but {said[0]} x {said[1]} x world size {world} = {m * g * world}")

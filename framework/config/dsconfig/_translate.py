@@ -123,6 +123,8 @@ def load_from_fp32(tr: Translation, z: dict) -> None:
     """Not a speed knob: false has DeepSpeed's ZeRO rebuild the fp32 masters from the 16-bit weights at a load,
     losing precision, where this code always restores the saved masters (read after the precision is chosen)."""
     fp32 = tr.typed(z["load_from_fp32_weights"], "bool", Z + "load_from_fp32_weights")
+    if fp32 is None:   # (not a boolean: that error alone)
+        return
     sixteen = z.get("stage", 0) in (1, 2, 3) and tr.choices.get("precision") in ("fp16", "bf16")
     tr.inert_or_error(fp32 is not False or not sixteen, Z + "load_from_fp32_weights",
                       f"{Z}load_from_fp32_weights=false (DeepSpeed rebuilds the fp32 masters from the 16-bit "

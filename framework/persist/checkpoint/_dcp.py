@@ -193,8 +193,11 @@ def quiet_no_dist() -> None:
     """Ignore DCP's one-process warning from now on (no_dist is what a one-rank save or load asks for): one
     targeted, lasting filter, set again without being added twice. Not ``catch_warnings`` around each call:
     it restores the process-wide filter list on leaving, dropping a filter another thread (the user's, while an
-    async save runs) added meanwhile."""
-    warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
+    async save runs) added meanwhile. Present already, it is left as it is: each filterwarnings call would clear
+    every module's once-per-place warning registry."""
+    if not any(action == "ignore" and getattr(message, "pattern", None) == NO_DIST_WARNING
+               for action, message, *_ in warnings.filters):
+        warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
 
 
 def read(folder: Path, metadata, targets: dict, release: Callable[[torch.Tensor], None] | None = None,

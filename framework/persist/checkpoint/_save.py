@@ -267,7 +267,7 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
 
     def write_files():
         dcp, where = glue(), group.dcp_kwargs()
-        if where.get("no_dist"):   # (a lasting filter, added here on first use: DCP is imported by the first save)
+        if where.get("no_dist"):   # (a lasting filter, set once: DCP is imported by the first save)
             dcp.quiet_no_dist()
         dcp.dcp.save(snap["dcp"], planner=dcp.SavePlanner(snap["release"]), **where,
                      storage_writer=(snap["writer"] or dcp.dcp.FileSystemWriter)(tmp, sync_files=True))
