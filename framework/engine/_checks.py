@@ -10,7 +10,7 @@ from torch import nn
 
 from framework.config import Config
 from framework.core.errors import ConfigError, FrameworkError
-from framework.core.utils import few
+from framework.core.utils import counted, few
 from framework.stages import zero3_sharded
 
 
@@ -66,7 +66,7 @@ def check_arguments(module: nn.Module, loss_fn, cfg: Config | None, ds_config: s
     owned = [n for n, p in module.named_parameters() if owner(p) is not None]
     if owned:   # they are views of that engine's buffers: a second one would rebind them, and the first would go
         # on stepping buffers the module no longer reads (a shared submodule: one engine's updates lost)
-        raise FrameworkError(f"initialize: {len(owned)} parameter{'s' if len(owned) != 1 else ''} of this module "
+        raise FrameworkError(f"initialize: {counted(len(owned), 'parameter')} of this module "
                              f"({few(owned, 3, str)}) {'are' if len(owned) != 1 else 'is'} trained by another open "
                              f"engine; close that one first (engine.close() or end its with block), or build a fresh "
                              f"module (one sharing no submodule or parameter with that engine's)")

@@ -161,7 +161,7 @@ class Engine(contextlib.AbstractContextManager):
             parts = [f"{len(names)} {kind} ({few(names, 3, str)})" for kind, names in
                      (("frozen", [n for n, was in changed if was]), ("unfrozen", [n for n, was in changed if not was]))
                      if names]
-            raise TrainingError(f"{what}: requires_grad of {len(changed)} parameter{'s' if len(changed) != 1 else ''} "
+            raise TrainingError(f"{what}: requires_grad of {counted(len(changed), 'parameter')} "
                                 f"changed after initialize: {' and '.join(parts)}; the engine trains the parameters "
                                 f"that required grad when it was built: set requires_grad before framework.initialize "
                                 f"(or set it back); to change what trains, build a new engine (close this one first)")

@@ -2,6 +2,7 @@
 (stages never decide dtypes); the loss-scale state is a value ``next_scale`` updates (DeepSpeed's rule)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Any, Mapping
@@ -82,6 +83,15 @@ class Policy:
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def scale_power(value) -> int | None:
+    """The power of 2 a loss scale ``value`` is, where it cannot be a power itself (above initial_scale_power's
+    range, 127) and is one: what a value given as a scale (Megatron's habit) means there. Else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 127):
+        return None
+    power = math.log2(value)
+    return int(power) if power.is_integer() else None
+
+
 def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,
                culprits=lambda: []) -> PrecisionState:
     """One step of DeepSpeed's dynamic loss scaling: its hysteresis, and the scale doubling after
@@ -156,8 +166,8 @@ def check(name: str, cfg, stage: str = "", nodes: Mapping[str, Any] | None = Non
             raise ConfigError(f"precision.{key} must be {rule}, got {value:g}")
     if not 0 <= cfg.initial_scale_power <= 127:   # 2**128 is not a float32 (nor a float beyond 2**1023)
         scale = cfg.initial_scale_power   # (a loss scale given for its power: say which power it is)
-        hint = (f"; it is the power of 2 (a scale of {scale} is initial_scale_power {scale.bit_length() - 1})"
-                if scale > 127 and scale & (scale - 1) == 0 else "")
+        power = scale_power(scale)
+        hint = "" if power is None else f"; it is the power of 2 (a scale of {scale} is initial_scale_power {power})"
         raise ConfigError(f"precision.initial_scale_power must be in [0, 127], got {scale}{hint}")
     if not cfg.loss_scale <= 2 ** 32:   # (NaN too) a static scale never comes down: every overflow is skipped
         raise ConfigError(f"precision.loss_scale={cfg.loss_scale:g} is above 2**32: fp16 gradients scaled by it "

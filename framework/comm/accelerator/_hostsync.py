@@ -63,16 +63,11 @@ class NoHostSync(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _SYNCS or name in _MAYBE or "out" in kwargs:   # (the common call: one set lookup or two)
             t = _synced(self.acc, name, args, kwargs)
-            if t is not None:
-                caller = sys._getframe(1)
-                while caller is not None and caller.f_code.co_filename.startswith((_TORCH, _HERE)):
-                    caller = caller.f_back
-                if caller is not None and _ours(caller.f_code.co_filename):
-                    what = f"blocking {name} of a {tuple(t.shape)} {t.dtype} host buffer into device memory" \
-                        if self.acc._is_host(t) else f"{name} of a {tuple(t.shape)} {t.dtype} device tensor"
-                    raise HostSync(f"host sync ({what}) inside "
-                                   f"{self.where}, at {place()}: on CUDA the host stalls until the device catches "
-                                   f"up; move it out of the hook, or keep the value on the device")
+            if t is not None and framework_caller():
+                what = f"blocking {name} of a {tuple(t.shape)} {t.dtype} host buffer into device memory" \
+                    if self.acc._is_host(t) else f"{name} of a {tuple(t.shape)} {t.dtype} device tensor"
+                raise HostSync(f"host sync ({what}) inside {self.where}, at {place()}: on CUDA the host stalls until "
+                               f"the device catches up; move it out of the hook, or keep the value on the device")
         out = func(*args, **kwargs)
         if "device" in kwargs and _named_host(self.acc, kwargs["device"]):   # (``torch.empty(n, device="cpu")``)
             _register_made(self.acc, name, args, kwargs, out)

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from framework.precision import scale_power
 from framework.config.dsconfig._keys import AUTO, DS_FILE, NOWHERE, close, misplaced, section_meant
 
 KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
@@ -137,9 +138,6 @@ class Translation:
 
 
 def _as_power(near: str, value: Any) -> str:
-    """A loss scale given under a key that takes its power of 2 (Megatron's initial_loss_scale): the power,
-    where the value cannot be one (above initial_scale_power's range) and is a power of 2."""
-    if near != "initial_scale_power" or isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not (math.isfinite(value) and value > 127 and math.log2(value).is_integer()):
-        return ""
-    return f": it takes the power of 2, {math.log2(value):g} for a scale of {value:g}"
+    """A loss scale given under a key that takes its power of 2 (Megatron's initial_loss_scale): the power."""
+    power = scale_power(value) if near == "initial_scale_power" else None
+    return "" if power is None else f": it takes the power of 2, {power} for a scale of {value:g}"
