@@ -134,24 +134,35 @@ def notes(build_at: Callable[..., Callable[[int], float]], node, run) -> list[st
 
 
 def cosine_notes(node, run) -> list[str]:
-    """warmup_cosine_lr's ``notes``: the warm-up's, and where its lr holds at the floor."""
-    return notes(build_cosine, node, run) + _held_floor(node, run)
+    """warmup_cosine_lr's ``notes``: the warm-up's, and where its lr holds at the floor. The cosine's progress
+    reaches 1 at update ``total_num_steps`` (the warm-up's end + 1 where it is no longer than that)."""
+    floor = f"cos_min_ratio x optimizer.lr ({node.cos_min_ratio * run.optimizer.lr:.2e})"
+    return notes(build_cosine, node, run) + held_floor(
+        node, run, floor, lambda total, warm: total if total > warm else warm + 1)
 
 
-def _held_floor(node, run) -> list[str]:
-    """The note for a cosine whose ``total_num_steps`` ends before the run: its lr holds at the floor from then
-    on, where DeepSpeed's WarmupCosineLR, unclamped, would climb back up the cosine."""
+def decay_notes(node, run) -> list[str]:
+    """warmup_decay_lr's ``notes``: the warm-up's, and where its lr holds at warmup_min_lr. Its gamma reaches 0 at
+    iteration ``max(total_num_steps, warm-up)``, which DeepSpeed's order applies one update later."""
+    floor = (f"warmup_min_lr ({node.warmup_min_lr:.2e})" if node.warmup_min_lr
+             else "warmup_min_lr (0: those steps change no weight)")
+    return notes(build_decay, node, run) + held_floor(node, run, floor, lambda total, warm: max(total, warm) + 1)
+
+
+def held_floor(node, run, floor: str, first_held: Callable[[int, int], int]) -> list[str]:
+    """The note for a decay whose ``total_num_steps`` ends before the run: its lr holds at ``floor`` from the
+    update ``first_held(total_num_steps, warm-up)`` (0-based) on, as DeepSpeed's does; said, since the steps
+    there train at the floor (often 0) for no reason the user chose."""
     steps, total = run.train.steps, node.total_num_steps
     if total is None or total >= steps:
         return []
     warm, _ = warmup(node.warmup_num_steps, node.warmup_type)
-    held = steps - (total if total > warm else warm + 1)   # the updates from the floor's first on
+    held = steps - first_held(total, warm)
     if held <= 0:
         return []
-    return [f"note: scheduler.total_num_steps={total} is below train.steps={steps}: the lr holds at cos_min_ratio x "
-            f"optimizer.lr ({node.cos_min_ratio * run.optimizer.lr:.2e}) for the last {counted(held, 'step')} (DeepSpeed's "
-            f"WarmupCosineLR would climb back up its cosine); set scheduler.total_num_steps={steps} (or null: the "
-            f"run's length) to decay over the whole run"]
+    return [f"note: scheduler.total_num_steps={total} is below train.steps={steps}: the lr holds at {floor} for the "
+            f"last {counted(held, 'step')}; set scheduler.total_num_steps={steps} (or null: the run's length) to "
+            f"decay over the whole run"]
 
 
 def checked_by_build(build_at: Callable[..., Callable[[int], float]]):
@@ -169,8 +180,8 @@ def checked_by_build(build_at: Callable[..., Callable[[int], float]]):
     return check
 
 
-COMPONENTS = {name: Component(config=config, build=build_at, check=checked_by_build(build_at),
-                              notes=cosine_notes if build_at is build_cosine else functools.partial(notes, build_at))
-              for name, config, build_at in (("warmup_lr", WarmupLRConfig, build),
-                                             ("warmup_decay_lr", WarmupDecayLRConfig, build_decay),
-                                             ("warmup_cosine_lr", WarmupCosineLRConfig, build_cosine))}
+COMPONENTS = {name: Component(config=config, build=build_at, check=checked_by_build(build_at), notes=notes_of)
+              for name, config, build_at, notes_of in (
+                  ("warmup_lr", WarmupLRConfig, build, functools.partial(notes, build)),
+                  ("warmup_decay_lr", WarmupDecayLRConfig, build_decay, decay_notes),
+                  ("warmup_cosine_lr", WarmupCosineLRConfig, build_cosine, cosine_notes))}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -272,9 +273,10 @@ def test_a_warmup_longer_than_the_run_is_noted(overrides, says):
     assert says is None or (says in notes[0] and "\n" not in notes[0]), notes
 
 
-def test_a_warmup_cosine_lr_ending_before_the_run_holds_its_floor_with_a_note():
-    """The cosine stops at total_num_steps and holds cos_min_ratio x lr (DeepSpeed's, unclamped, would climb
-    back up): kept, and said at start-up with the steps it holds for; nothing where it ends with the run."""
+def test_a_decay_ending_before_the_run_holds_its_floor_with_a_note():
+    """warmup_cosine_lr stops at total_num_steps and holds cos_min_ratio x lr, warmup_decay_lr warmup_min_lr
+    (0 by default: those steps train nothing), as DeepSpeed (0.19.3 on for the cosine) does: kept, and said at
+    start-up with the steps held, counted as the schedules themselves hold them; nothing where it ends with the run."""
     from framework.config import compose
 
     over = ["scheduler=warmup_cosine_lr", "scheduler.warmup_num_steps=2", "train.steps=12", "optimizer.lr=1e-3"]
@@ -282,13 +284,29 @@ def test_a_warmup_cosine_lr_ending_before_the_run_holds_its_floor_with_a_note():
     lr_at = warmup_lr.build_cosine(lr_at, 1e-3, 12)
     assert [lr_at(k) for k in range(5, 12)] == pytest.approx([1e-7] * 7)   # steps 6 to 12
 
-    def held(*extra):
-        return [n for n in compose([*over, *extra]).notices if "total_num_steps" in n]
+    def held(*extra, name="warmup_cosine_lr"):
+        return [n for n in compose([*over, f"scheduler={name}", *extra]).notices if "total_num_steps" in n]
     assert held("scheduler.total_num_steps=5") == [
         "note: scheduler.total_num_steps=5 is below train.steps=12: the lr holds at cos_min_ratio x optimizer.lr "
-        "(1.00e-07) for the last 7 steps (DeepSpeed's WarmupCosineLR would climb back up its cosine); set "
-        "scheduler.total_num_steps=12 (or null: the run's length) to decay over the whole run"]
-    assert "for the last 1 step (DeepSpeed's" in held("scheduler.total_num_steps=11")[0]
+        "(1.00e-07) for the last 7 steps; set scheduler.total_num_steps=12 (or null: the run's length) to decay "
+        "over the whole run"]
+    assert "for the last 1 step;" in held("scheduler.total_num_steps=11")[0]
     assert held("scheduler.total_num_steps=12") == held() == []
-    assert [n for n in compose(["scheduler=warmup_decay_lr", "scheduler.warmup_num_steps=2", "train.steps=12",
-                                "scheduler.total_num_steps=5"]).notices if "total_num_steps" in n] == []
+    assert held("scheduler.total_num_steps=5", name="warmup_decay_lr") == [
+        "note: scheduler.total_num_steps=5 is below train.steps=12: the lr holds at warmup_min_lr (0: those steps "
+        "change no weight) for the last 6 steps; set scheduler.total_num_steps=12 (or null: the run's length) to "
+        "decay over the whole run"]
+    assert "warmup_min_lr (1.00e-05) for" in held("scheduler.total_num_steps=5", "scheduler.warmup_min_lr=1e-5",
+                                                   name="warmup_decay_lr")[0]
+    assert held("scheduler.total_num_steps=12", name="warmup_decay_lr") == []
+    for name, build_at, cls, floor in (
+            ("warmup_cosine_lr", warmup_lr.build_cosine, warmup_lr.WarmupCosineLRConfig, 1e-7),
+            ("warmup_decay_lr", warmup_lr.build_decay, warmup_lr.WarmupDecayLRConfig, 0.0)):
+        for warm, total in ((1, 1), (1, 2), (3, 2), (3, 3), (3, 4), (3, 10), (6, 14), (6, 15)):
+            run = SimpleNamespace(train=SimpleNamespace(steps=16), optimizer=SimpleNamespace(lr=1e-3))
+            node = cls(warmup_num_steps=warm, total_num_steps=total)
+            lrs = [build_at(node, 1e-3, 16)(k) for k in range(16)]
+            count = next(k for k in range(16) if abs(lrs[-1 - k] - floor) > 1e-15)   # the trailing updates at it
+            note = [n for n in registry("scheduler").get(name).notes(node, run) if "total_num_steps" in n]
+            says = f"for the last {count} step{'s' * (count > 1)};"
+            assert (len(note) == 1 and says in note[0]) if count else note == [], (name, warm, total, lrs, note)
