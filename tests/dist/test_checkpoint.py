@@ -318,14 +318,21 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
     assert f"resumed from {other}" in out and "global batch" not in out, out
     # Every difference is listed, however many (a changed group, logger here, as one entry)
     more = ["logger=console", "model.dropout=0.2", "optimizer.beta1=0.8", "optimizer.beta2=0.98", "optimizer.eps=1e-7",
-            "optimizer.weight_decay=0.2", "scheduler.min_lr=0", "scheduler.warmup_steps=3"]
+            "optimizer.weight_decay=0.2", "scheduler.min_lr=0", "scheduler.warmup_steps=1", f"train.steps={N + 4}"]
     losses, _, first, _ = _train(dist, ["train.micro_batch=4", *more], str(tmp_path), resume="auto", steps=N,
                                  batch_from_config=True)
     assert first[:2] == (K, K) and len(losses) == N - K
     out = capsys.readouterr().out
     assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in out, out
     assert ("; config differs in logger none->console, model.dropout, optimizer.beta1, optimizer.beta2, optimizer.eps, "
-            "optimizer.weight_decay, scheduler.min_lr, scheduler.warmup_steps, train.micro_batch;") in out, out
+            "optimizer.weight_decay, scheduler.min_lr, scheduler.warmup_steps, train.micro_batch, train.steps;") in out, out
+    # the schedule's length follows train.steps (decay_steps null): the resumed update's lr moves, and that is said
+    from framework.schedulers import warmup_cosine
+    cfg = _cfg(1, more, str(tmp_path))
+    lr, was = (warmup_cosine.build(cfg.scheduler, cfg.optimizer.lr, total)(K) for total in (N + 4, N))
+    assert (f"; the lr schedule (scheduler=warmup_cosine) follows train.steps: it now spans {N + 4} steps, not {N}, "
+            f"and the next update's lr is {lr:.2e} (over {N} steps: {was:.2e}); set scheduler.decay_steps={N} to keep "
+            "the saved run's;") in out, out
     assert "; global batch 8 -> 4 rows (micro_batch x grad_accum x world); set train.micro_batch or train.grad_accum " \
            "to keep it" in out, out
     assert not (tmp_path / f"step-{N}.tmp").exists()   # removed by the next save

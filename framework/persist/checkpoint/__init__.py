@@ -29,7 +29,7 @@ from framework.core.utils import counted, few
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._load import (afresh, batch_change, changed, data_change, job_values, load,
-                                                other_job, same_run, saves_among, verify)
+                                                other_job, same_run, saves_among, schedule_change, verify)
 from framework.persist.checkpoint._save import check_finite, save
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "shared", "verify"]
@@ -51,6 +51,7 @@ class Checkpointer:
         rank's batches are ``train.micro_batch`` x ``train.grad_accum`` rows (the command line's; a loop of one's
         own does not read them): a resume says when the global batch changed."""
         self.cfg, self.config, self.seed, self.engine = cfg.checkpoint, cfg.to_dict(), cfg.seed, engine
+        self.run_cfg = cfg   # (a resume's note rebuilds its lr schedule over the saved run's length)
         self.batch_from_config, self.data = batch_from_config, data
         self.resume_given = cfg.resume_given or cfg.checkpoint.resume   # what messages say (latest as typed)
         self.root = checkpoint_root(cfg, run_dir, job)
@@ -125,8 +126,10 @@ class Checkpointer:
             batch = self.batch_from_config and batch_change(body["config"], body["world"], self.config,
                                                             self.group.world)
             data = data_change(body.get("data_identity"), self.data)   # (another vocabulary: refused by load)
+            lr = schedule_change(body["config"], self.run_cfg, state.applied_steps)
             self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
                       + (f"; config differs in {', '.join(diff)}" if diff else "")
+                      + (f"; {lr}" if lr else "")
                       + (f"; {batch}" if batch else "")
                       + (f"; the data in {self.data['path']} changed since the save ({data[0]}, same vocabulary): "
                          "training goes on with its new rows" if data else ""))

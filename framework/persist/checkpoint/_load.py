@@ -12,6 +12,7 @@ import torch
 from framework.config.schema import get_key
 from framework.engine.state import initial_scalars
 from framework.core.errors import CheckpointError, ConfigError, UnsafePathError, on_every_rank
+from framework.core.registry import registry
 from framework.models.hf import architecture, without_dtype
 from framework.loggers import RUN_ONLY
 from framework.persist import stepfolders
@@ -128,6 +129,27 @@ def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str |
         return None
     return (f"global batch {before} -> {now} rows (micro_batch x grad_accum x world); set train.micro_batch or "
             "train.grad_accum to keep it")
+
+
+def schedule_change(saved: dict, cfg, position: int) -> str | None:
+    """The resume line's note where train.steps changed and the scheduler's length follows it (its
+    total_num_steps or decay_steps null): the schedule stretches over the new length, so the lr of the next
+    update (``position``: the applied updates) moves, which a bare "config differs in train.steps" hides."""
+    before, now = get_key(saved, "train.steps"), cfg.train.steps
+    if not isinstance(before, int) or before < 1 or before == now:
+        return None
+    name = cfg.choices["scheduler"]
+    build = partial(registry("scheduler").get(name).build, cfg.scheduler, cfg.optimizer.lr)
+    try:
+        was, lr = build(total_steps=before)(position), build(total_steps=now)(position)
+    except ConfigError:   # (this run's values were checked with its own length only)
+        return None
+    if math.isclose(was, lr, rel_tol=1e-9):   # a length of its own, or none, or past both ends
+        return None
+    key = next((k for k in ("total_num_steps", "decay_steps") if getattr(cfg.scheduler, k, 0) is None), None)
+    keep = f"; set scheduler.{key}={before} to keep the saved run's" if key else ""
+    return (f"the lr schedule (scheduler={name}) follows train.steps: it now spans {now} steps, not {before}, and "
+            f"the next update's lr is {lr:.2e} (over {before} steps: {was:.2e}){keep}")
 
 
 def data_change(saved, mine) -> tuple[str, bool] | None:
