@@ -325,7 +325,8 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
     out = capsys.readouterr().out
     assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in out, out
     assert ("; config differs in logger none->console, model.dropout, optimizer.beta1, optimizer.beta2, optimizer.eps, "
-            "optimizer.weight_decay, scheduler.min_lr, scheduler.warmup_steps, train.micro_batch, train.steps;") in out, out
+            "optimizer.weight_decay, scheduler.min_lr, scheduler.warmup_steps, train.micro_batch, "
+            "train.steps;") in out, out
     # the schedule's length follows train.steps (decay_steps null): the resumed update's lr moves, and that is said
     from framework.schedulers import warmup_cosine
     cfg = _cfg(1, more, str(tmp_path))

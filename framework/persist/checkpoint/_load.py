@@ -139,7 +139,8 @@ def schedule_change(saved: dict, cfg, position: int) -> str | None:
     if not isinstance(before, int) or before < 1 or before == now:
         return None
     name = cfg.choices["scheduler"]
-    build = partial(registry("scheduler").get(name).build, cfg.scheduler, base_lr=cfg.optimizer.lr)   # (as initialize calls it)
+    # (called as initialize calls it: base_lr by name)
+    build = partial(registry("scheduler").get(name).build, cfg.scheduler, base_lr=cfg.optimizer.lr)
     try:
         was, lr = build(total_steps=before)(position), build(total_steps=now)(position)
     except ConfigError:   # (this run's values were checked with its own length only)
