@@ -30,7 +30,8 @@ from framework.persist.checkpoint import checkpoint_root, preflight, shared
 from framework.config import Config, check_batch_world
 from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import (agree, backend_notice, check_env, connect, disconnect, env_int,
-                                       local_world_size, resolve_backend, run_world, slurm_tasks_here)
+                                       local_world_size, process_state, resolve_backend, run_world,
+                                       slurm_tasks_here)
 from framework.core import files
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, on_every_rank, say
 from framework.loggers import RunInfo, check_records
@@ -215,7 +216,7 @@ def slurm_task_env() -> dict[str, str]:
 
 
 STOP_GRACE_S = 30      # after Ctrl-C: the ranks' own time to clean up before they get SIGTERM
-KILL_AFTER_S = 5       # after a second Ctrl-C: the ranks' time to end on SIGTERM before SIGKILL
+KILL_AFTER_S = 5       # after a second Ctrl-C, or a failed rank's grace: the ranks' time to end on SIGTERM before SIGKILL
 REPORT_GRACE_S = 5     # after a rank failed: the others' time to end with their own error before they are stopped
 
 
@@ -294,8 +295,29 @@ def _failed(ranks: list, store_dir: str) -> int | None:
                 deadline = deadline or time.monotonic() + REPORT_GRACE_S
     if not failed:
         return None
-    _stop(ranks, signal.SIGTERM)
+    _end(ranks)
     return min(failed, key=lambda rank: os.path.exists(peer_lost_path(store_dir, rank)))   # (the first of the best)
+
+
+def _end(ranks: list) -> None:
+    """Stop the ranks still running ``REPORT_GRACE_S`` after a rank failed, with one line naming them first:
+    SIGTERM, and SIGKILL ``KILL_AFTER_S`` later (a rank in C++ runs no handler). They had their time to end on
+    their own, so not ``STOP_GRACE_S`` more; a stopped rank (SIGSTOP) would act on nothing before SIGCONT:
+    SIGKILL at once. A Ctrl-C meanwhile skips ahead. No rank is left running."""
+    alive = [(rank, p) for rank, p in enumerate(ranks) if p.is_alive()]
+    if not alive:
+        return
+    stopped = {rank for rank, p in alive if process_state(p.pid) == "T"}
+    names = [f"rank {r} (pid {p.pid}{', stopped by SIGSTOP: SIGKILL now' if r in stopped else ''})" for r, p in alive]
+    termed = f"; SIGTERM, then SIGKILL after {KILL_AFTER_S:g}s" if len(stopped) < len(alive) else ""
+    say(f"stopping {', '.join(names)}: still there {REPORT_GRACE_S:g}s after a rank failed{termed}")
+    for rank, p in alive:
+        with contextlib.suppress(ProcessLookupError):   # (ended meanwhile)
+            os.kill(p.pid, signal.SIGKILL if rank in stopped else signal.SIGTERM)
+    _join(ranks, KILL_AFTER_S)
+    for p in ranks:
+        p.kill()   # (nothing for a rank that ended)
+    _join(ranks, None)
 
 
 def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:

@@ -41,7 +41,7 @@ from framework.cli import fail
 from framework.cli._hydra import OVERRIDE_DIRNAME_EXCLUDE, QUIET, Passed, record_job, record_sweep
 from framework.cli._signals import terminated_line
 from framework.cli.launch import RUN_LOCK, check_saves, launch
-from framework.comm.distributed import check_env_ints, env_int
+from framework.comm.distributed import check_env, env_int
 from framework.config import (GROUPS, Config, app_composer, compose, compose_layers, parse_overrides,
                               standalone_composer)
 from framework.config.dsconfig import DS_FILE
@@ -435,7 +435,9 @@ def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
 def main(on_point: Callable[[str], None] | None = None) -> None:
     """``on_point``: called at the loop's points on every rank (``loop.train``; fault tests)."""
     try:
-        check_env_ints()   # a malformed launcher variable: one line, before any run folder
+        # A launch environment that cannot work (a malformed or leftover launcher variable, srun tasks nothing
+        # groups): one line and a usage error's status, before Hydra makes any run or sweep folder.
+        check_env()
         jobs, primary, folder, fixed = _jobs(sys.argv[1:])
         configs, subdir, base, composed, chosen, exclude = {}, None, None, [], None, []
         composer = functools.partial(standalone_composer, **primary)

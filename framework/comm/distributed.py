@@ -89,7 +89,7 @@ class Dist:
         local = [(r, pid) for r, (h, pid) in enumerate(self.peers) if h == host and r != self.rank]
         deadline = time.monotonic() + (_SETTLE_S if settle_s is None else settle_s)
         while True:
-            states = [(r, pid, _state(pid)) for r, pid in local]
+            states = [(r, pid, process_state(pid)) for r, pid in local]
             lost = [r for r, _, s in states if s == "gone"]
             stalled = [f"rank {r} stalled (pid {pid} {_STALLED[s]})" for r, pid, s in states if s in _STALLED]
             if lost or stalled or not local or time.monotonic() >= deadline:
@@ -157,7 +157,7 @@ def parse_stat(text: str) -> tuple[str, int]:
     return fields[0], int(fields[6])
 
 
-def _state(pid: int) -> str:
+def process_state(pid: int) -> str:
     """The kernel's one-letter state of process ``pid`` (Linux /proc; "" where unknown), or "gone"."""
     try:
         os.kill(pid, 0)

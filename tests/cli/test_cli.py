@@ -130,6 +130,28 @@ def test_a_malformed_launcher_variable_is_one_line_and_no_folder(forkrun, tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {"WORLD_SIZE": "2"}, {"SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}])
+def test_a_launch_environment_that_cannot_work_is_a_usage_error_before_any_folder(monkeypatch, capsys, tmp_path, env):
+    """A rank outside its world, a leftover WORLD_SIZE, srun tasks nothing made one group: all refused before Hydra
+    starts, with one line and the same status as a malformed variable (2: a wrapper does not retry a usage error
+    as a failed run), and no folder (a sweep's multirun.yaml neither)."""
+    from framework.cli import train
+
+    for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_STEP_ID",
+                "SLURM_STEP_NUM_TASKS", "SUBMITIT_EXECUTOR", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", ["framework.train", "-m", "train.steps=1,2", f"hydra.sweep.dir={tmp_path / 's'}"])
+    with pytest.raises(SystemExit) as got:
+        train.main()
+    (name, value), = list(env.items())[:1]
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert got.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {name}={value}"), err
+    assert not (tmp_path / "s").exists()
+
+
 def test_a_refused_run_removes_the_folders_made_for_it(forkrun, tmp_path):
     """Refused after Hydra made its (timestamped) run folder: the folders made for it are removed,
     those that were there before are kept."""
@@ -418,6 +440,8 @@ def test_the_ranks_of_a_torchrun_sweep_end_it_with_rank_0s_count_alone(monkeypat
     monkeypatch.setattr(sys, "argv", ["framework.train", "-m", "train.steps=2"])
     monkeypatch.setattr(train, "_app", lambda configs, on_point, failed, *a: lambda: failed.append("job 0 (x)"))
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")   # (a launch that can work: none is refused before the sweep)
+    monkeypatch.setenv("MASTER_PORT", "29500")
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as got:

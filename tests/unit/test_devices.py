@@ -1,6 +1,9 @@
 """Backend and device choice from the GPUs a host has, thread caps per rank, and the launcher's line
 for a rank that a signal (NCCL's watchdog: SIGABRT) ended. GPU counts are simulated."""
+import contextlib
+import os
 import signal
+import time
 
 import pytest
 import torch
@@ -106,6 +109,51 @@ def test_a_launcher_stopped_by_a_signal_kills_every_rank_before_it_waits_on_one(
     with pytest.raises(SystemExit):
         _join([Rank(0), Rank(1)], None)
     assert log == ["terminate 0", "terminate 1", "kill 0", "kill 1", "joined 0", "joined 1"]
+
+def _ignores_sigterm(ready) -> None:   # (a rank blocked in C++: no handler runs)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("peer", ["stopped", "ignores SIGTERM"])
+def test_a_failed_ranks_peers_are_stopped_after_the_kill_grace_a_stopped_one_at_once(monkeypatch, capsys, peer):
+    """Once a rank failed and its peers had their grace to end, the launcher stops those left with one line naming
+    them: SIGTERM and SIGKILL after ``KILL_AFTER_S``, not the Ctrl-C clean-up's ``STOP_GRACE_S`` more (a job under a
+    time limit held silent); a stopped rank (SIGSTOP), which would act on nothing, is killed at once."""
+    import multiprocessing
+
+    from framework.cli import launch
+    monkeypatch.setattr(launch, "REPORT_GRACE_S", 0.2)
+    monkeypatch.setattr(launch, "KILL_AFTER_S", 3.0)
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    ranks = [ctx.Process(target=os._exit, args=(1,)),
+             ctx.Process(target=time.sleep, args=(60,)) if peer == "stopped" else ctx.Process(target=_ignores_sigterm,
+                                                                                                 args=(ready,))]
+    ranks[1].start()
+    try:
+        if peer == "stopped":
+            os.kill(ranks[1].pid, signal.SIGSTOP)
+            while d.process_state(ranks[1].pid) != "T":
+                time.sleep(0.01)
+        else:
+            assert ready.wait(30)
+        ranks[0].start()
+        start = time.monotonic()
+        assert launch._failed(ranks, "/nonexistent") == 0
+        took = time.monotonic() - start
+    finally:
+        for p in ranks[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    assert ranks[1].exitcode == -signal.SIGKILL
+    assert (took < 2.5) if peer == "stopped" else (3.0 <= took < 8), took   # (not 30 s more)
+    how = (", stopped by SIGSTOP: SIGKILL now)" if peer == "stopped" else ")") + ": still there 0.2s after a rank failed"
+    how += "" if peer == "stopped" else "; SIGTERM, then SIGKILL after 3s"
+    assert capsys.readouterr().err == f"stopping rank 1 (pid {ranks[1].pid}{how}\n"
+
 
 @pytest.mark.parametrize("spec,n,device,backend", [
     ("cpu:gloo", 0, "auto", "gloo"), ("cpu:gloo,cuda:nccl", 0, "auto", "gloo"),   # torch's default group
