@@ -216,7 +216,7 @@ def slurm_task_env() -> dict[str, str]:
 
 
 STOP_GRACE_S = 30      # after Ctrl-C: the ranks' own time to clean up before they get SIGTERM
-KILL_AFTER_S = 5       # after a second Ctrl-C, or a failed rank's grace: the ranks' time to end on SIGTERM before SIGKILL
+KILL_AFTER_S = 5       # after a second Ctrl-C or a failed rank's grace: time to end on SIGTERM before SIGKILL
 REPORT_GRACE_S = 5     # after a rank failed: the others' time to end with their own error before they are stopped
 
 
