@@ -8,7 +8,7 @@
     <dir>/latest          a text file naming the newest committed folder ("step-<N>")
     <dir>/.lock           locked by the one run saving here (the CLI's; no step folder: passed over here)
 
-Rank 0 writes ``manifest.json`` last (size and sha256 of every file), then renames ``step-N.tmp`` to
+Rank 0 writes ``manifest.json`` last (size and sha256 of every file, and of its own body), then renames ``step-N.tmp`` to
 ``step-N`` (the commit point); older folders go only after that, through ``step-N.del``: a kill at any
 moment leaves every committed folder intact. Files are owner-only, never opened through links.
 """
@@ -31,6 +31,7 @@ TRAIN_STATE = "train_state.json"
 LATEST = "latest"
 WEIGHTS16 = "model_16bit"   # the one subfolder: its files are in the manifest as "model_16bit/<name>"
 FORMAT = 1
+SELF_SHA = "manifest_sha256"   # the manifest's checksum of its own body (older manifests have none)
 _STEP = re.compile(r"^step-(\d+)$")
 _AROUND = re.compile(r"(step-\d+)\.(tmp|old)")   # a step a commit has under way (``interrupted``)
 _LEFTOVER = (".tmp", ".old", ".del", f".{WEIGHTS16}")
@@ -81,8 +82,16 @@ def file_entry(folder: Path, name: str, *, own: bool = True) -> dict:
 
 def write_manifest(folder: Path, files_: dict[str, dict], **fields: Any) -> None:
     body = {"format": FORMAT, **fields, "files": files_}
+    body[SELF_SHA] = _body_sha(body)
     files.write_new(folder / MANIFEST, json.dumps(body, indent=1, sort_keys=True).encode())
     files.fsync_dir(folder)
+
+
+def _body_sha(body: dict) -> str:
+    """The sha256 of a manifest's body but its own checksum, as canonical JSON: a flipped bit that still parses
+    (a ``seq`` changed picks another checkpoint to resume) is damage like one in any file it lists."""
+    rest = {k: v for k, v in body.items() if k != SELF_SHA}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -111,6 +120,10 @@ def read_manifest(folder: Path) -> dict:
     body = read_json(path, "the manifest")
     if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(body.get("files"), dict):
         raise CheckpointError(f"checkpoint {folder}: {path} is not a format-{FORMAT} manifest")
+    # (a manifest written before it had its own checksum is read as it was: its files are still checked)
+    if SELF_SHA in body and body[SELF_SHA] != _body_sha(body):
+        raise CheckpointError(f"checkpoint {folder}: {path} does not match its own sha256 checksum "
+                              f"({SELF_SHA}: altered or corrupted)")
     return body
 
 

@@ -206,6 +206,28 @@ def test_resume_order_is_the_commit_order_not_the_step(tmp_path):
     assert stepfolders.next_seq(tmp_path) == 5 and stepfolders.next_seq(tmp_path / "none") == 1
 
 
+def test_a_manifest_altered_where_it_still_parses_is_damage_tried_last(tmp_path):
+    """A flipped bit in a manifest's ``seq`` (4 -> 6) still parses and passes every file check, and would make the
+    resume pick that older step over the newer one: the manifest's checksum of its own body makes it damage,
+    named in a note and tried last. A manifest without that checksum (written before it) is read as before."""
+    from framework.persist import stepfolders
+
+    for step, seq in ((8, 4), (10, 5)):
+        (tmp_path / f"step-{step}").mkdir()
+        stepfolders.write_manifest(tmp_path / f"step-{step}", {}, step=step, seq=seq)
+    path = tmp_path / "step-8" / stepfolders.MANIFEST
+    path.write_text(path.read_text().replace('"seq": 4', '"seq": 6'))
+    found, notes = stepfolders.scan(tmp_path)
+    assert [p.name for p in found] == ["step-10", "step-8"]
+    assert len(notes) == 1 and "step-8" in notes[0] and "does not match its own sha256" in notes[0], notes
+    with pytest.raises(CheckpointError, match="does not match its own sha256 checksum"):
+        stepfolders.read_manifest(tmp_path / "step-8")
+    older = {"format": 1, "files": {}, "seq": 6}   # no checksum of its own: an older version's manifest
+    path.write_text(json.dumps(older))
+    assert stepfolders.read_manifest(tmp_path / "step-8") == older
+    assert [p.name for p in stepfolders.scan(tmp_path)[0]] == ["step-8", "step-10"]
+
+
 # --- strict swap-extent checks ----------------------------------------------------------------------
 
 def test_a_mapped_extent_is_verified_byte_for_byte_or_refused(tmp_path):
