@@ -8,9 +8,9 @@
     <dir>/latest          a text file naming the newest committed folder ("step-<N>")
     <dir>/.lock           locked by the one run saving here (the CLI's; no step folder: passed over here)
 
-Rank 0 writes ``manifest.json`` last (size and sha256 of every file, and of its own body), then renames ``step-N.tmp`` to
-``step-N`` (the commit point); older folders go only after that, through ``step-N.del``: a kill at any
-moment leaves every committed folder intact. Files are owner-only, never opened through links.
+Rank 0 writes ``manifest.json`` last (size and sha256 of every file, and of its own body), then renames
+``step-N.tmp`` to ``step-N`` (the commit point); older folders go only after that, through ``step-N.del``: a kill
+at any moment leaves every committed folder intact. Files are owner-only, never opened through links.
 """
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def scan(root: Path, around: bool = False, manifests: bool = False) -> tuple[lis
     if not root.is_dir():
         return [], []
     out, notes = [], []
-    aside = [(p, final.name) for p, final in interrupted(root, aside_only=True)] if around else []
+    aside = [(p, final.name) for p, final in interrupted(root)] if around else []
     for p, name in [*((p, p.name) for p in root.iterdir()), *aside]:
         m = _STEP.match(name)
         if m and p.is_symlink():
@@ -274,7 +274,8 @@ def prune(root: Path, newest: Path, keep_last: int) -> tuple[list[Path], list[Pa
 
 
 def remove_stale(root: Path, keep: Path | None = None) -> None:
-    """After ``restore``: remove the folders of interrupted saves and deletions but ``keep`` (never a link)."""
+    """After ``restore``: remove the folders of interrupted saves and deletions but ``keep`` (never a link); a
+    complete ``step-<N>.tmp`` with no ``step-<N>`` moved aside is one of them (the resume passed it over)."""
     if root.is_dir():
         restore(root)
         for p in root.iterdir():
@@ -283,16 +284,17 @@ def remove_stale(root: Path, keep: Path | None = None) -> None:
                 _remove_tree(p)
 
 
-def interrupted(root: Path, aside_only: bool = False) -> list[tuple[Path, Path]]:
+def interrupted(root: Path) -> list[tuple[Path, Path]]:
     """(folder, ``step-<N>``) for each step a save interrupted inside ``commit`` (or under way there) left without
-    its folder: a complete ``step-<N>.tmp`` (manifest written) holds it, else the ``step-<N>.old`` moved aside.
-    ``aside_only``: only where a ``step-<N>.old`` is there (a resume)."""
+    its folder, moved aside to ``step-<N>.old``: a complete ``step-<N>.tmp`` (manifest written) holds it, else that
+    ``step-<N>.old``. A complete ``step-<N>.tmp`` with no ``.old`` (killed before its first commit) is no step this
+    run resumed from: restoring it at the next save would commit a checkpoint of the abandoned run."""
     out = []
     for p in sorted(root.iterdir()) if root.is_dir() else []:
         m = _AROUND.fullmatch(p.name)
         if not m or os.path.lexists(final := root / m.group(1)) or p.is_symlink() or not p.is_dir():
             continue
-        if aside_only and not (root / f"{final.name}.old").is_dir():
+        if not (root / f"{final.name}.old").is_dir():
             continue
         tmp = root / f"{final.name}.tmp"
         complete = (tmp / MANIFEST).is_file() and not tmp.is_symlink()
@@ -301,11 +303,11 @@ def interrupted(root: Path, aside_only: bool = False) -> list[tuple[Path, Path]]
     return out
 
 
-def restore(root: Path, aside_only: bool = False) -> list[Path]:
+def restore(root: Path) -> list[Path]:
     """Put back each ``interrupted`` step: its folder renamed to ``step-<N>``; the folders restored, each said. Only
     in a folder this run saves into: elsewhere a live run's commit may be under way (``scan(around=True)``)."""
     done = []
-    for p, final in interrupted(root, aside_only):
+    for p, final in interrupted(root):
         os.replace(p, final)
         files.fsync_dir(root)
         print(f"checkpoint: {final} was missing after an interrupted save: restored it from {p.name}"

@@ -192,6 +192,22 @@ def test_a_save_killed_inside_its_commit_loses_no_checkpoint(tmp_path, capsys, c
     assert capsys.readouterr().out == "" and sorted(os.listdir(tmp_path)) == ["latest", "step-4"]
 
 
+def test_a_complete_tmp_of_a_first_save_is_removed_not_restored(tmp_path, capsys):
+    """Killed after writing step-4.tmp's manifest but before its rename, with no step-4 moved aside: the resume
+    passes it over (it goes on from step-2), so the next save's clean-up removes it, silently, rather than
+    restoring it under a line that reads as if step-4 had been resumed (with another checkpoint.every, a
+    checkpoint of the abandoned run beside the new run's)."""
+    from framework.persist import stepfolders
+
+    for name in ("step-2", "step-4.tmp"):
+        (tmp_path / name).mkdir()
+        stepfolders.write_manifest(tmp_path / name, {})
+    (tmp_path / "latest").write_text("step-2")
+    assert stepfolders.scan(tmp_path, around=True)[0] == [tmp_path / "step-2"]
+    stepfolders.remove_stale(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-2"] and capsys.readouterr().out == ""
+
+
 def test_resume_order_is_the_commit_order_not_the_step(tmp_path):
     """``scan`` lists the newest commit first: a run rewound to an older step goes on from its own
     newest save (step-2 committed after step-6), not from the abandoned higher steps; manifests without ``seq``
