@@ -249,11 +249,12 @@ def commit(tmp: Path, final: Path, on_point) -> str | None:
     return None
 
 
-def prune(root: Path, newest: Path, keep_last: int) -> tuple[list[Path], list[Path]]:
+def prune(root: Path, newest: Path, keep_last: int, on_point=None) -> tuple[list[Path], list[Path]]:
     """Delete committed folders older than ``newest`` beyond the ``keep_last`` newest (0 keeps all), never the
     newest verified one nor one whose manifest cannot be read; later steps (another run's) are left alone.
     Returns the folders deleted and the ``step-N.del`` folders a deletion could not empty (a file held open,
-    no permission): those are no checkpoint any more, and the next save tries again."""
+    no permission): those are no checkpoint any more, and the next save tries again. ``on_point(name)``: fault
+    tests'."""
     if keep_last <= 0:
         return [], []
     chain = [(p, m) for p, m in scan(root, manifests=True)[0] if step_of(p) <= step_of(newest)]
@@ -265,6 +266,8 @@ def prune(root: Path, newest: Path, keep_last: int) -> tuple[list[Path], list[Pa
         doomed = p.with_name(p.name + ".del")
         _remove_tree(doomed)
         os.replace(p, doomed)
+        if on_point is not None:
+            on_point("pruning")
         _remove_tree(doomed)
         if os.path.lexists(doomed):
             left.append(doomed)
