@@ -8,9 +8,9 @@
     <dir>/latest          a text file naming the newest committed folder ("step-<N>")
     <dir>/.lock           locked by the one run saving here (the CLI's; no step folder: passed over here)
 
-Rank 0 writes ``manifest.json`` last (size and sha256 of every file), then renames ``step-N.tmp`` to
-``step-N`` (the commit point); older folders go only after that, through ``step-N.del``: a kill at any
-moment leaves every committed folder intact. Files are owner-only, never opened through links.
+Rank 0 writes ``manifest.json`` last (size and sha256 of every file, and of its own body), then renames
+``step-N.tmp`` to ``step-N`` (the commit point); older folders go only after that, through ``step-N.del``: a kill
+at any moment leaves every committed folder intact. Files are owner-only, never opened through links.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ TRAIN_STATE = "train_state.json"
 LATEST = "latest"
 WEIGHTS16 = "model_16bit"   # the one subfolder: its files are in the manifest as "model_16bit/<name>"
 FORMAT = 1
+SELF_SHA = "manifest_sha256"   # the manifest's checksum of its own body (older manifests have none)
 _STEP = re.compile(r"^step-(\d+)$")
 _AROUND = re.compile(r"(step-\d+)\.(tmp|old)")   # a step a commit has under way (``interrupted``)
 _LEFTOVER = (".tmp", ".old", ".del", f".{WEIGHTS16}")
@@ -81,8 +82,16 @@ def file_entry(folder: Path, name: str, *, own: bool = True) -> dict:
 
 def write_manifest(folder: Path, files_: dict[str, dict], **fields: Any) -> None:
     body = {"format": FORMAT, **fields, "files": files_}
+    body[SELF_SHA] = _body_sha(body)
     files.write_new(folder / MANIFEST, json.dumps(body, indent=1, sort_keys=True).encode())
     files.fsync_dir(folder)
+
+
+def _body_sha(body: dict) -> str:
+    """The sha256 of a manifest's body but its own checksum, as canonical JSON: a flipped bit that still parses
+    (a ``seq`` changed picks another checkpoint to resume) is damage like one in any file it lists."""
+    rest = {k: v for k, v in body.items() if k != SELF_SHA}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -111,6 +120,10 @@ def read_manifest(folder: Path) -> dict:
     body = read_json(path, "the manifest")
     if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(body.get("files"), dict):
         raise CheckpointError(f"checkpoint {folder}: {path} is not a format-{FORMAT} manifest")
+    # (a manifest written before it had its own checksum is read as it was: its files are still checked)
+    if SELF_SHA in body and body[SELF_SHA] != _body_sha(body):
+        raise CheckpointError(f"checkpoint {folder}: {path} does not match its own sha256 checksum "
+                              f"({SELF_SHA}: altered or corrupted)")
     return body
 
 
@@ -171,7 +184,7 @@ def scan(root: Path, around: bool = False, manifests: bool = False) -> tuple[lis
     if not root.is_dir():
         return [], []
     out, notes = [], []
-    aside = [(p, final.name) for p, final in interrupted(root, aside_only=True)] if around else []
+    aside = [(p, final.name) for p, final in interrupted(root)] if around else []
     for p, name in [*((p, p.name) for p in root.iterdir()), *aside]:
         m = _STEP.match(name)
         if m and p.is_symlink():
@@ -236,11 +249,12 @@ def commit(tmp: Path, final: Path, on_point) -> str | None:
     return None
 
 
-def prune(root: Path, newest: Path, keep_last: int) -> tuple[list[Path], list[Path]]:
+def prune(root: Path, newest: Path, keep_last: int, on_point=None) -> tuple[list[Path], list[Path]]:
     """Delete committed folders older than ``newest`` beyond the ``keep_last`` newest (0 keeps all), never the
     newest verified one nor one whose manifest cannot be read; later steps (another run's) are left alone.
     Returns the folders deleted and the ``step-N.del`` folders a deletion could not empty (a file held open,
-    no permission): those are no checkpoint any more, and the next save tries again."""
+    no permission): those are no checkpoint any more, and the next save tries again. ``on_point(name)``: fault
+    tests'."""
     if keep_last <= 0:
         return [], []
     chain = [(p, m) for p, m in scan(root, manifests=True)[0] if step_of(p) <= step_of(newest)]
@@ -252,6 +266,8 @@ def prune(root: Path, newest: Path, keep_last: int) -> tuple[list[Path], list[Pa
         doomed = p.with_name(p.name + ".del")
         _remove_tree(doomed)
         os.replace(p, doomed)
+        if on_point is not None:
+            on_point("pruning")
         _remove_tree(doomed)
         if os.path.lexists(doomed):
             left.append(doomed)
@@ -261,7 +277,8 @@ def prune(root: Path, newest: Path, keep_last: int) -> tuple[list[Path], list[Pa
 
 
 def remove_stale(root: Path, keep: Path | None = None) -> None:
-    """After ``restore``: remove the folders of interrupted saves and deletions but ``keep`` (never a link)."""
+    """After ``restore``: remove the folders of interrupted saves and deletions but ``keep`` (never a link); a
+    complete ``step-<N>.tmp`` with no ``step-<N>`` moved aside is one of them (the resume passed it over)."""
     if root.is_dir():
         restore(root)
         for p in root.iterdir():
@@ -270,16 +287,17 @@ def remove_stale(root: Path, keep: Path | None = None) -> None:
                 _remove_tree(p)
 
 
-def interrupted(root: Path, aside_only: bool = False) -> list[tuple[Path, Path]]:
+def interrupted(root: Path) -> list[tuple[Path, Path]]:
     """(folder, ``step-<N>``) for each step a save interrupted inside ``commit`` (or under way there) left without
-    its folder: a complete ``step-<N>.tmp`` (manifest written) holds it, else the ``step-<N>.old`` moved aside.
-    ``aside_only``: only where a ``step-<N>.old`` is there (a resume)."""
+    its folder, moved aside to ``step-<N>.old``: a complete ``step-<N>.tmp`` (manifest written) holds it, else that
+    ``step-<N>.old``. A complete ``step-<N>.tmp`` with no ``.old`` (killed before its first commit) is no step this
+    run resumed from: restoring it at the next save would commit a checkpoint of the abandoned run."""
     out = []
     for p in sorted(root.iterdir()) if root.is_dir() else []:
         m = _AROUND.fullmatch(p.name)
         if not m or os.path.lexists(final := root / m.group(1)) or p.is_symlink() or not p.is_dir():
             continue
-        if aside_only and not (root / f"{final.name}.old").is_dir():
+        if not (root / f"{final.name}.old").is_dir():
             continue
         tmp = root / f"{final.name}.tmp"
         complete = (tmp / MANIFEST).is_file() and not tmp.is_symlink()
@@ -288,11 +306,11 @@ def interrupted(root: Path, aside_only: bool = False) -> list[tuple[Path, Path]]
     return out
 
 
-def restore(root: Path, aside_only: bool = False) -> list[Path]:
+def restore(root: Path) -> list[Path]:
     """Put back each ``interrupted`` step: its folder renamed to ``step-<N>``; the folders restored, each said. Only
     in a folder this run saves into: elsewhere a live run's commit may be under way (``scan(around=True)``)."""
     done = []
-    for p, final in interrupted(root, aside_only):
+    for p, final in interrupted(root):
         os.replace(p, final)
         files.fsync_dir(root)
         print(f"checkpoint: {final} was missing after an interrupted save: restored it from {p.name}"

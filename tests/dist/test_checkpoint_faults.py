@@ -30,14 +30,14 @@ slow = pytest.mark.skipif(os.environ.get("FRAMEWORK_SLOW_TESTS") != "1", reason=
 OVER = ["+stage=zero2"]
 
 
-def _worker(rank, world, store, root, env, timeout_s, out):
+def _worker(rank, world, store, root, env, timeout_s, out, over=OVER):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo", **env)
     torch.set_num_threads(1)
     from framework.comm.distributed import connect, disconnect
     from framework.core.errors import FrameworkError
     try:
         dist = connect("gloo", timeout_s=timeout_s, store_path=store)
-        _train(dist, OVER, root, resume="auto")
+        _train(dist, over, root, resume="auto")
     except FrameworkError as e:
         Path(out, f"error-{rank}").write_text(str(e))
         os._exit(1)
@@ -73,12 +73,12 @@ def _launch(root, env, timeout_s=30.0, world=2, limit=60.0, ends=None):
     return [p.exitcode for p in procs], errors
 
 
-def _stop_on_first_death(root, env):
+def _stop_on_first_death(root, env, over=OVER):
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "framework.engine.build", "framework.persist.checkpoint",
                                 "tests.dist.test_checkpoint"])
     tmp = tempfile.mkdtemp(prefix="ckpt-fault-")
-    procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(tmp, "store"), str(root), env, 30.0, tmp))
+    procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(tmp, "store"), str(root), env, 30.0, tmp, over))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -108,19 +108,24 @@ POINTS = {
     f"save-{N}:before-manifest@0": K,
     f"save-{N}:before-rename@0": K,
     f"save-{N}:before-latest@0": N,    # renamed: committed (latest is repaired by the next save)
+    f"save-{N}:pruning@0": N,   # committed; rotation (keep_last=1) renamed step-K to step-K.del, not yet deleted
 }
+PRUNE = f"save-{N}:pruning@0"
 
 
 # One of each on-disk situation in the suite: a folder without a manifest, a complete folder not
-# yet renamed, a renamed folder that latest does not name yet; the other two with the slow tests.
-QUICK = {f"save-{N}:after-shard@1", f"save-{N}:before-rename@0", f"save-{N}:before-latest@0"}
+# yet renamed, a renamed folder that latest does not name yet, an older one rotated to step-K.del and
+# left there; the other two with the slow tests.
+QUICK = {f"save-{N}:after-shard@1", f"save-{N}:before-rename@0", f"save-{N}:before-latest@0", PRUNE}
 
 
 @pytest.mark.parametrize("point", [p if p in QUICK else pytest.param(p, marks=slow) for p in POINTS])
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(pools, tmp_path, reference, point):
-    codes = _stop_on_first_death(tmp_path, {"FRAMEWORK_FAULT": point})
+    codes = _stop_on_first_death(tmp_path, {"FRAMEWORK_FAULT": point},
+                                 [*OVER, "checkpoint.keep_last=1"] if point == PRUNE else OVER)
     assert 17 in codes, codes
-    assert (tmp_path / f"step-{K}" / "manifest.json").is_file()
+    kept = f"step-{N}" if point == PRUNE else f"step-{K}"
+    assert (tmp_path / kept / "manifest.json").is_file() and (point != PRUNE or (tmp_path / f"step-{K}.del").is_dir())
     out = pools(2).run(_train, OVER, str(tmp_path), resume="auto", seed=99, timeout=240)
     assert out[0][2][0] == POINTS[point]
     _same_state(reference, [r[1] for r in out], point)

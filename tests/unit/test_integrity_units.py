@@ -192,6 +192,22 @@ def test_a_save_killed_inside_its_commit_loses_no_checkpoint(tmp_path, capsys, c
     assert capsys.readouterr().out == "" and sorted(os.listdir(tmp_path)) == ["latest", "step-4"]
 
 
+def test_a_complete_tmp_of_a_first_save_is_removed_not_restored(tmp_path, capsys):
+    """Killed after writing step-4.tmp's manifest but before its rename, with no step-4 moved aside: the resume
+    passes it over (it goes on from step-2), so the next save's clean-up removes it, silently, rather than
+    restoring it under a line that reads as if step-4 had been resumed (with another checkpoint.every, a
+    checkpoint of the abandoned run beside the new run's)."""
+    from framework.persist import stepfolders
+
+    for name in ("step-2", "step-4.tmp"):
+        (tmp_path / name).mkdir()
+        stepfolders.write_manifest(tmp_path / name, {})
+    (tmp_path / "latest").write_text("step-2")
+    assert stepfolders.scan(tmp_path, around=True)[0] == [tmp_path / "step-2"]
+    stepfolders.remove_stale(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-2"] and capsys.readouterr().out == ""
+
+
 def test_resume_order_is_the_commit_order_not_the_step(tmp_path):
     """``scan`` lists the newest commit first: a run rewound to an older step goes on from its own
     newest save (step-2 committed after step-6), not from the abandoned higher steps; manifests without ``seq``
@@ -204,6 +220,28 @@ def test_resume_order_is_the_commit_order_not_the_step(tmp_path):
         (folder / stepfolders.MANIFEST).write_text(json.dumps({"format": 1, "files": {}, "seq": seq}))
     assert [p.name for p in stepfolders.scan(tmp_path)[0]] == ["step-2", "step-6", "step-4", "step-10", "step-8"]
     assert stepfolders.next_seq(tmp_path) == 5 and stepfolders.next_seq(tmp_path / "none") == 1
+
+
+def test_a_manifest_altered_where_it_still_parses_is_damage_tried_last(tmp_path):
+    """A flipped bit in a manifest's ``seq`` (4 -> 6) still parses and passes every file check, and would make the
+    resume pick that older step over the newer one: the manifest's checksum of its own body makes it damage,
+    named in a note and tried last. A manifest without that checksum (written before it) is read as before."""
+    from framework.persist import stepfolders
+
+    for step, seq in ((8, 4), (10, 5)):
+        (tmp_path / f"step-{step}").mkdir()
+        stepfolders.write_manifest(tmp_path / f"step-{step}", {}, step=step, seq=seq)
+    path = tmp_path / "step-8" / stepfolders.MANIFEST
+    path.write_text(path.read_text().replace('"seq": 4', '"seq": 6'))
+    found, notes = stepfolders.scan(tmp_path)
+    assert [p.name for p in found] == ["step-10", "step-8"]
+    assert len(notes) == 1 and "step-8" in notes[0] and "does not match its own sha256" in notes[0], notes
+    with pytest.raises(CheckpointError, match="does not match its own sha256 checksum"):
+        stepfolders.read_manifest(tmp_path / "step-8")
+    older = {"format": 1, "files": {}, "seq": 6}   # no checksum of its own: an older version's manifest
+    path.write_text(json.dumps(older))
+    assert stepfolders.read_manifest(tmp_path / "step-8") == older
+    assert [p.name for p in stepfolders.scan(tmp_path)[0]] == ["step-8", "step-10"]
 
 
 # --- strict swap-extent checks ----------------------------------------------------------------------

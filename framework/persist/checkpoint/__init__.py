@@ -363,7 +363,7 @@ def restore(root: Path) -> None:
     if not root.is_dir() or root.is_symlink():
         return
     try:
-        stepfolders.restore(root, aside_only=True)
+        stepfolders.restore(root)
     except OSError as e:   # e.g. a folder this user may only read: resumed from what is there, said
         print(f"checkpoint: cannot restore an interrupted save's step folder in {root} ({e.strerror or e}); "
               "looking at the committed ones only", flush=True)
@@ -405,7 +405,7 @@ def candidates(resume: str, root: Path, sweep_dir: Path | None = None, owned: Pa
         if mine(path.parent):
             restore(path.parent)
         else:
-            path = next((p for p, final in stepfolders.interrupted(path.parent, aside_only=True) if final == path),
+            path = next((p for p, final in stepfolders.interrupted(path.parent) if final == path),
                         path)
     if (path / stepfolders.MANIFEST).is_file() or (path / stepfolders.TRAIN_STATE).exists():
         return [path], []

@@ -297,7 +297,7 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
                                    config_hash=meta["config_hash"], verified=True, seq=stepfolders.next_seq(root))
         late = stepfolders.commit(tmp, final, point)
         try:
-            gone, left = stepfolders.prune(root, final, snap["keep_last"])
+            gone, left = stepfolders.prune(root, final, snap["keep_last"], point)
             failed = left and f"could not delete all of {', '.join(map(str, left))}; the next save tries again"
         except (OSError, FrameworkError) as e:   # committed already: the older folders are left for the next save
             gone, failed = [], f"deleting the older checkpoints failed ({getattr(e, 'strerror', None) or e})"
