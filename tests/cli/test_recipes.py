@@ -336,6 +336,9 @@ def test_memory_scaling_check_against_the_formula():
     res = recipes.evaluate(jobs, {"checks": [{**want[0], "worlds": [2, 4]}, want[0]]})
     assert [r["passed"] for r in res] == [True, False], [r["message"] for r in res]
     assert "from world 2 to 4" in res[0]["message"] and res[0]["ratio"] == pytest.approx(1.0)
+    # A replicated stage whose memory grew by under half a MiB saved 0 MiB (not "-0").
+    [res] = recipes.evaluate([_job("ddp", 1, 116), _job("ddp", 4, 116.3)], {"checks": [want[1]]})
+    assert "measured 0 MiB, ZeRO formula 0 MiB" in res["message"], res["message"]
 
 
 def test_hf_gpt2_zero3_quick(tmp_path, capsys):
