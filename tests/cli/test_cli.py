@@ -572,19 +572,23 @@ def test_two_local_ranks(forkrun, tmp_path):
 def test_torchrun_multirun_reuses_group(forkrun, tmp_path):
     """Each rank names the sweep folder itself (here by its RANK, as ${now} may differ): rank 0's is the
     sweep's, and another rank's is removed (its jobs' folders, and the multirun.yaml Hydra wrote there).
-    Hydra's own lines ("Launching 2 jobs locally", "#0 : ...") are rank 0's alone. (torchrun is its script's
-    ``torch.distributed.run``, forked from the fork server; the ranks it starts are fresh processes.)"""
+    Hydra's own lines ("Launching 2 jobs locally", "#0 : ...") are rank 0's alone. Job 0 diverges (lr 1e9): the
+    non-finite stop, decided on the all-reduced norm, is every rank's alike, so the ranks go on to job 1 together
+    and rank 0 counts job 0 at the end. (torchrun is its script's ``torch.distributed.run``, forked from the fork
+    server; the ranks it starts are fresh processes.)"""
     p = forkrun.run("torch.distributed.run", ["--standalone", "--nproc-per-node", "2", "-m", "framework.train", "-m",
-                                              "optimizer=adamw,sgd", *SHORT,
+                                              "optimizer=adamw", "optimizer.lr=1e9,1e-3", *SHORT,
                                               f"hydra.sweep.dir={tmp_path}/${{oc.env:RANK}}/sweep"],
                     cwd=tmp_path, env=ENV, timeout=240)
-    assert p.returncode == 0, p.stderr[-3000:]
-    for i in (0, 1):
-        summary = json.loads((tmp_path / "0" / "sweep" / str(i) / "summary.json").read_text())
-        assert summary["world"] == 2
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert not (tmp_path / "0" / "sweep" / "0" / "summary.json").exists()
+    assert json.loads((tmp_path / "0" / "sweep" / "1" / "summary.json").read_text())["world"] == 2
     assert not (tmp_path / "1" / "sweep").exists()
     said = p.stdout + p.stderr
-    assert said.count("Launching 2 jobs locally") == 1 and said.count("#1 : optimizer=sgd") == 1, said[-3000:]
+    assert said.count("Launching 2 jobs locally") == 1 and said.count("#1 : optimizer=adamw optimizer.lr=0.001") == 1, (
+        said[-3000:])
+    assert said.count("the global gradient norm nan") == 2 and said.count(
+        f"error: 1 job of the sweep failed (its error is above): job 0 ({tmp_path}/0/sweep/0)") == 1, said[-3000:]
     record = (tmp_path / "0" / "sweep" / "multirun.yaml").read_text()
     assert "hydra_logging=disabled" not in record and "hydra/hydra_logging: default" in record, record
 
