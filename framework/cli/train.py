@@ -64,6 +64,7 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset
     """Each job's overrides (sweeps expanded as Hydra's basic sweeper does; None for info flags and a line Hydra
     refuses), the primary config, the key of the folder Hydra makes, and the keys the command line fixes."""
     args, unknown = _parser().parse_known_args(argv)
+    _check_one_run(argv, args.overrides)
     if args.config_path is not None:   # Hydra's would replace conf/ (every group) and be read from framework/cli/
         raise ConfigError(f"--config-path {args.config_path}: not supported (Hydra would replace the framework's "
                           f"conf/ with it, read relative to framework/cli/); use --config-dir {args.config_path} "
@@ -103,6 +104,22 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(*names)
     parser.add_argument("--info", "-i", nargs="?", const="all")
     return parser
+
+
+def _check_one_run(argv: list[str], first: list[str]) -> None:
+    """One line for overrides on both sides of a flag (``a=1 -m b=2``), where Hydra's parser, taking the overrides
+    as one run of words, prints its usage and blames a valid override; ``first``: the first run's overrides."""
+    every, _ = _parser().parse_known_intermixed_args(argv)
+    if len(every.overrides) <= len(first):
+        return
+    valued = {name for names in VALUED for name in names}
+    end = next(i + len(first) for i in range(len(argv)) if argv[i:i + len(first)] == first
+               and (i == 0 or argv[i - 1] not in valued))
+    later = every.overrides[len(first)]
+    start = next(j for j in range(end, len(argv)) if argv[j] == later and argv[j - 1] not in valued)
+    flags = " ".join(argv[end:start])
+    raise ConfigError(f"{flags} between the overrides {first[-1]} and {later}: Hydra reads the overrides as one run "
+                      f"of words; put {flags} before or after all of them")
 
 
 def _one_command(args: argparse.Namespace) -> None:
