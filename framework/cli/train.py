@@ -433,6 +433,16 @@ def _sweep_goes_on(e: Exception) -> bool:
                                              and not isinstance(e, DistributedError))
 
 
+def _refused(e: FrameworkError, n: int, overrides: list[str], fixed: frozenset[str], count: int) -> FrameworkError:
+    """``e`` of job ``n`` of a sweep of ``count`` jobs, composed before the first runs: named by its swept overrides
+    and saying that no job ran (one bad value of a swept list refuses the whole sweep)."""
+    if count < 2:
+        return e
+    mine = " ".join(o.input_line for o in parse_overrides(overrides)
+                    if o.key_or_group not in fixed and not o.is_hydra_override())
+    return ConfigError(f"sweep job {n}{f' ({mine})' if mine else ''}: {e}; no job of the sweep ran")
+
+
 def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
     """The ranks of each job of a sweep on Hydra's submitit launcher (Slurm's or the local one: nodes x
     tasks_per_node), over which a DeepSpeed file's batch is divided; None for another launcher or one task."""
@@ -458,8 +468,11 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
         composer = functools.partial(standalone_composer, **primary)
         # (read only by a job with a DeepSpeed file: a sweep without one composes no extra config for it)
         world = functools.cache(lambda: _sweep_world(jobs[0], folder, composer))
-        for overrides in jobs or []:   # fail fast, before any run directory or process exists
-            cfg, config = compose_layers(overrides, world=world, composer=composer)
+        for n, overrides in enumerate(jobs or []):   # fail fast, before any run directory or process exists
+            try:
+                cfg, config = compose_layers(overrides, world=world, composer=composer)
+            except FrameworkError as e:
+                raise _refused(e, n, overrides, fixed, len(jobs)) from None
             configs[_key(overrides)] = config
             composed.append((overrides, cfg, config))
             # The file's group choices go to Hydra's run too: those all the jobs share.
