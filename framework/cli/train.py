@@ -58,6 +58,7 @@ SWITCHES = (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",),
             ("--multirun", "-m"), ("--shell-completion", "-sc"))
 VALUED = (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"),
           ("--config-dir", "-cd"), ("--experimental-rerun",))
+VALUED_NAMES = frozenset(name for names in VALUED for name in names)
 
 
 def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset[str]]:
@@ -107,19 +108,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_one_run(argv: list[str], first: list[str]) -> None:
-    """One line for overrides on both sides of a flag (``a=1 -m b=2``), where Hydra's parser, taking the overrides
-    as one run of words, prints its usage and blames a valid override; ``first``: the first run's overrides."""
+    """One line for a flag between overrides (``a=1 -m b=2``), where Hydra's parser, taking the overrides as one
+    run of words, prints its usage blaming a valid override; ``first``: the first run's overrides."""
     every, _ = _parser().parse_known_intermixed_args(argv)
-    if len(every.overrides) <= len(first):
-        return
-    valued = {name for names in VALUED for name in names}
-    end = next(i + len(first) for i in range(len(argv)) if argv[i:i + len(first)] == first
-               and (i == 0 or argv[i - 1] not in valued))
-    later = every.overrides[len(first)]
-    start = next(j for j in range(end, len(argv)) if argv[j] == later and argv[j - 1] not in valued)
-    flags = " ".join(argv[end:start])
-    raise ConfigError(f"{flags} between the overrides {first[-1]} and {later}: Hydra reads the overrides as one run "
-                      f"of words; put {flags} before or after all of them")
+    if len(every.overrides) > len(first):
+        later = every.overrides[len(first)]
+        end = next(i + len(first) for i in range(len(argv))
+                   if argv[i:i + len(first)] == first and (i == 0 or argv[i - 1] not in VALUED_NAMES))
+        flags = " ".join(argv[end:argv.index(later, end)])
+        raise ConfigError(f"{flags} between the overrides {first[-1]} and {later}: Hydra reads the overrides as one "
+                          f"run of words; put {flags} before or after all of them")
 
 
 def _one_command(args: argparse.Namespace) -> None:
@@ -141,9 +139,8 @@ def with_added(argv: list[str], added: list[str]) -> list[str]:
     they override: Hydra's parser takes the overrides as one run of words, which a flag may follow (``... -m``)."""
     args, _ = _parser().parse_known_args(argv)
     n = len(args.overrides)
-    valued = {name for names in VALUED for name in names}
     ends = [i + n for i in range(len(argv) - n + 1)   # (a flag's value is none of them: -cn a=1 a=1)
-            if n and argv[i:i + n] == args.overrides and (i == 0 or argv[i - 1] not in valued)]
+            if n and argv[i:i + n] == args.overrides and (i == 0 or argv[i - 1] not in VALUED_NAMES)]
     end = ends[-1] if ends else len(argv)
     return [*argv[:end], *added, *argv[end:]]
 
@@ -434,13 +431,10 @@ def _sweep_goes_on(e: Exception) -> bool:
 
 
 def _refused(e: FrameworkError, n: int, overrides: list[str], fixed: frozenset[str], count: int) -> FrameworkError:
-    """``e`` of job ``n`` of a sweep of ``count`` jobs, composed before the first runs: named by its swept overrides
-    and saying that no job ran (one bad value of a swept list refuses the whole sweep)."""
-    if count < 2:
-        return e
-    mine = " ".join(o.input_line for o in parse_overrides(overrides)
-                    if o.key_or_group not in fixed and not o.is_hydra_override())
-    return ConfigError(f"sweep job {n}{f' ({mine})' if mine else ''}: {e}; no job of the sweep ran")
+    """``e`` of job ``n`` of ``count``, composed before the first runs: named by its swept overrides, saying no job ran."""
+    mine = " ".join(o.input_line for o in parse_overrides(overrides) if o.key_or_group not in fixed
+                    and not o.is_hydra_override())
+    return e if count < 2 else ConfigError(f"sweep job {n}{f' ({mine})' if mine else ''}: {e}; no job of the sweep ran")
 
 
 def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
