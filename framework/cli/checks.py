@@ -185,8 +185,9 @@ def _memory(jobs, c: dict) -> dict:
     saved = (measured_memory(lo) - measured_memory(hi)) / MiB
     f_saved = (zero_model_state_bytes(stage, lo.summary["params"], wl, prec)
                - zero_model_state_bytes(stage, hi.summary["params"], wh, prec)) / MiB
-    head = (f"{stage}: per-rank memory saved from world {wl} to {wh}: measured {saved:,.0f} MiB, "
-            f"ZeRO formula {f_saved:,.0f} MiB")
+    # (rounded to whole MiB as ints: a saving of -0.3 MiB reads 0, not -0)
+    head = (f"{stage}: per-rank memory saved from world {wl} to {wh}: measured {round(saved):,} MiB, "
+            f"ZeRO formula {round(f_saved):,} MiB")
     if f_saved <= 0:   # replicated: nothing to save; the measured change must stay small
         limit = float(c["max_change"]) * measured_memory(lo) / MiB
         return {"check": c, "passed": abs(saved) <= limit, "saved_mib": saved,

@@ -4,16 +4,18 @@
     python -m framework.report multirun/2026-12-01/10-00-00 --out docs/  # or somewhere else
 
 Every job folder under the given one (any depth) with a ``summary.json`` or Hydra's overrides is a
-row (one without a summary failed or is running), and so is the given folder itself when it is one
-run's (Hydra's overrides, no job below); ``loss.png`` and ``throughput_memory.png`` plot the losses,
+row (one without a summary is running while a run holds its run.lock, else failed: its train.log's last
+error line), and so is the given folder itself when it is one run's (Hydra's overrides, no job below); ``loss.png`` and ``throughput_memory.png`` plot the losses,
 tokens/s and measured peak memory. Needs matplotlib (``pip install 'framework[report]'``).
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import io
 import json
 import math
+import os
 import re
 import sys
 import textwrap
@@ -23,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from framework.cli import fail
+from framework.cli.launch import RUN_LOCK
 from framework.config.dsconfig import COMMAND_LINE
 from framework.config.schema import get_key
 from framework.core.registry import GROUPS
@@ -195,6 +198,32 @@ def common_overrides(jobs: list[Job]) -> list[str]:
     return [o for o in jobs[0].overrides if o in shared]
 
 
+def unfinished(folder: Path, width: int = 80) -> str:
+    """Why a job folder has no summary.json: "running" while a run holds its run.lock, else "failed" with the last
+    ``error:`` line of its train.log (cut to ``width``); "failed or running" where the lock cannot be tried."""
+    try:
+        fd = files.open_nofollow(folder / RUN_LOCK, os.O_RDONLY)
+    except (OSError, FrameworkError):   # none (a run refused before it owned the folder) or a link in its place
+        fd = None
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)   # (released as it is closed)
+        except BlockingIOError:
+            return "running"
+        except OSError:   # a file system without locks
+            return "failed or running"
+        finally:
+            os.close(fd)
+    try:
+        lines = (folder / "train.log").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    error = next((line.removeprefix("error: ") for line in reversed(lines) if line.startswith("error: ")), None)
+    if error is None:
+        return "failed"
+    return f"failed: {error if len(error) <= width else error[:width - 3].rstrip() + '...'}"
+
+
 def markdown_table(jobs: list[Job], root: Path) -> str:
     """One row per job (its own overrides; the shared ones go above the table); memory: the largest over its ranks."""
     device = ("peak_device_allocated_bytes", "peak_device_reserved_bytes")
@@ -208,7 +237,7 @@ def markdown_table(jobs: list[Job], root: Path) -> str:
         ov = " ".join(f"`{o}`" for o in j.overrides if o not in common) or "-"
         s = j.summary
         if s is None:
-            cells = [name, ov, "no summary.json (failed or running)", *["-"] * (len(head) - 3)]
+            cells = [name, ov, f"no summary.json ({unfinished(j.dir)})", *["-"] * (len(head) - 3)]
         else:
             mib = [j.peak(), j.added(), *(j.peak(k) for k in device if cuda)]
             # (a job resumed at its last step trained nothing: its numbers are those of the state it loaded)

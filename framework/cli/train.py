@@ -58,12 +58,14 @@ SWITCHES = (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",),
             ("--multirun", "-m"), ("--shell-completion", "-sc"))
 VALUED = (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"),
           ("--config-dir", "-cd"), ("--experimental-rerun",))
+VALUED_NAMES = frozenset(name for names in VALUED for name in names)
 
 
 def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset[str]]:
     """Each job's overrides (sweeps expanded as Hydra's basic sweeper does; None for info flags and a line Hydra
     refuses), the primary config, the key of the folder Hydra makes, and the keys the command line fixes."""
     args, unknown = _parser().parse_known_args(argv)
+    _check_one_run(argv, args.overrides)
     if args.config_path is not None:   # Hydra's would replace conf/ (every group) and be read from framework/cli/
         raise ConfigError(f"--config-path {args.config_path}: not supported (Hydra would replace the framework's "
                           f"conf/ with it, read relative to framework/cli/); use --config-dir {args.config_path} "
@@ -105,6 +107,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_one_run(argv: list[str], first: list[str]) -> None:
+    """One line for a flag between overrides (``a=1 -m b=2``), where Hydra's parser, taking the overrides as one
+    run of words, prints its usage blaming a valid override; ``first``: the first run's overrides."""
+    every, _ = _parser().parse_known_intermixed_args(argv)
+    if len(every.overrides) > len(first):
+        later = every.overrides[len(first)]
+        end = next(i + len(first) for i in range(len(argv))
+                   if argv[i:i + len(first)] == first and (i == 0 or argv[i - 1] not in VALUED_NAMES))
+        flags = " ".join(argv[end:argv.index(later, end)])
+        raise ConfigError(f"{flags} between the overrides {first[-1]} and {later}: Hydra reads the overrides as one "
+                          f"run of words; put {flags} before or after all of them")
+
+
 def _one_command(args: argparse.Namespace) -> None:
     """One line where Hydra would refuse its commands together with a traceback (``--cfg job`` with ``--run``
     aside: the config is printed here, Hydra never sees it)."""
@@ -124,9 +139,8 @@ def with_added(argv: list[str], added: list[str]) -> list[str]:
     they override: Hydra's parser takes the overrides as one run of words, which a flag may follow (``... -m``)."""
     args, _ = _parser().parse_known_args(argv)
     n = len(args.overrides)
-    valued = {name for names in VALUED for name in names}
     ends = [i + n for i in range(len(argv) - n + 1)   # (a flag's value is none of them: -cn a=1 a=1)
-            if n and argv[i:i + n] == args.overrides and (i == 0 or argv[i - 1] not in valued)]
+            if n and argv[i:i + n] == args.overrides and (i == 0 or argv[i - 1] not in VALUED_NAMES)]
     end = ends[-1] if ends else len(argv)
     return [*argv[:end], *added, *argv[end:]]
 
@@ -416,6 +430,13 @@ def _sweep_goes_on(e: Exception) -> bool:
                                              and not isinstance(e, DistributedError))
 
 
+def _refused(e: FrameworkError, n: int, overrides: list[str], fixed: frozenset[str], count: int) -> FrameworkError:
+    """``e`` of job ``n`` of ``count``, composed before the first runs: named by its swept overrides, saying no job ran."""
+    mine = " ".join(o.input_line for o in parse_overrides(overrides) if o.key_or_group not in fixed
+                    and not o.is_hydra_override())
+    return e if count < 2 else ConfigError(f"sweep job {n}{f' ({mine})' if mine else ''}: {e}; no job of the sweep ran")
+
+
 def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
     """The ranks of each job of a sweep on Hydra's submitit launcher (Slurm's or the local one: nodes x
     tasks_per_node), over which a DeepSpeed file's batch is divided; None for another launcher or one task."""
@@ -443,8 +464,11 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
         composer = functools.partial(standalone_composer, **primary)
         # (read only by a job with a DeepSpeed file: a sweep without one composes no extra config for it)
         world = functools.cache(lambda: _sweep_world(jobs[0], folder, composer))
-        for overrides in jobs or []:   # fail fast, before any run directory or process exists
-            cfg, config = compose_layers(overrides, world=world, composer=composer)
+        for n, overrides in enumerate(jobs or []):   # fail fast, before any run directory or process exists
+            try:
+                cfg, config = compose_layers(overrides, world=world, composer=composer)
+            except FrameworkError as e:
+                raise _refused(e, n, overrides, fixed, len(jobs)) from None
             configs[_key(overrides)] = config
             composed.append((overrides, cfg, config))
             # The file's group choices go to Hydra's run too: those all the jobs share.

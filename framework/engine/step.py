@@ -21,7 +21,7 @@ from torch import nn
 
 from framework.core.batch import Batch
 from framework.comm.distributed import Dist
-from framework.core.errors import DataError, TrainingError
+from framework.core.errors import DataError, TrainingError, on_every_rank
 from framework.core.utils import counted, dtype_name, few
 from framework.precision import Policy, next_scale
 from framework.stages.base import BaseStage
@@ -203,9 +203,10 @@ def _nonfinite(c: Components, step: int, loss: float, norm: float, names: list[s
     """``names``: parameters with non-finite gradients; ``skipped``: the steps skipped so far, this one too."""
     what = (f"step {step}: the loss is {loss:g} and the global gradient norm {norm:g} (non-finite; non-finite "
             f"gradients in: {few(names, 8, str) or 'none'})")
-    if c.on_nonfinite != "warn":
-        raise TrainingError(f"{what}; stopping before the update, nothing of this step is saved. Lower the "
-                            f"learning rate or check the data; train.on_nonfinite=warn skips such steps instead")
+    if c.on_nonfinite != "warn":   # (decided on the all-reduced norm and loss: every rank stops here alike)
+        raise on_every_rank(TrainingError(f"{what}; stopping before the update, nothing of this step is saved. "
+                                          f"Lower the learning rate or check the data; train.on_nonfinite=warn skips "
+                                          f"such steps instead"))
     if c.dist.rank == 0:
         print(f"warning: {what}; update skipped ({skipped} skipped step{'s' if skipped != 1 else ''} so far), "
               f"no checkpoint of this step (train.on_nonfinite=warn)", file=sys.stderr, flush=True)

@@ -85,6 +85,11 @@ def test_the_val_loss_does_not_depend_on_the_micro_batch_split(forkrun, tmp_path
     (["-m", "optimizer.lr=range(1,1)"], "optimizer.lr=range(1,1): the sweep has no value (range(start, stop[, step])"),
     (["-m", "optimizer.lr=range(0,1,0)"], "optimizer.lr=range(0,1,0): a range's step must not be 0"),
     (["-m", "train.steps=range(1.5,3,0)"], "train.steps=range(1.5,3,0): a range's step must not be 0"),
+    # every job is composed before the first runs: one bad value of a swept list refuses the sweep, and says so
+    (["-m", "+stage=ddp", "offload=none,cpu"], "sweep job 1 (offload=cpu): config: offload=cpu is not supported "
+                                               "with stage=ddp; valid: "),
+    (["-m", "optimizer.lr=1e-3,abc"], "sweep job 1 (optimizer.lr=abc): config: optimizer.lr: Value 'abc' of type "
+                                      "'str' could not be converted to Float; no job of the sweep ran"),
     # a hydra.* typo: the closest of Hydra's keys (its own advice, +KEY, adds a key nothing reads)
     (["hydra.run.dri=X"], "unknown key 'hydra.run.dri' of Hydra's config (did you mean 'hydra.run.dir'?)"),
     (["+hydra.job.chdri=true", "train.steps=1"], "unknown key 'hydra.job.chdri' of Hydra's config (did you mean "
@@ -596,19 +601,23 @@ def test_two_local_ranks(forkrun, tmp_path):
 def test_torchrun_multirun_reuses_group(forkrun, tmp_path):
     """Each rank names the sweep folder itself (here by its RANK, as ${now} may differ): rank 0's is the
     sweep's, and another rank's is removed (its jobs' folders, and the multirun.yaml Hydra wrote there).
-    Hydra's own lines ("Launching 2 jobs locally", "#0 : ...") are rank 0's alone. (torchrun is its script's
-    ``torch.distributed.run``, forked from the fork server; the ranks it starts are fresh processes.)"""
+    Hydra's own lines ("Launching 2 jobs locally", "#0 : ...") are rank 0's alone. Job 0 diverges (lr 1e9): the
+    non-finite stop, decided on the all-reduced norm, is every rank's alike, so the ranks go on to job 1 together
+    and rank 0 counts job 0 at the end. (torchrun is its script's ``torch.distributed.run``, forked from the fork
+    server; the ranks it starts are fresh processes.)"""
     p = forkrun.run("torch.distributed.run", ["--standalone", "--nproc-per-node", "2", "-m", "framework.train", "-m",
-                                              "optimizer=adamw,sgd", *SHORT,
+                                              "optimizer=adamw", "optimizer.lr=1e9,1e-3", *SHORT,
                                               f"hydra.sweep.dir={tmp_path}/${{oc.env:RANK}}/sweep"],
                     cwd=tmp_path, env=ENV, timeout=240)
-    assert p.returncode == 0, p.stderr[-3000:]
-    for i in (0, 1):
-        summary = json.loads((tmp_path / "0" / "sweep" / str(i) / "summary.json").read_text())
-        assert summary["world"] == 2
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert not (tmp_path / "0" / "sweep" / "0" / "summary.json").exists()
+    assert json.loads((tmp_path / "0" / "sweep" / "1" / "summary.json").read_text())["world"] == 2
     assert not (tmp_path / "1" / "sweep").exists()
     said = p.stdout + p.stderr
-    assert said.count("Launching 2 jobs locally") == 1 and said.count("#1 : optimizer=sgd") == 1, said[-3000:]
+    assert said.count("Launching 2 jobs locally") == 1 and said.count("#1 : optimizer=adamw optimizer.lr=0.001") == 1, (
+        said[-3000:])
+    assert said.count("the global gradient norm nan") == 2 and said.count(
+        f"error: 1 job of the sweep failed (its error is above): job 0 ({tmp_path}/0/sweep/0)") == 1, said[-3000:]
     record = (tmp_path / "0" / "sweep" / "multirun.yaml").read_text()
     assert "hydra_logging=disabled" not in record and "hydra/hydra_logging: default" in record, record
 

@@ -16,6 +16,7 @@ import pytest
 
 from framework.cli import recipe as recipes
 from framework.cli import report
+from framework.core import files
 from framework.core.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -336,6 +337,9 @@ def test_memory_scaling_check_against_the_formula():
     res = recipes.evaluate(jobs, {"checks": [{**want[0], "worlds": [2, 4]}, want[0]]})
     assert [r["passed"] for r in res] == [True, False], [r["message"] for r in res]
     assert "from world 2 to 4" in res[0]["message"] and res[0]["ratio"] == pytest.approx(1.0)
+    # A replicated stage whose memory grew by under half a MiB saved 0 MiB (not "-0").
+    [res] = recipes.evaluate([_job("ddp", 1, 116), _job("ddp", 4, 116.3)], {"checks": [want[1]]})
+    assert "measured 0 MiB, ZeRO formula 0 MiB" in res["message"], res["message"]
 
 
 def test_hf_gpt2_zero3_quick(tmp_path, capsys):
@@ -615,6 +619,14 @@ def test_report_of_one_unfinished_run_and_check_of_a_plain_sweep(tmp_path, capsy
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
     [job] = report.load_jobs(run)
     assert (job.dir, job.summary, job.overrides, len(job.records)) == (run, None, ["train.steps=2"], 1)
+    # Its row says why: running while a run holds run.lock, else failed with train.log's last error line.
+    (run / "train.log").write_text("step 1 | loss 3.0\nerror: step 2: the loss is nan " + "x" * 100 + "\ndone?\n")
+    fd = files.lock(run / "run.lock", lambda holder: "busy", "a second run")
+    try:
+        assert "| no summary.json (running) |" in report.markdown_table([job], run)
+    finally:
+        os.close(fd)
+    assert f"| no summary.json (failed: step 2: the loss is nan {'x' * 53}...) |" in report.markdown_table([job], run)
     _crafted_job(tmp_path / "sweep" / "0")
     _crafted_job(tmp_path / "sweep" / "1")
     _one_line_error(capsys, ["zero_equivalence", "check", str(tmp_path / "sweep")], "no job folder named run*-job*")
