@@ -5,8 +5,9 @@
 
 Every job folder under the given one (any depth) with a ``summary.json`` or Hydra's overrides is a
 row (one without a summary is running while a run holds its run.lock, else failed: its train.log's last
-error line), and so is the given folder itself when it is one run's (Hydra's overrides, no job below); ``loss.png`` and ``throughput_memory.png`` plot the losses,
-tokens/s and measured peak memory. Needs matplotlib (``pip install 'framework[report]'``).
+error line), and so is the given folder itself when it is one run's (Hydra's overrides, no job below);
+``loss.png`` and ``throughput_memory.png`` plot the losses, tokens/s and measured peak memory.
+Needs matplotlib (``pip install 'framework[report]'``).
 """
 from __future__ import annotations
 

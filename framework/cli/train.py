@@ -431,7 +431,7 @@ def _sweep_goes_on(e: Exception) -> bool:
 
 
 def _refused(e: FrameworkError, n: int, overrides: list[str], fixed: frozenset[str], count: int) -> FrameworkError:
-    """``e`` of job ``n`` of ``count``, composed before the first runs: named by its swept overrides, saying no job ran."""
+    """``e`` of job ``n`` of ``count`` (composed before any runs): named by its swept overrides; no job ran."""
     mine = " ".join(o.input_line for o in parse_overrides(overrides) if o.key_or_group not in fixed
                     and not o.is_hydra_override())
     return e if count < 2 else ConfigError(f"sweep job {n}{f' ({mine})' if mine else ''}: {e}; no job of the sweep ran")
@@ -456,9 +456,7 @@ def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
 def main(on_point: Callable[[str], None] | None = None) -> None:
     """``on_point``: called at the loop's points on every rank (``loop.train``; fault tests)."""
     try:
-        # A launch environment that cannot work (a malformed or leftover launcher variable, srun tasks nothing
-        # groups): one line and a usage error's status, before Hydra makes any run or sweep folder.
-        check_env()
+        check_env()   # a launch environment that cannot work: a usage error, before any run or sweep folder
         jobs, primary, folder, fixed = _jobs(sys.argv[1:])
         configs, subdir, base, composed, chosen, exclude = {}, None, None, [], None, []
         composer = functools.partial(standalone_composer, **primary)

@@ -375,8 +375,9 @@ HYDRA_ONE = "Hydra takes one of --run, -m, --cfg, --info and --shell-completion 
     # A flag between overrides: Hydra's parser would print its usage and blame the valid override after it.
     *[(argv, f"{flags} between the overrides {a} and {b}: Hydra reads the overrides as one run of words; put {flags} "
              "before or after all of them")
-      for argv, flags, a, b in ((["optimizer=adamw", "-m", "train.steps=2,3"], "-m", "optimizer=adamw", "train.steps=2,3"),
-                                (["-m", "a=1", "--cfg", "job", "b=2"], "--cfg job", "a=1", "b=2"))],
+      for argv, flags, a, b in (
+          (["optimizer=adamw", "-m", "train.steps=2,3"], "-m", "optimizer=adamw", "train.steps=2,3"),
+          (["-m", "a=1", "--cfg", "job", "b=2"], "--cfg job", "a=1", "b=2"))],
 ])
 def test_hydra_commands_given_together_are_one_line(argv, line):
     """Hydra refuses them with a traceback (--help advertises --cfg job; a sweep's user tries it with -m)."""
@@ -386,7 +387,8 @@ def test_hydra_commands_given_together_are_one_line(argv, line):
         _jobs(argv)
     assert str(e.value) == line
     assert _jobs(["--cfg", "hydra"])[0] is None   # one command: Hydra prints it
-    assert _jobs(["-cn", "train", "optimizer=adamw", "train.steps=2", "-m"])[0] == [["optimizer=adamw", "train.steps=2"]]
+    flags_after = _jobs(["-cn", "train", "optimizer=adamw", "train.steps=2", "-m"])[0]
+    assert flags_after == [["optimizer=adamw", "train.steps=2"]]
 
 
 def test_cfg_job_package_of_a_null_key_shows_null(capsys):
