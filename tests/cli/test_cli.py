@@ -74,7 +74,7 @@ def test_the_val_loss_does_not_depend_on_the_micro_batch_split(forkrun, tmp_path
     (["train.stpes=10"], "did you mean 'train.steps'"),
     (["optimizer.betas1=0.9"], "did you mean 'optimizer.beta1'"),
     (["train.steps=ten"], "train.steps"),
-    (["+stage=zero4"], "unknown stage 'zero4' (did you mean 'zero3'?)"),
+    (["+stage=zero4"], "unknown stage 'zero4' (did you mean 'zero1', 'zero2' or 'zero3'?)"),
     (["model=gpt-nono"], "unknown model 'gpt-nono' (did you mean 'gpt-nano'?)"),
     (["logger=wandb", "logger.project=my/proj"], "logger.project='my/proj' has a character W&B refuses"),
     (["-m", "optimizer.lr=interval(0.1,0.2)"], "needs a sweeper that samples"),
