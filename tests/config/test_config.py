@@ -132,6 +132,8 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
     (["optimizer=true"], "unknown optimizer 'true'"), (["data=1.5"], "unknown data '1.5'"),
     (["optimizer=[adamw]"], "optimizer=[adamw]: a config group takes one name, not a list; give optimizer=NAME"),
     (["+stage=[zero1]"], "a config group takes one name, not a list; give +stage=NAME"),
+    # Hydra's own advice here (override stage: zero2) is defaults-list syntax, not a command line's
+    (["+stage=zero3", "+stage=zero2"], "config: stage given twice (+stage=zero3, +stage=zero2): give +stage=NAME once"),
     # keys as YAML spells them: the schema's field async_ (a Python keyword) is checkpoint.async
     (["checkpoint.foo=1"], "unknown key 'checkpoint.foo'; valid keys under checkpoint: dir, every, keep_last, resume, "
                            "async, timeout_s"),
