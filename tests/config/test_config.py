@@ -181,6 +181,8 @@ def test_nvme_schema_resolves_params_auto_per_stage():
 
 @pytest.mark.parametrize("overrides,needle", [
     (["offload=nvme"], "offload=nvme is not supported with stage=ddp"),
+    # no stage chosen: the fix is choosing one, as +stage= (stage=zero3 is a second error)
+    (["offload=cpu"], "stage zero3 with offload none|cpu|nvme; add +stage=zero1, +stage=zero2 or +stage=zero3"),
     (["+stage=zero2", "offload=nvme", "offload.params=nvme"], "offload.params=nvme (parameter offload) needs +stage=zero3"),
     (["+stage=zero2", "offload=nvme", "offload.optimizer=cpu"], "puts nothing on NVMe; use offload=cpu"),
     (["+stage=zero3", "offload=nvme", "offload.optimizer=disk"], "offload.optimizer must be cpu or nvme"),
