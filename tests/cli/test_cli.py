@@ -117,6 +117,7 @@ def test_help_shows_how_to_compose_a_job(forkrun, tmp_path):
     for module in ("estimate", "plan", "recipe", "export", "report", "ops"):
         p = forkrun.run(f"framework.{module}", ["--help"], cwd=tmp_path, timeout=60)
         assert p.returncode == 0 and "python -m framework." in p.stdout and "``" not in p.stdout, (module, p.stdout)
+        assert module != "report" or "a Hydra multirun folder (hydra.sweep.dir" in p.stdout, p.stdout
 
 
 @pytest.mark.parametrize("env", [{"WORLD_SIZE": "2x"}, {"LOCAL_WORLD_SIZE": "x"},
