@@ -15,6 +15,19 @@ real device).
 
 The command line (``python -m framework.train``) composes the same components with Hydra.
 """
+import importlib.util
+import sys
+
+if importlib.util.find_spec("torch") is None:
+    # The likeliest first mistake (a python outside the project's venv): one line, not a traceback from
+    # deep in an import. Under ``python -m framework.X`` (argv[0] is "-m" while the package loads) that is
+    # the command's error and exit 1; ``import framework`` in a program raises, for that program to handle.
+    _why = (f"torch is not installed for {sys.executable}: run `make setup`, then `. .venv/bin/activate` "
+            f"(or run .venv/bin/python)")
+    if sys.argv[:1] == ["-m"]:
+        raise SystemExit(f"error: {_why}")
+    raise ImportError(_why)
+
 from framework.engine.build import Engine, initialize
 from framework.config import Config, compose
 from framework.core.errors import ConfigError, DataError, DistributedError, FrameworkError, TrainingError

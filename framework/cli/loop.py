@@ -162,7 +162,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         if t.on_nonfinite == "stop" and not cfg.checkpoint.every and engine.components.stage.weights_on_save():
             ckpt.check_finite(state, f"not exporting model_16bit at step {state.step}")
         if save_on_model_save(engine, run.run_dir / "model_16bit") is not None:
-            summary["exported"] = "model_16bit"
+            summary["exported"], summary["exported_dtype"] = "model_16bit", engine.components.policy.name
         logger.finish(summary)
         return summary
     except KeyboardInterrupt:   # Ctrl-C: one line with the last finished step (the CLI prints it)

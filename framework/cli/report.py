@@ -419,7 +419,8 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m framework.report",
                                  description="Markdown table and PNG plots of a Hydra multirun folder")
-    ap.add_argument("multirun_dir", type=Path)
+    ap.add_argument("multirun_dir", type=Path, help="a Hydra multirun folder (hydra.sweep.dir: what a -m run wrote, "
+                                                    "multirun/<date>/<time> by default), e.g. multirun/opt-lr")
     ap.add_argument("--out", type=Path, default=None, help="where to write (default: the multirun folder)")
     ap.add_argument("--title", default=None)
     args = ap.parse_args(argv)

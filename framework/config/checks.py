@@ -126,7 +126,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str], *, final: bo
     for prefix, node in (("", root), *((f"{group}.", node) for group, node in nodes.items())):
         _check_numbers(node, prefix)
     _check_values(root)
-    check_compatible(chosen["stage"], chosen["offload"])
+    check_compatible(chosen["stage"], chosen["offload"], defaulted=not choices.get("stage"))
     if root.checkpoint.async_ and chosen["offload"] == "nvme":
         raise ConfigError("config: checkpoint.async=true has no effect with offload=nvme (a swapped state is saved "
                           "from its swap files on the training thread: a background save would need a host copy of "
@@ -244,10 +244,14 @@ def _check_values(root: RootSchema) -> None:
                           "or remove ds_config_strict")
 
 
-def check_compatible(stage: str, offload: str) -> None:
+def check_compatible(stage: str, offload: str, defaulted: bool = False) -> None:
+    """``defaulted``: no stage was chosen, so the fix is choosing one, as +stage= (stage=zero3, after the
+    table's "stage zero3", is a second error: the group has no default to override)."""
     if offload not in COMPATIBLE.get(stage, ()):
         combos = "; ".join(f"stage {s} with offload {'|'.join(o)}" for s, o in COMPATIBLE.items())
-        raise ConfigError(f"config: offload={offload} is not supported with stage={stage}; valid: {combos}")
+        fix = " or ".join(", ".join(f"+stage={s}" for s, o in COMPATIBLE.items() if offload in o).rsplit(", ", 1))
+        raise ConfigError(f"config: offload={offload} is not supported with stage={stage}; valid: {combos}"
+                          f"{f'; add {fix}' if defaulted and fix else ''}")
 
 
 def check_batch_world(cfg: Config, world: int) -> None:

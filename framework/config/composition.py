@@ -93,8 +93,18 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
             cfg = hydra_compose(name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         # (Hydra raises a bare ValueError for a group choice that is not a name)
-        raise ConfigError("config: " + " ".join(str(e).split())) from None
+        raise ConfigError("config: " + (_given_twice(str(e), overrides) or " ".join(str(e).split()))) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
+
+
+def _given_twice(message: str, overrides: list[str]) -> str:
+    """Hydra's advice for one group added twice (``override stage: zero2``) is defaults-list syntax, which
+    no command line takes; the command-line fix is to give the group once. Empty: another message."""
+    if (m := re.match(r"Multiple values for ([\w/]+)\.", message)) is None:
+        return ""
+    group = m.group(1)
+    given = ", ".join(o for o in overrides if o.lstrip("+~").split("=", 1)[0].removeprefix("/") == group)
+    return f"{group} given twice{f' ({given})' if given else ''}: give +{group}=NAME once"
 
 
 def _check_hydra_keys(overrides: list[str]) -> None:

@@ -67,26 +67,33 @@ class Registry:
 def closest(name: str, valid, cutoff: float = 0.5, aliases: Mapping[str, str] | None = None) -> str | None:
     """The valid name closest to a mistyped one (None: nothing close): every "did you mean" comes from here.
     ``aliases``: other tools' names (lower case) for valid ones, which no spelling distance finds."""
+    return next(iter(closest_all(name, valid, cutoff, aliases)), None)
+
+
+def closest_all(name: str, valid, cutoff: float = 0.5, aliases: Mapping[str, str] | None = None) -> list[str]:
+    """Every valid name as close as the closest one (empty: nothing close). A tie is named whole:
+    picking one (shakespeare_char: _gpu, not _cpu) would point a user at whichever name sorts last."""
     valid, name = [str(v) for v in valid], str(name)
     if name in valid:   # (before the aliases: a key of that very name beats another tool's meaning)
-        return name
+        return [name]
     if (alias := (aliases or {}).get(name.lower())) in valid:
-        return alias
+        return [alias]
     # Another case or CamelCase names the one meant before any spelling distance (AdamW: adamw, not adam;
     # WarmupCosineLR: warmup_cosine_lr, not warmup_cosine).
     folded = {v.lower(): v for v in valid}
     snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
     if (same := folded.get(name.lower()) or folded.get(snake)) is not None:
-        return same
-    # Of the close ones, one that starts with what was typed first (gpt2: gpt2-small, not gpt-1b).
+        return [same]
+    # Of the close ones, those that start with what was typed first (gpt2: gpt2-small, not gpt-1b).
     near = difflib.get_close_matches(name.lower(), folded, n=max(1, len(folded)), cutoff=cutoff)
-    match = next((m for m in near if m.startswith(name.lower())), near[0] if near else None)
-    return None if match is None else folded[match]
+    near = [m for m in near if m.startswith(name.lower())] or near
+    score = {m: difflib.SequenceMatcher(None, m, name.lower()).ratio() for m in near}   # (get_close_matches' order)
+    return [folded[m] for m in near if score[m] == score[near[0]]]
 
 
 def closest_hint(name: str, valid) -> str:
-    match = closest(name, valid)
-    return f" (did you mean {match!r}?)" if match else ""
+    *most, last = sorted(closest_all(name, valid)) or [None]
+    return f" (did you mean {', '.join(repr(m) for m in most)}{' or ' if most else ''}{last!r}?)" if last else ""
 
 
 @cache

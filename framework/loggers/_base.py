@@ -335,4 +335,12 @@ def run_header(cfg, run: RunInfo, world: int, backend: str | None, device, check
             f"({backend or 'single process'}, {device}) | model {ch['model']} | data {ch['data']} | "
             f"optimizer {ch['optimizer']} | scheduler {ch['scheduler']} | {counted(t.steps, 'step')}",
             f"writes: metrics {run.run_dir / 'metrics.jsonl'} ({every(t.log_every)}) | summary "
-            f"{run.run_dir / 'summary.json'} | checkpoints {saves}; resume {c.resume}"]
+            f"{run.run_dir / 'summary.json'} | checkpoints {saves}; resume {c.resume}{_weights(cfg, run.run_dir)}"]
+
+
+def _weights(cfg, run_dir: Path) -> str:
+    """zero3's stage3_gather_16bit_weights_on_model_save exports the model at the end too: in the working dtype
+    (the precision's: fp32 under precision=fp32, whatever DeepSpeed's name for it says)."""
+    if not getattr(cfg.stage, "stage3_gather_16bit_weights_on_model_save", False):
+        return ""
+    return f" | weights {run_dir / 'model_16bit'} at the end ({cfg.choices['precision']}, the working dtype)"

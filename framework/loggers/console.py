@@ -77,6 +77,8 @@ def summary_line(s: dict) -> str:
     floor = s.get("data", {}).get("entropy_floor")
     if floor is not None and s["val_loss"] is not None:
         line += f" | entropy floor {floor:.4f} (val - floor = {s['val_loss'] - floor:+.4f} nats)"
+    if exported := s.get("exported"):   # (the run folder is the first line's)
+        line += f" | wrote {exported}/ ({s.get('exported_dtype', 'the working dtype')})"
     return line
 
 

@@ -74,7 +74,7 @@ def test_the_val_loss_does_not_depend_on_the_micro_batch_split(forkrun, tmp_path
     (["train.stpes=10"], "did you mean 'train.steps'"),
     (["optimizer.betas1=0.9"], "did you mean 'optimizer.beta1'"),
     (["train.steps=ten"], "train.steps"),
-    (["+stage=zero4"], "unknown stage 'zero4' (did you mean 'zero3'?)"),
+    (["+stage=zero4"], "unknown stage 'zero4' (did you mean 'zero1', 'zero2' or 'zero3'?)"),
     (["model=gpt-nono"], "unknown model 'gpt-nono' (did you mean 'gpt-nano'?)"),
     (["logger=wandb", "logger.project=my/proj"], "logger.project='my/proj' has a character W&B refuses"),
     (["-m", "optimizer.lr=interval(0.1,0.2)"], "needs a sweeper that samples"),
@@ -122,6 +122,7 @@ def test_help_shows_how_to_compose_a_job(forkrun, tmp_path):
     for module in ("estimate", "plan", "recipe", "export", "report", "ops"):
         p = forkrun.run(f"framework.{module}", ["--help"], cwd=tmp_path, timeout=60)
         assert p.returncode == 0 and "python -m framework." in p.stdout and "``" not in p.stdout, (module, p.stdout)
+        assert module != "report" or "a Hydra multirun folder (hydra.sweep.dir" in p.stdout, p.stdout
 
 
 @pytest.mark.parametrize("env", [{"WORLD_SIZE": "2x"}, {"LOCAL_WORLD_SIZE": "x"},

@@ -301,7 +301,7 @@ def test_steps_is_checked_and_needs_verify(capsys):
     (["data=text", "data.path=/nonexistent.txt"],   # never silently the model's vocabulary
      "memory prediction: the model is built at data=text's vocabulary, which needs its data here"),
     (["offloads=cpu,nvmee"], "plan: offloads: unknown value 'nvmee' (did you mean 'nvme'?)"),
-    (["stages=zero2,zero4"], "plan: stages: unknown value 'zero4' (did you mean 'zero3'?)"),
+    (["stages=zero2,zero4"], "plan: stages: unknown value 'zero4' (did you mean 'zero1', 'zero2' or 'zero3'?)"),
     (["checkpointing=maybe"], "plan: checkpointing: unknown value 'maybe'"),
     (["gpu_mem=-8G"], "plan: gpu_mem=-8G must be > 0"),
     (["gpu_mem=0"], "plan: gpu_mem=0 must be > 0"),

@@ -572,3 +572,15 @@ def test_an_optimizer_of_ones_own_is_refused_in_one_line_without_lr_and_decay_1d
     assert cfg.optimizer.lr == 1e-2
     summary = launch(cfg, RunInfo(tmp_path / "run", None, None))
     assert summary["steps"] == 2 and math.isfinite(summary["val_loss"])
+
+
+def test_a_python_without_torch_is_one_line():
+    """The likeliest first mistake, a python outside the venv: the command says how to fix it in one line and
+    exits 1 (not an import traceback); ``import framework`` raises the same words for its program to handle.
+    -S hides site-packages, so this python sees no torch."""
+    root, env = Path(framework.__file__).parents[1], {**os.environ, "PYTHONPATH": ""}
+    fix = f"torch is not installed for {sys.executable}: run `make setup`, then `. .venv/bin/activate`"
+    p = subprocess.run([sys.executable, "-S", "-m", "framework.train"], cwd=root, env=env, capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.startswith(f"error: {fix}") and len(p.stderr.splitlines()) == 1, p.stderr
+    p = subprocess.run([sys.executable, "-S", "-c", "import framework"], cwd=root, env=env, capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.splitlines()[-1].startswith(f"ImportError: {fix}"), p.stderr

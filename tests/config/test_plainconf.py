@@ -45,7 +45,7 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
 @pytest.mark.parametrize("overrides,message", [
     (["train.stesp=3"], "unknown key 'train.stesp' (did you mean 'train.steps'?)"),
     (["stage=zero3"], "use +stage=zero3"),
-    (["+stage=zero5"], "unknown stage 'zero5' (did you mean 'zero3'?)"),
+    (["+stage=zero5"], "unknown stage 'zero5' (did you mean 'zero1', 'zero2' or 'zero3'?)"),
     (["train.steps=abc"], "train.steps: Value 'abc'"),
     (["train.steps=1.5"], "train.steps: Value '1.5' of type 'float' could not be converted to Int"),
     (["optimizer.decay_1d=2"], "optimizer.decay_1d: Value '2' of type 'int' could not be converted to Bool"),

@@ -133,7 +133,7 @@ def _save_then_load(dist, path, out_dir):
     loaded = framework.compose([*BASE, f"model.pretrained={out_dir}", "+stage=zero3", *ZERO3, "train.steps=1",
                                 "stage.stage3_gather_16bit_weights_on_model_save=true"])
     summary = train(loaded, RunInfo(out_dir.parent / "run", None, None), dist)   # train_loss: step 0's loss
-    return params, summary["train_loss"], summary.get("exported")
+    return params, summary["train_loss"], (summary.get("exported"), summary.get("exported_dtype"))
 
 
 @needs_weights
@@ -146,7 +146,7 @@ def test_save_pretrained_round_trip_and_pretrained_first_loss(pools, tmp_path, a
     path = write_config(arch, tmp_path / "config")
     out_dir = tmp_path / "export"
     results = pools(2).run(_save_then_load, path, out_dir, timeout=180)
-    params, first_loss, exported = results[0]
+    params, first_loss, (exported, exported_dtype) = results[0]
     # Export -> from_pretrained: bitwise the gathered parameters (fp32).
     hf = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
     loaded = dict(hf.named_parameters())
@@ -162,4 +162,5 @@ def test_save_pretrained_round_trip_and_pretrained_first_loss(pools, tmp_path, a
     assert first_loss == pytest.approx(expected, rel=RTOL)
     # The end-of-run export (stage3_gather_16bit_weights_on_model_save) of that run loads the same way.
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / exported, local_files_only=True)
+    assert exported_dtype == "fp32"   # (the working dtype the done: line names, whatever "16bit" says)
     assert type(again) is type(hf) and again.config.vocab_size == hf.config.vocab_size

@@ -660,3 +660,19 @@ def test_the_first_lines_count_one_step_without_a_plural(tmp_path):
     head = run_header(cfg, RunInfo(tmp_path, None, None), 1, None, "cpu", tmp_path / "ck")
     assert head[1].endswith("| 1 step") and "(every step) | summary" in head[2], head
     assert f"checkpoints {tmp_path / 'ck'} (every step, keep" in head[2], head
+    assert "model_16bit" not in head[2], head
+
+
+def test_the_first_and_last_lines_name_the_exported_weights_and_their_dtype(tmp_path):
+    """stage3_gather_16bit_weights_on_model_save writes model_16bit/ at the end, in the working dtype (fp32
+    under precision=fp32, whatever the key's name says): the lines that say where a run writes name it."""
+    from framework.loggers._base import run_header
+    from framework.loggers.console import summary_line
+
+    cfg = compose(["+stage=zero3", "stage.stage3_gather_16bit_weights_on_model_save=true", "logger=none"])
+    head = run_header(cfg, RunInfo(tmp_path, None, None), 1, None, "cpu", tmp_path / "ck")
+    assert head[2].endswith(f" | weights {tmp_path / 'model_16bit'} at the end (fp32, the working dtype)"), head
+    summary = {"steps": 2, "train_loss": 3.17, "val_loss": 3.2, "tokens_per_s": 10.0}
+    assert summary_line({**summary, "exported": "model_16bit", "exported_dtype": "bf16"}).endswith(
+        " tok/s | wrote model_16bit/ (bf16)")
+    assert "wrote" not in summary_line(summary)
