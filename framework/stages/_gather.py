@@ -153,7 +153,7 @@ class Gatherer:
         if p.grad.is_sparse:   # (metadata only)
             raise sparse_gradient("zero3", p.zero3_names[0])
         if p.grad.numel() != p.logical_shape.numel():   # (metadata only: no host sync)
-            raise TrainingError(read_hint(p.zero3_names[0], f"its gradient has {p.grad.numel()} elements"))
+            raise TrainingError(read_hint(p, f"its gradient has {p.grad.numel()} elements"))
         if unit is self.persistent:
             return  # reduced once at the end of backward
         if id(p) in unit.arrived:

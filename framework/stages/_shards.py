@@ -3,11 +3,14 @@ its lifecycle (a unit is SHARDED, GATHERING or GATHERED, in that cycle)."""
 from __future__ import annotations
 
 import enum
+import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from framework.core.errors import FrameworkError
 from framework.stages._flat import Layout
@@ -42,12 +45,93 @@ class ShardedParameter(nn.Parameter):
                              f"{self.unit_name!r}): use engine.consolidated_state_dict() or framework.gathered()")
 
 
-def read_hint(name: str, error: str) -> str:
-    """The fix for a parameter read where it is an empty shard (``error``: what showed it)."""
-    return (f"zero3: loss_fn read parameter {name!r} outside its module's forward, where it is an empty shard "
-            f"({error}): a parameter is gathered only while its own module's forward (or backward) runs; call "
-            f"that module in loss_fn, or compute the term (a weight penalty, a tied output head) inside a module's "
-            f"forward")
+def read_hint(p: ShardedParameter, error: str, reader: str | None = None) -> str:
+    """The fix for a read of ``p`` where it is an empty shard (``error``: what showed it). ``reader``: the frame
+    that read it, ``Class.forward`` or ``loss_fn``; None where only the backward pass showed it."""
+    head = f"zero3: {reader or 'loss_fn or a module forward'} read parameter {p.zero3_names[0]!r} (of gather unit " \
+           f"{p.unit_name!r}) outside its module's forward, where it is an empty shard ({error}): a parameter is " \
+           f"gathered only while its own unit's forward (or backward) runs, or inside framework.gathered; "
+    tie = "hold the weight in the module that uses it (an nn.Linear sharing the Parameter, head.weight = emb.weight, " \
+          "as a tied output head)"
+    if reader == "loss_fn":
+        return head + f"call that module in loss_fn, or compute the term (a weight penalty, a tied output head) " \
+                      f"in the module's forward; {tie}"
+    if p.zero3_unit.split:   # (a gather_unit class stays a unit without split_root)
+        return head + f"{tie}, or set stage.split_root=false (the root's children are then gathered with the root " \
+                      f"for its whole forward)"
+    return head + tie
+
+
+def forward_of(frame) -> nn.Module | None:
+    """The module whose own ``forward`` ``frame`` runs (its first argument), else None."""
+    code = frame.f_code   # (a method's first argument, whatever its name)
+    owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+    # (Read statically: a ScriptModule's class forward is a descriptor that raises when read from the class.)
+    forward = inspect.getattr_static(type(owner), "forward", None)
+    return owner if isinstance(owner, nn.Module) and code is getattr(forward, "__code__", None) else None
+
+
+def reader_of(frames) -> str:
+    """``Class.forward`` of the innermost module forward among ``frames`` (innermost first), else loss_fn."""
+    for frame in frames:
+        if (owner := forward_of(frame)) is not None:
+            return f"{type(owner).__name__}.forward"
+    return "loss_fn"
+
+
+# Tensor properties that read the values (views of them); every other property is metadata or a setter.
+_READING_PROPERTIES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+# Tensor methods that read only metadata (the framework's hooks call them on released parameters).
+_METADATA = frozenset({torch.Tensor.numel, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride,
+                       torch.Tensor.element_size, torch.Tensor.untyped_storage, torch.Tensor.data_ptr,
+                       torch.Tensor.is_contiguous, torch.Tensor.register_hook, torch.Tensor.__repr__,
+                       torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.requires_grad_,
+                       torch.Tensor.__format__, torch.Tensor.__reduce_ex__, torch.Tensor.__hash__})
+
+
+class ShardReads(TorchFunctionMode):
+    """Pushed while a pass records its trace (and under the checking accelerator): an operation given a
+    sharded parameter that is released (empty: not in its unit's forward or backward, nor in
+    framework.gathered) raises ``read_hint`` naming the frame that read it, where torch would compute on zero
+    elements (a sum of 0, a detached norm of 0) without an error. A scan of every operation's arguments: not
+    for the steady state's passes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", None)
+        if name == "__get__":
+            reads = func.__self__.__name__ in _READING_PROPERTIES
+        else:
+            reads = name != "__set__" and func not in _METADATA
+        if reads:
+            for a in (*args, *kwargs.values()):
+                for t in a if type(a) in (list, tuple) else (a,):
+                    if isinstance(t, ShardedParameter) and t.numel() == 0 and t.logical_shape.numel():
+                        _refuse(t, _op_name(func))
+        return func(*args, **kwargs)
+
+
+def _refuse(p: ShardedParameter, op: str) -> None:
+    frames = list(_callers(sys._getframe(2)))
+    owner = next((m for m in map(forward_of, frames) if m is not None), None)
+    if owner is not None and any(q is p for q in owner.parameters(recurse=False)):
+        # A module's forward on its own parameters, called without its unit (a part of it called directly): the
+        # stage's error path names the unit to call instead, as for torch's own error.
+        raise RuntimeError(f"{op} got parameter {p.zero3_names[0]!r} as an empty shard")
+    raise FrameworkError(read_hint(p, f"{op} got it with 0 elements", reader_of(frames)))
+
+
+def _op_name(func) -> str:
+    if getattr(func, "__name__", None) in ("__get__", "__set__"):
+        return f"Tensor.{func.__self__.__name__}"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    return name.replace("TensorBase.", "Tensor.")
+
+
+def _callers(frame):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
 
 
 def zero3_sharded(module: nn.Module) -> bool:
@@ -97,6 +181,7 @@ class Unit:
     # framework.gathered blocks holding it: the hooks release it only when none does.
     held: int = 0
     gatherer: Any = None   # its _gather.Gatherer (set by it)
+    split: bool = False    # made by stage.split_root (a child of the root, no stage.gather_unit class)
 
     @property
     def numel(self) -> int:

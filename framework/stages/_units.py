@@ -27,6 +27,7 @@ class UnitPlan:
     name: str                 # for messages and records
     modules: list[nn.Module]  # whose forward hooks gather the unit
     named: Named              # the parameters it gathers, in registration order
+    split: bool = False       # a unit only as split_root made it (no stage.gather_unit class, not the root)
 
 
 def plan_units(module: nn.Module, gather_unit, split_root: bool,
@@ -37,20 +38,21 @@ def plan_units(module: nn.Module, gather_unit, split_root: bool,
     unit_modules, owner = _assign_units(module, gather_unit, split_root)
     all_named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     units, persistent = [], []
-    for idx, (uname, subs) in enumerate(unit_modules):
+    for idx, (uname, subs, split) in enumerate(unit_modules):
         named = [(n, p) for n, p in all_named if owner[id(p)] == idx]
         persistent += [(n, p) for n, p in named if p.numel() < persistence_threshold]
         big = [(n, p) for n, p in named if p.numel() >= persistence_threshold]
         if idx == 0 or big:   # else nothing left to gather: no unit, no hooks
-            units.append(UnitPlan(uname, subs, big))
+            units.append(UnitPlan(uname, subs, big, split))
     return units, persistent + [(n, p) for n, p in all_named if owner[id(p)] == -1]
 
 
-def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[list[tuple[str, list[nn.Module]]], dict[int, int]]:
-    """The unit candidates as (name, modules) and per parameter id its candidate's index (-1: shared in a way
-    no one unit covers). 0 is the root, then each outermost ``gather_unit`` module; with ``split_root`` also
-    every module with parameters of its own (with those it gathers for, ``_gathered_by``), merged where they
-    share one (tied weights, or a scripted module that several of them hold)."""
+def _assign_units(module: nn.Module, gather_unit,
+                  split_root: bool) -> tuple[list[tuple[str, list[nn.Module], bool]], dict[int, int]]:
+    """The unit candidates as (name, modules, made by split_root) and per parameter id its candidate's index
+    (-1: shared in a way no one unit covers). 0 is the root, then each outermost ``gather_unit`` module; with
+    ``split_root`` also every module with parameters of its own (with those it gathers for, ``_gathered_by``),
+    merged where they share one (tied weights, or a scripted module that several of them hold)."""
     by = _gathered_by(module)
     owns = {id(g) for m in module.modules() if any(True for _ in m.parameters(recurse=False)) for g in by[id(m)]}
     present = {type(m).__name__ for m in module.modules()}
@@ -110,12 +112,12 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
             for m in merged:
                 group[m] = merged
     index = {0: 0} | {i: k + 1 for k, i in enumerate(gather)}
-    units = [("<root>", [module])] + [(cands[i][0], [cands[i][1]]) for i in gather]
+    units = [("<root>", [module], False)] + [(cands[i][0], [cands[i][1]], False) for i in gather]
     for m in group:   # in registration order: each merged unit where its first member is
         if m not in index:
             members = sorted(group[m])
             index.update((k, len(units)) for k in members)
-            units.append(("+".join(cands[k][0] for k in members), [cands[k][1] for k in members]))
+            units.append(("+".join(cands[k][0] for k in members), [cands[k][1] for k in members], True))
     found = {pid: {index[h] for h in hs} for pid, hs in holders.items()}
     return units, {pid: min(f) if len(f) == 1 else -1 for pid, f in found.items()}
 

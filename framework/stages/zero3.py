@@ -3,12 +3,11 @@ Meta parameters are materialised one at a time keeping only the local shard, so 
 rank can be built."""
 from __future__ import annotations
 
-import inspect
 import linecache
 import operator
 import re
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
@@ -24,7 +23,7 @@ from framework.stages._flat import (bind_frozen, initial_values, make_layout, re
                                     unit_groups)
 from framework.comm.collectives import Pending
 from framework.stages._gather import Gatherer
-from framework.stages._shards import ShardedParameter, Unit, UnitGroup, read_hint
+from framework.stages._shards import ShardReads, ShardedParameter, Unit, UnitGroup, forward_of, read_hint, reader_of
 from framework.stages._grads import backward_or_reset
 from framework.stages._trace import check_orders, order_check_flags
 from framework.stages._units import DEFAULT_GATHER_UNIT, plan_units
@@ -86,6 +85,8 @@ class Zero3Stage(PartitionedStage):
         self._scratch = torch.empty(max((p.numel() for p in metas), default=0), dtype=torch.float32,
                                     device=self.dist.device) if metas else None
         units = [self._make_unit(module, i, plan.name, plan.named, names_of) for i, plan in enumerate(plans)]
+        for unit, plan in zip(units, plans):
+            unit.split = plan.split
         persistent = self._make_unit(module, len(units), "<persistent>", persistent_named, names_of) \
             if persistent_named else None
         self._scratch = self._init = None
@@ -138,8 +139,13 @@ class Zero3Stage(PartitionedStage):
     @contextmanager
     def forward_pass(self, train: bool) -> Iterator[None]:
         self.gatherer.begin_pass(train)
+        # Reads of released parameters refused (see ShardReads) in the passes that record a new trace (the first
+        # train_step and eval_step, and after an error), which make every read that the steps repeat; not in the
+        # passes that follow one, which pay no per-operation cost.
+        reads = ShardReads() if self.gatherer.trace.cursor is None or self.dist.acc.checks else nullcontext()
         try:
-            yield
+            with reads:
+                yield
         except BaseException as e:   # (Ctrl-C or SIGTERM: a gather still in flight is not waited for)
             # (Read before the abort releases every unit.)
             hint = _ungathered_call(e, self.cfg.split_root, self.unit_modules)
@@ -168,7 +174,7 @@ class Zero3Stage(PartitionedStage):
             # Only autograd's complaint about a zero-size gradient is a read of an empty shard; any other error
             # is raised as it is, though the abort left saved parameters empty.
             read = _read_while_sharded(scaled) if _empty_size_error(e) else None
-            if read is not None:
+            if read is not None:   # (no frame to name: the read ran in the forward)
                 raise FrameworkError(read_hint(read, f"{type(e).__name__}: {str(e).splitlines()[0]}")) from e
             raise
         finally:
@@ -376,8 +382,8 @@ def _empty_size_error(error: BaseException) -> bool:
     return re.search(r"invalid gradient.*got \[0\]", first_line(error)) is not None
 
 
-def _read_while_sharded(loss: torch.Tensor) -> str | None:
-    """The name of a sharded parameter an operation of ``loss``'s graph read while empty (it saved a zero-size
+def _read_while_sharded(loss: torch.Tensor) -> ShardedParameter | None:
+    """The sharded parameter an operation of ``loss``'s graph read while empty (it saved a zero-size
     input or size), or None. Error path only."""
     seen, todo = set(), [loss.grad_fn]
     while todo:
@@ -388,7 +394,7 @@ def _read_while_sharded(loss: torch.Tensor) -> str | None:
         for child, _ in node.next_functions:
             p = getattr(child, "variable", None)
             if isinstance(p, ShardedParameter) and p.logical_shape.numel() and _saved_empty(node):
-                return p.zero3_names[0]
+                return p
             todo.append(child)
     return None
 
@@ -406,8 +412,8 @@ def _saved_empty(node) -> bool:
 
 
 def _read_in_line(error: BaseException) -> str | None:
-    """A sharded parameter, empty at the error, that the failing line reads through a module it names
-    (``h @ m.wte.weight.T`` in loss_fn): its name, or None."""
+    """For a sharded parameter, empty at the error, that the failing line reads through a module it names
+    (``h @ m.wte.weight.T`` in loss_fn, ``F.linear(h, self.emb.weight)`` in a forward): ``read_hint``, or None."""
     found = None
     for frame, lineno in traceback.walk_tb(error.__traceback__):   # innermost last
         line = linecache.getline(frame.f_code.co_filename, lineno)
@@ -415,7 +421,7 @@ def _read_in_line(error: BaseException) -> str | None:
             if isinstance(owner, nn.Module) and f"{var}." in line:
                 for name, p in owner.named_parameters():
                     if isinstance(p, ShardedParameter) and p.shape != p.logical_shape and f"{var}.{name}" in line:
-                        found = p.zero3_names[0]
+                        found = read_hint(p, typed_line(error), reader_of([frame]))
     return found
 
 
@@ -427,20 +433,15 @@ def _ungathered_call(error: BaseException, split_root: bool, unit_modules: dict[
         return None
     found, running = None, []   # running: the module forwards seen so far, outermost first (the callers')
     for frame, _ in traceback.walk_tb(error.__traceback__):   # innermost last
-        code = frame.f_code   # (a method's first argument, whatever its name)
-        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
         # Its own forward running (not a hook before it: a failed gather is its own error) on empty shards.
-        # (Read statically: a ScriptModule's class forward is a descriptor that raises when read from the class.)
-        forward = inspect.getattr_static(type(owner), "forward", None)
-        if isinstance(owner, nn.Module) and code is getattr(forward, "__code__", None):
+        if (owner := forward_of(frame)) is not None:
             idle = [p for p in owner.parameters(recurse=False)
                     if isinstance(p, ShardedParameter) and p.shape != p.logical_shape]
             if idle:
                 found = (type(owner).__name__, idle[0].unit_name, list(running))
             running.append(owner)
     if found is None:
-        read = _read_in_line(error)
-        return None if read is None else read_hint(read, typed_line(error))
+        return _read_in_line(error)
     cls, unit, callers = found
     # The caller is the innermost forward outside the unit: a part of it (loss_fn calling m.blk.inner, whose
     # forward runs m.blk.inner.lin) holds the module already, so only calling the unit itself fixes that.

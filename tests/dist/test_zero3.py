@@ -944,12 +944,12 @@ def test_activation_checkpointing_releases_every_block_after_its_forward():
     assert _peaks("true") == _peaks("false")
 
 
-def _linear_units(loss_fn, **cfg):
+def _linear_units(loss_fn, model=Sometimes, **cfg):
     cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0",
                              "stage.stage3_max_reuse_distance=0", "optimizer=sgd", "scheduler=constant",
                              *(f"stage.{k}={v}" for k, v in cfg.items())])
     torch.manual_seed(0)
-    model = Sometimes()
+    model = model()
     engine = framework.initialize(model, loss_fn, cfg, _local())
     return model, engine, engine.components.stage.gatherer
 
@@ -1004,8 +1004,15 @@ def _uncalled_penalty(m, mb):   # a penalty on a module this pass does not call 
     return nn.functional.mse_loss(m(mb[0]), mb[1]) + 0.1 * m.extra.weight.pow(2).sum()
 
 
+def _no_grad_statistic(m, mb):   # torch reads the empty shard without an error: a norm of 0
+    with torch.no_grad():
+        norm = m.b.weight.norm()
+    return nn.functional.mse_loss(m(mb[0]) * (1 + norm), mb[1])
+
+
 @pytest.mark.parametrize("loss_fn, name", [(_penalty, "b.weight"), (_tied_head, "b.weight"),
-                                           (_gathered_penalty, "b.weight"), (_uncalled_penalty, "extra.weight")])
+                                           (_gathered_penalty, "b.weight"), (_uncalled_penalty, "extra.weight"),
+                                           (_no_grad_statistic, "b.weight")])
 def test_parameter_read_in_loss_fn_is_refused_in_one_line(loss_fn, name):
     # Empty shards outside their module's forward: named, with the fix, not a raw autograd error; and a
     # framework.gathered block in loss_fn would release it before its gradient arrives.
@@ -1013,6 +1020,49 @@ def test_parameter_read_in_loss_fn_is_refused_in_one_line(loss_fn, name):
     with pytest.raises(framework.FrameworkError, match=f"'{name}'.*(outside its module's forward|with grad enabled)"):
         engine.train_step(engine.state, Batch((_micro(0),)))
     assert all(u.state.value == "sharded" for u in g.units)
+
+
+class _ReadsChild(Sometimes):
+    """The root's forward reads b's weight itself, outside b's forward: a weight penalty, a detached statistic or
+    an output head tied to it."""
+
+    how = "penalty"   # (set per instance)
+
+    def forward(self, x):
+        if self.how == "tied":
+            return nn.functional.linear(torch.relu(self.a(x)), self.b.weight)
+        if self.how == "detached":
+            return super().forward(x) * (1 + self.b.weight.detach().norm())
+        return super().forward(x) + 0.1 * self.b.weight.pow(2).sum()
+
+
+@pytest.mark.parametrize("how", ["penalty", "detached", "tied"])
+def test_a_forward_reading_another_units_parameter_is_refused_naming_it(how):
+    # Where nothing needs the empty shard's gradient (eval_step, a detached read) torch computes on zero elements
+    # without an error (a sum or a norm of 0): wrong losses, trained on silently. The first pass of each kind
+    # refuses it, naming the forward that read it and the fix.
+    mse = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    for unit in ("[Linear]", "[Block]"):   # b a stage.gather_unit class, or a unit only through split_root
+        model, engine, g = _linear_units(mse, _ReadsChild, gather_unit=unit)
+        model.how = how
+        for run in (lambda: engine.eval_step(engine.state, [_micro(0)]),
+                    lambda: engine.train_step(engine.state, Batch((_micro(0),)))):
+            with pytest.raises(framework.FrameworkError) as raised:
+                run()
+            line = str(raised.value)
+            assert line.startswith("zero3: _ReadsChild.forward read parameter 'b.weight' (of gather unit 'b')"), line
+            assert "nn.Linear sharing the Parameter" in line and ("split_root=false" in line) == (unit == "[Block]")
+            assert all(u.state.value == "sharded" for u in g.units)
+        engine.close()
+    # The fix it names: without split_root the root's children are gathered through its forward.
+    torch.manual_seed(0)
+    ref = _ReadsChild()
+    model, engine, _ = _linear_units(mse, _ReadsChild, gather_unit="[Block]", split_root="false")
+    model.how = ref.how = how
+    assert engine.eval_step(engine.state, [_micro(0)]) == pytest.approx(mse(ref, _micro(0)).item(), rel=FP32_RTOL)
+    _, m = engine.train_step(engine.state, Batch((_micro(1),)))
+    assert m["loss"] == pytest.approx(mse(ref, _micro(1)).item(), rel=FP32_RTOL)
+    engine.close()
 
 
 class _FailingBackward(torch.autograd.Function):

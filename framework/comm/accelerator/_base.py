@@ -42,6 +42,8 @@ class Event(Protocol):
 class Accelerator(Protocol):
     device: torch.device   # where compute runs
     host: torch.device     # where host buffers live
+    # The checking CPU one: framework checks with a per-operation cost run on every pass, not the first only.
+    checks: bool = False
 
     def current_stream(self): ...
     def new_stream(self, name: str): ...

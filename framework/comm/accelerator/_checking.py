@@ -113,6 +113,8 @@ class CheckingEvent:
 class CheckingCpuAccelerator(CpuAccelerator):
     """The CPU, checked as if it were CUDA (see the module docstring)."""
 
+    checks = True
+
     def __init__(self):
         self._lock = threading.RLock()
         self._compute = Clocked("compute")
