@@ -625,7 +625,7 @@ def _seconds(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="bench/gpu_check.sh", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="the same code paths on the CPU checking accelerator")
     ap.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.md, .json and .tgz")
     ap.add_argument("--logs", help="folder for each check's log and records (default: OUT/logs; on a tool that "
