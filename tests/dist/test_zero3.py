@@ -1033,6 +1033,9 @@ class _ReadsChild(Sometimes):
             return nn.functional.linear(torch.relu(self.a(x)), self.b.weight)
         if self.how == "detached":
             return super().forward(x) * (1 + self.b.weight.detach().norm())
+        if self.how == "metadata":   # reads no values: Hugging Face's model.dtype, a new tensor like the weight
+            dtype = next(p.dtype for p in self.b.parameters() if p.is_floating_point())
+            return super().forward(x.to(dtype)) + self.b.weight.new_zeros(3)
         return super().forward(x) + 0.1 * self.b.weight.pow(2).sum()
 
 
@@ -1064,6 +1067,19 @@ def test_a_forward_reading_another_units_parameter_is_refused_naming_it(how):
     assert m["loss"] == pytest.approx(mse(ref, _micro(1)).item(), rel=FP32_RTOL)
     engine.close()
 
+
+
+def test_a_forward_reading_only_another_units_metadata_trains_like_torch():
+    # Predicates on dtype or device, new_zeros and the like read no values: the first pass lets them through.
+    mse = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    torch.manual_seed(0)
+    ref = _ReadsChild()
+    model, engine, _ = _linear_units(mse, _ReadsChild)
+    model.how = ref.how = "metadata"
+    assert engine.eval_step(engine.state, [_micro(0)]) == pytest.approx(mse(ref, _micro(0)).item(), rel=FP32_RTOL)
+    _, m = engine.train_step(engine.state, Batch((_micro(1),)))
+    assert m["loss"] == pytest.approx(mse(ref, _micro(1)).item(), rel=FP32_RTOL)
+    engine.close()
 
 class _FailingBackward(torch.autograd.Function):
     @staticmethod
