@@ -63,18 +63,32 @@ def read_hint(p: ShardedParameter, error: str, reader: str | None = None) -> str
 
 
 def forward_of(frame) -> nn.Module | None:
-    """The module whose own ``forward`` ``frame`` runs (its first argument), else None."""
+    """The module whose own ``forward`` ``frame`` runs (its first argument), else None; a decorated forward
+    (``functools.wraps``, ``@torch.no_grad()``) is matched through its ``__wrapped__`` chain."""
     code = frame.f_code   # (a method's first argument, whatever its name)
     owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+    if not isinstance(owner, nn.Module):
+        return None
     # (Read statically: a ScriptModule's class forward is a descriptor that raises when read from the class.)
     forward = inspect.getattr_static(type(owner), "forward", None)
-    return owner if isinstance(owner, nn.Module) and code is getattr(forward, "__code__", None) else None
+    while forward is not None:
+        if code is getattr(forward, "__code__", None):
+            return owner
+        forward = getattr(forward, "__wrapped__", None)
+    return None
 
 
 def reader_of(frames) -> str:
-    """``Class.forward`` of the innermost module forward among ``frames`` (innermost first), else loss_fn."""
+    """``Class.forward`` of the innermost module forward among ``frames`` (innermost first), else loss_fn. A
+    function named forward whose first argument is a module (one wrapped without ``functools.wraps``) counts."""
+    frames = list(frames)
     for frame in frames:
         if (owner := forward_of(frame)) is not None:
+            return f"{type(owner).__name__}.forward"
+    for frame in frames:
+        code = frame.f_code
+        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if code.co_name == "forward" and isinstance(owner, nn.Module):
             return f"{type(owner).__name__}.forward"
     return "loss_fn"
 

@@ -1081,6 +1081,19 @@ def test_a_forward_reading_only_another_units_metadata_trains_like_torch():
     assert m["loss"] == pytest.approx(mse(ref, _micro(1)).item(), rel=FP32_RTOL)
     engine.close()
 
+
+class _DecoratedReader(Sometimes):
+    @torch.enable_grad()   # (a decorator keeping the function in __wrapped__, as transformers' own do)
+    def forward(self, x):
+        return super().forward(x) * (1 + self.b.weight.detach().norm())
+
+
+def test_a_decorated_forward_reading_another_units_parameter_is_named_not_loss_fn():
+    model, engine, _ = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), _DecoratedReader)
+    with pytest.raises(framework.FrameworkError, match=r"^zero3: _DecoratedReader\.forward read parameter 'b\.weight'"):
+        engine.eval_step(engine.state, [_micro(0)])
+    engine.close()
+
 class _FailingBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
