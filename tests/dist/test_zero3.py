@@ -1094,6 +1094,21 @@ def test_a_decorated_forward_reading_another_units_parameter_is_named_not_loss_f
         engine.eval_step(engine.state, [_micro(0)])
     engine.close()
 
+
+def test_a_pre_hook_registered_before_initialize_reads_the_gathered_parameters():
+    norms = []
+
+    def hooked():
+        model = Sometimes()
+        model.b.register_forward_pre_hook(lambda mod, _args: norms.append(mod.weight.detach().norm()))
+        return model
+
+    model, engine, _ = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), hooked)
+    engine.eval_step(engine.state, [_micro(0)])
+    engine.train_step(engine.state, Batch((_micro(0),)))
+    engine.close()
+    assert len(norms) == 2 and all(n > 0 for n in norms)
+
 class _FailingBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
