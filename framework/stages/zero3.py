@@ -139,9 +139,9 @@ class Zero3Stage(PartitionedStage):
     @contextmanager
     def forward_pass(self, train: bool) -> Iterator[None]:
         self.gatherer.begin_pass(train)
-        # Reads of released parameters refused (see ShardReads) in the passes that record a new trace (the first
-        # train_step and eval_step, and after an error), which make every read that the steps repeat; not in the
-        # passes that follow one, which pay no per-operation cost.
+        # Reads of released parameters refused (see ShardReads) in a pass that has no recorded trace to follow (the
+        # first train_step and the first eval_step; a failed pass keeps the trace it followed), which makes every
+        # read that the steps repeat; not in the passes that follow one, which pay no per-operation cost.
         reads = ShardReads() if self.gatherer.trace.cursor is None or self.dist.acc.checks else nullcontext()
         try:
             with reads:
