@@ -1109,6 +1109,30 @@ def test_a_pre_hook_registered_before_initialize_reads_the_gathered_parameters()
     engine.close()
     assert len(norms) == 2 and all(n > 0 for n in norms)
 
+
+def test_the_read_check_runs_only_in_the_passes_without_a_trace_on_the_plain_accelerator(monkeypatch):
+    # The checking accelerator (the suite's default) pushes the mode in every pass; production's does only while
+    # a pass records its trace, so the steps that follow one pay nothing per operation.
+    import framework.stages.zero3 as zero3
+    monkeypatch.setenv("FRAMEWORK_ACCELERATOR", "plain")
+    pushed = []
+
+    class Spy(zero3.ShardReads):
+        def __enter__(self):
+            pushed.append(1)
+            return super().__enter__()
+
+    monkeypatch.setattr(zero3, "ShardReads", Spy)
+    _, engine, _ = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]))
+    assert not engine.components.dist.acc.checks
+    for _ in range(3):
+        engine.train_step(engine.state, Batch((_micro(0),)))
+    assert len(pushed) == 1
+    for _ in range(2):
+        engine.eval_step(engine.state, [_micro(0)])
+    assert len(pushed) == 2
+    engine.close()
+
 class _FailingBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
