@@ -705,6 +705,11 @@ class _Reach(_Net):   # its forward calls a part of the unit blk, held or not as
         return self.out(self.blk.b(self.inp(x)))
 
 
+class _Bypass(_Net):   # calls the unit's forward directly: no hook of blk runs to gather it
+    def forward(self, x):
+        return self.out(self.blk.forward(self.inp(x)))
+
+
 class _DecoratedReach(_Reach):
     @torch.enable_grad()   # (a decorator keeping the function in __wrapped__): still named, not taken for loss_fn
     def forward(self, x):
@@ -725,6 +730,10 @@ def test_under_zero3_a_model_module_calling_a_part_of_a_unit_is_told_to_hold_it_
                 engine.train_step(engine.state, batch)
     with framework.initialize(_Reach(hold=True), loss, cfg) as engine:
         engine.train_step(engine.state, batch)
+    with framework.initialize(_Bypass(), loss, cfg) as engine:   # (blk already is its submodule)
+        with pytest.raises(framework.FrameworkError, match=r"^zero3: _Bypass\.forward called a module \(Linear\) .*"
+                           r"its forward was called directly, .*call self\.blk\(\.\.\.\), not self\.blk\.forward"):
+            engine.train_step(engine.state, batch)
 
 
 def test_a_complex_trainable_parameter_is_refused_by_initialize():
