@@ -118,7 +118,7 @@ def _reads_values(func, args: tuple, kwargs: dict) -> bool:
     if name is not None and name.startswith("is_"):
         return name in _READING_PREDICATES
     if name == "type":
-        return bool(args[1:] or kwargs)
+        return len(args) > 1 or len(kwargs) > 0   # (with a dtype it converts)
     return True
 
 
