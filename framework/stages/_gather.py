@@ -61,8 +61,11 @@ class Gatherer:
         hook = self.dist.acc.hook   # (checked on the CPU: no host syncs inside)
         for unit, subs in zip(self.units, modules, strict=True):
             for module in subs:
+                # First of the module's pre-hooks: one registered earlier (by the user, another library) reads
+                # the gathered parameters, as it would without zero3.
                 self.hook_handles.append(module.register_forward_pre_hook(
-                    hook(lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root), "zero3's pre-forward hook")))
+                    hook(lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root), "zero3's pre-forward hook"),
+                    prepend=True))
                 self.hook_handles.append(module.register_forward_hook(
                     hook(lambda _m, _a, out, u=unit: self._post_forward(u, out), "zero3's forward hook")))
         # After the root unit's own forward hook, and also when the root's forward raises.

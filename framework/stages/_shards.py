@@ -63,30 +63,63 @@ def read_hint(p: ShardedParameter, error: str, reader: str | None = None) -> str
 
 
 def forward_of(frame) -> nn.Module | None:
-    """The module whose own ``forward`` ``frame`` runs (its first argument), else None."""
+    """The module whose own ``forward`` ``frame`` runs (its first argument), else None; a decorated forward
+    (``functools.wraps``, ``@torch.no_grad()``) is matched through its ``__wrapped__`` chain."""
     code = frame.f_code   # (a method's first argument, whatever its name)
     owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+    if not isinstance(owner, nn.Module):
+        return None
     # (Read statically: a ScriptModule's class forward is a descriptor that raises when read from the class.)
     forward = inspect.getattr_static(type(owner), "forward", None)
-    return owner if isinstance(owner, nn.Module) and code is getattr(forward, "__code__", None) else None
+    while forward is not None:
+        if code is getattr(forward, "__code__", None):
+            return owner
+        forward = getattr(forward, "__wrapped__", None)
+    return None
 
 
 def reader_of(frames) -> str:
-    """``Class.forward`` of the innermost module forward among ``frames`` (innermost first), else loss_fn."""
+    """``Class.forward`` of the innermost module forward among ``frames`` (innermost first), else loss_fn. A
+    function named forward whose first argument is a module (one wrapped without ``functools.wraps``) counts."""
+    frames = list(frames)
     for frame in frames:
         if (owner := forward_of(frame)) is not None:
+            return f"{type(owner).__name__}.forward"
+    for frame in frames:
+        code = frame.f_code
+        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if code.co_name == "forward" and isinstance(owner, nn.Module):
             return f"{type(owner).__name__}.forward"
     return "loss_fn"
 
 
 # Tensor properties that read the values (views of them); every other property is metadata or a setter.
 _READING_PROPERTIES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
-# Tensor methods that read only metadata (the framework's hooks call them on released parameters).
-_METADATA = frozenset({torch.Tensor.numel, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride,
-                       torch.Tensor.element_size, torch.Tensor.untyped_storage, torch.Tensor.data_ptr,
-                       torch.Tensor.is_contiguous, torch.Tensor.register_hook, torch.Tensor.__repr__,
-                       torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.requires_grad_,
-                       torch.Tensor.__format__, torch.Tensor.__reduce_ex__, torch.Tensor.__hash__})
+# Operations that read only metadata, by name so that torch.X and Tensor.X both match (the framework's hooks
+# and models' own code call them on released parameters: Hugging Face's ``model.dtype`` calls
+# is_floating_point on the first parameter, whichever unit it belongs to). Every ``is_*`` predicate is metadata
+# (dtype, device, storage kind) except those below, which compare values or storages; ``type`` is metadata only
+# without a dtype argument (with one it converts).
+_METADATA = frozenset({"numel", "nelement", "size", "dim", "ndimension", "stride", "storage_offset", "element_size",
+                       "untyped_storage", "data_ptr", "get_device", "dim_order", "__len__", "register_hook",
+                       "register_post_accumulate_grad_hook", "requires_grad_", "__repr__", "__format__",
+                       "__reduce_ex__", "__hash__", "new_empty", "new_empty_strided", "new_zeros", "new_ones",
+                       "new_full"})
+_READING_PREDICATES = frozenset({"is_nonzero", "is_same_size", "is_set_to"})
+
+
+def _reads_values(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the torch operation ``func`` reads its tensor arguments' values (not only their metadata)."""
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        return func.__self__.__name__ in _READING_PROPERTIES
+    if name == "__set__" or name in _METADATA:
+        return False
+    if name is not None and name.startswith("is_"):
+        return name in _READING_PREDICATES
+    if name == "type":
+        return len(args) > 1 or len(kwargs) > 0   # (with a dtype it converts)
+    return True
 
 
 class ShardReads(TorchFunctionMode):
@@ -98,12 +131,7 @@ class ShardReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", None)
-        if name == "__get__":
-            reads = func.__self__.__name__ in _READING_PROPERTIES
-        else:
-            reads = name != "__set__" and func not in _METADATA
-        if reads:
+        if _reads_values(func, args, kwargs):
             for a in (*args, *kwargs.values()):
                 for t in a if type(a) in (list, tuple) else (a,):
                     if isinstance(t, ShardedParameter) and t.numel() == 0 and t.logical_shape.numel():

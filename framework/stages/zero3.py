@@ -139,9 +139,9 @@ class Zero3Stage(PartitionedStage):
     @contextmanager
     def forward_pass(self, train: bool) -> Iterator[None]:
         self.gatherer.begin_pass(train)
-        # Reads of released parameters refused (see ShardReads) in the passes that record a new trace (the first
-        # train_step and eval_step, and after an error), which make every read that the steps repeat; not in the
-        # passes that follow one, which pay no per-operation cost.
+        # Reads of released parameters refused (see ShardReads) in a pass that has no recorded trace to follow (the
+        # first train_step and the first eval_step; a failed pass keeps the trace it followed), which makes every
+        # read that the steps repeat; not in the passes that follow one, which pay no per-operation cost.
         reads = ShardReads() if self.gatherer.trace.cursor is None or self.dist.acc.checks else nullcontext()
         try:
             with reads:
@@ -432,9 +432,14 @@ def _ungathered_call(error: BaseException, split_root: bool, unit_modules: dict[
     if not isinstance(error, Exception) or isinstance(error, FrameworkError):
         return None
     found, running = None, []   # running: the module forwards seen so far, outermost first (the callers')
+    called, bypassed = set(), {}   # ids of modules entered through __call__; modules whose forward ran without it
     for frame, _ in traceback.walk_tb(error.__traceback__):   # innermost last
+        if frame.f_code.co_name == "_call_impl" and isinstance(module := frame.f_locals.get("self"), nn.Module):
+            called.add(id(module))
         # Its own forward running (not a hook before it: a failed gather is its own error) on empty shards.
         if (owner := forward_of(frame)) is not None:
+            if id(owner) not in called:
+                bypassed[id(owner)] = (owner, running[-1] if running else None)
             idle = [p for p in owner.parameters(recurse=False)
                     if isinstance(p, ShardedParameter) and p.shape != p.logical_shape]
             if idle:
@@ -449,6 +454,14 @@ def _ungathered_call(error: BaseException, split_root: bool, unit_modules: dict[
     caller = next((type(m).__name__ for m in reversed(callers) if id(m) not in inside), None)
     head = (f"zero3: {'loss_fn' if caller is None else caller + '.forward'} called a module ({cls}) whose "
             f"parameters were not gathered ({typed_line(error)}): ")
+    # The unit's own module with its forward called directly (self.b.forward(x)): no hook ran to gather it.
+    skipped = next((bypassed[id(m)] for m in unit_modules.get(unit, ()) if id(m) in bypassed), None)
+    if skipped is not None:
+        module, parent = skipped
+        path = next((n for n, m in parent.named_modules() if m is module), "") if parent is not None else ""
+        call = f"self.{path}" if path else "the module"
+        return head + (f"its forward was called directly, which skips the module's hooks, where zero3 gathers "
+                       f"its parameters: call {call}(...), not {call}.forward(...)")
     if unit != "<root>" and caller is not None:   # a model's module reaching into a unit it does not run
         return head + (f"it is part of gather unit {unit!r}, gathered only when that unit's own forward runs; "
                        f"register it as a submodule of {caller} too (a module that a unit and a module outside "

@@ -1033,6 +1033,9 @@ class _ReadsChild(Sometimes):
             return nn.functional.linear(torch.relu(self.a(x)), self.b.weight)
         if self.how == "detached":
             return super().forward(x) * (1 + self.b.weight.detach().norm())
+        if self.how == "metadata":   # reads no values: Hugging Face's model.dtype, a new tensor like the weight
+            dtype = next(p.dtype for p in self.b.parameters() if p.is_floating_point())
+            return super().forward(x.to(dtype)) + self.b.weight.new_zeros(3)
         return super().forward(x) + 0.1 * self.b.weight.pow(2).sum()
 
 
@@ -1064,6 +1067,71 @@ def test_a_forward_reading_another_units_parameter_is_refused_naming_it(how):
     assert m["loss"] == pytest.approx(mse(ref, _micro(1)).item(), rel=FP32_RTOL)
     engine.close()
 
+
+
+def test_a_forward_reading_only_another_units_metadata_trains_like_torch():
+    # Predicates on dtype or device, new_zeros and the like read no values: the first pass lets them through.
+    mse = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    torch.manual_seed(0)
+    ref = _ReadsChild()
+    model, engine, _ = _linear_units(mse, _ReadsChild)
+    model.how = ref.how = "metadata"
+    assert engine.eval_step(engine.state, [_micro(0)]) == pytest.approx(mse(ref, _micro(0)).item(), rel=FP32_RTOL)
+    _, m = engine.train_step(engine.state, Batch((_micro(1),)))
+    assert m["loss"] == pytest.approx(mse(ref, _micro(1)).item(), rel=FP32_RTOL)
+    engine.close()
+
+
+class _DecoratedReader(Sometimes):
+    @torch.enable_grad()   # (a decorator keeping the function in __wrapped__, as transformers' own do)
+    def forward(self, x):
+        return super().forward(x) * (1 + self.b.weight.detach().norm())
+
+
+def test_a_decorated_forward_reading_another_units_parameter_is_named_not_loss_fn():
+    model, engine, _ = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), _DecoratedReader)
+    with pytest.raises(framework.FrameworkError, match=r"^zero3: _DecoratedReader\.forward read parameter 'b\.weight'"):
+        engine.eval_step(engine.state, [_micro(0)])
+    engine.close()
+
+
+def test_a_pre_hook_registered_before_initialize_reads_the_gathered_parameters():
+    norms = []
+
+    def hooked():
+        model = Sometimes()
+        model.b.register_forward_pre_hook(lambda mod, _args: norms.append(mod.weight.detach().norm()))
+        return model
+
+    model, engine, _ = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), hooked)
+    engine.eval_step(engine.state, [_micro(0)])
+    engine.train_step(engine.state, Batch((_micro(0),)))
+    engine.close()
+    assert len(norms) == 2 and all(n > 0 for n in norms)
+
+
+def test_the_read_check_runs_only_in_the_passes_without_a_trace_on_the_plain_accelerator(monkeypatch):
+    # The checking accelerator (the suite's default) pushes the mode in every pass; production's does only while
+    # a pass records its trace, so the steps that follow one pay nothing per operation.
+    import framework.stages.zero3 as zero3
+    monkeypatch.setenv("FRAMEWORK_ACCELERATOR", "plain")
+    pushed = []
+
+    class Spy(zero3.ShardReads):
+        def __enter__(self):
+            pushed.append(1)
+            return super().__enter__()
+
+    monkeypatch.setattr(zero3, "ShardReads", Spy)
+    _, engine, _ = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]))
+    assert not engine.components.dist.acc.checks
+    for _ in range(3):
+        engine.train_step(engine.state, Batch((_micro(0),)))
+    assert len(pushed) == 1
+    for _ in range(2):
+        engine.eval_step(engine.state, [_micro(0)])
+    assert len(pushed) == 2
+    engine.close()
 
 class _FailingBackward(torch.autograd.Function):
     @staticmethod

@@ -705,18 +705,35 @@ class _Reach(_Net):   # its forward calls a part of the unit blk, held or not as
         return self.out(self.blk.b(self.inp(x)))
 
 
+class _Bypass(_Net):   # calls the unit's forward directly: no hook of blk runs to gather it
+    def forward(self, x):
+        return self.out(self.blk.forward(self.inp(x)))
+
+
+class _DecoratedReach(_Reach):
+    @torch.enable_grad()   # (a decorator keeping the function in __wrapped__): still named, not taken for loss_fn
+    def forward(self, x):
+        return self.out(self.blk.b(self.inp(x)))
+
+
 def test_under_zero3_a_model_module_calling_a_part_of_a_unit_is_told_to_hold_it_not_to_change_loss_fn():
     """The one line blamed loss_fn, which called the whole module; a part the caller holds as its own submodule
     too stays gathered (shared across the unit's boundary), as the line now advises."""
     cfg = tiny_config("+stage=zero3", "stage.gather_unit=[_Blk]", "stage.stage3_param_persistence_threshold=0")
     loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
     batch = framework.Batch(((torch.randn(4, 8), torch.randn(4, 2)),))
-    with framework.initialize(_Reach(hold=False), loss, cfg) as engine:
-        with pytest.raises(framework.FrameworkError, match=r"^zero3: _Reach\.forward called a module \(_Checked\) "
-                           r".*gather unit 'blk', .*register it as a submodule of _Reach too .*call the unit itself$"):
-            engine.train_step(engine.state, batch)
+    for reach in (_Reach, _DecoratedReach):
+        name = reach.__name__
+        with framework.initialize(reach(hold=False), loss, cfg) as engine:
+            with pytest.raises(framework.FrameworkError, match=rf"^zero3: {name}\.forward called a module \(_Checked\) "
+                               rf".*gather unit 'blk', .*register it as a submodule of {name} too .*call the unit itself$"):
+                engine.train_step(engine.state, batch)
     with framework.initialize(_Reach(hold=True), loss, cfg) as engine:
         engine.train_step(engine.state, batch)
+    with framework.initialize(_Bypass(), loss, cfg) as engine:   # (blk already is its submodule)
+        with pytest.raises(framework.FrameworkError, match=r"^zero3: _Bypass\.forward called a module \(Linear\) .*"
+                           r"its forward was called directly, .*call self\.blk\(\.\.\.\), not self\.blk\.forward"):
+            engine.train_step(engine.state, batch)
 
 
 def test_a_complex_trainable_parameter_is_refused_by_initialize():
