@@ -1,6 +1,6 @@
 """C++ CPU optimizer kernels (csrc/cpu_optim), built on first use (``_loader``), with a pure-PyTorch fallback.
 
-Where the build or import fails, ONE warning says why and the optimizers keep their transforms;
+Where the build or import fails, ONE line on stderr says why and the optimizers keep their transforms;
 ``python -m framework.ops [status|build]`` reports, or builds ahead of time. Each kernel is one in-place
 step (torch.optim semantics; ``step`` counts from 1) over equal-length lists of contiguous CPU fp32
 tensors, writing ``out16`` (bf16/fp16 copies) in the same pass; ``decay_mask`` None decays all. A tensor
@@ -28,7 +28,7 @@ OFF = "off (FRAMEWORK_OPS=0)"
 
 
 def cpu_optim() -> ModuleType | None:
-    """The extension (built or imported on the first call), or None (after one warning unless FRAMEWORK_OPS=0)."""
+    """The extension (built or imported on the first call), or None (after one warning line unless FRAMEWORK_OPS=0)."""
     return _loader.status().module if _loader.kernels_enabled() else None
 
 

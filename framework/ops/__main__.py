@@ -11,11 +11,13 @@ import sys
 import time
 
 from framework import ops
+from framework.ops import _loader
 from framework.core.utils import plain_text
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m framework.ops", description=plain_text(__doc__),
+                                     epilog=f"environment:\n{_loader.ENVIRONMENT}",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="status", choices=["status", "build"])
     parser.add_argument("--if-needed", action="store_true",
@@ -37,8 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  built:        yes, usable: {', '.join(info['kernels'])}")
     else:
         state = info["reason"] if info["reason"] == ops.OFF else f"no ({info['reason']})"
-        print(f"  built:        {state}; adam/adamw run torch's fused kernel, lion/adagrad/sgd their "
-              "pure-PyTorch transforms")
+        print(f"  built:        {state}; {_loader.FALLBACK}")
     print(f"  build dir:    {info['build_dir']}")
     print(f"  isa:          {info['isa'] or '-'} (detected: {info['detected_isa']})")
     prefetch = info["prefetch"]

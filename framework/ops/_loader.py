@@ -6,16 +6,7 @@ damaged file is rebuilt, never mapped). Builds are serialised with an ``flock`` 
 dies. A failed build leaves ``FAILED`` (keyed by ``CXX`` and ``PATH``): later runs with the same compiler fall
 back at once with its reason; ``python -m framework.ops build`` retries.
 
-Environment:
-    FRAMEWORK_OPS=0             do not use the kernels at all (on the host, adam/adamw run torch's fused
-                                kernel, lion/adagrad/sgd their pure-PyTorch transforms)
-    FRAMEWORK_OPS_BUILD=0       never compile; use a finished build if there is one, else fall back
-    FRAMEWORK_OPS_CACHE=DIR     cache root (default $XDG_CACHE_HOME/framework/ops or ~/.cache/...)
-    FRAMEWORK_OPS_VERBOSE=1     show the compiler's output
-    FRAMEWORK_OPS_ISA=NAME      cap the instruction set (auto, scalar, avx2, avx512; any case)
-    FRAMEWORK_OPS_PREFETCH=N    software prefetch distance in floats (0: off; default: 256 on Intel,
-                                off elsewhere; auto); results do not depend on it
-A value these do not allow makes the kernels unavailable, with the usual one warning saying so.
+The environment variables (ENVIRONMENT, also in ``python -m framework.ops --help`` and docs/stages.md).
 """
 from __future__ import annotations
 
@@ -28,7 +19,6 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -48,6 +38,23 @@ HEADERS = ("include/framework_ops/simd.h", "include/framework_ops/optim_kernels.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden", "-fopenmp")
 LOCK_TIMEOUT_S = 1800.0  # waiting for another process's build
 ISAS = ("scalar", "avx2", "avx512")  # as the kernels name them, weakest first
+PREFETCH_MAX = 2**31 - 1   # the kernels take an int
+FALLBACK = ("adam/adamw run torch's fused kernel (with bias_correction=false their pure-PyTorch transforms), "
+            "lion/adagrad/sgd their pure-PyTorch transforms")
+ENVIRONMENT = """\
+  FRAMEWORK_OPS=0           do not use the kernels at all (nothing is built or imported; on the host,
+                            adam/adamw run torch's fused kernel, with bias_correction=false their
+                            pure-PyTorch transforms, lion/adagrad/sgd their pure-PyTorch transforms)
+  FRAMEWORK_OPS_BUILD=0     never compile; use a finished build if there is one, else fall back
+  FRAMEWORK_OPS_CACHE=DIR   where builds go (default $XDG_CACHE_HOME/framework/ops, else
+                            ~/.cache/framework/ops): set it where that is read-only or shared
+  FRAMEWORK_OPS_VERBOSE=1   show the compiler's output
+  FRAMEWORK_OPS_ISA=NAME    cap the instruction set: auto, scalar, avx2, avx512 (any case)
+  FRAMEWORK_OPS_PREFETCH=N  software prefetch distance in floats (0: off; auto, the default: 256 on
+                            Intel, off elsewhere); results do not depend on it
+Switches take 1/0, true/false, yes/no, on/off (any case). A value these do not allow makes the kernels
+unavailable, with the one fallback warning saying why (python -m framework.ops shows it)."""
+FLAGS = ("FRAMEWORK_OPS", "FRAMEWORK_OPS_BUILD", "FRAMEWORK_OPS_VERBOSE")
 
 
 class BuildUnavailable(RuntimeError):
@@ -73,12 +80,42 @@ def build_dir() -> Path:
     return cache_root() / abi / f"cpu_optim-{digest.hexdigest()[:12]}"
 
 
+def _flag(var: str, default: bool) -> bool:
+    """A switch's value; BuildUnavailable for one that is neither on nor off (a typo must not mean "on")."""
+    value = os.environ.get(var, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    if not value:
+        return default
+    raise BuildUnavailable(f"{var}={os.environ[var]!r} is not one of 1/0, true/false, yes/no, on/off (any case); "
+                           "fix or unset it")
+
+
 def _on(var: str) -> bool:
-    return os.environ.get(var, "1").strip().lower() not in ("0", "false", "no", "off")
+    """A switch that defaults to on; a bad value counts as on here, and ``load`` refuses it with its reason."""
+    try:
+        return _flag(var, True)
+    except BuildUnavailable:
+        return True
 
 
 def kernels_enabled() -> bool:
     return _on("FRAMEWORK_OPS")
+
+
+def _cache_error(exc: OSError) -> BuildUnavailable:
+    """A cache folder that cannot be made or written (read-only, a file in its place): one line saying how."""
+    return BuildUnavailable(f"cannot write the kernel cache {exc.filename} ({exc.strerror}); set "
+                            "FRAMEWORK_OPS_CACHE to a writable folder")
+
+
+def _compiler_key() -> str:
+    """What a recorded failure holds for: the compiler as it resolves (with the build's tools on PATH)."""
+    compiler = os.environ.get("CXX", "c++")
+    key = "\0".join([compiler, str(shutil.which(compiler)), os.environ.get("PATH", "")])
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def _import(directory: Path) -> ModuleType:
@@ -154,7 +191,10 @@ def _recorded_failure(directory: Path, key: str) -> None:
 @contextmanager
 def _exclusive(directory: Path) -> Iterator[None]:
     """Hold the build lock of ``directory``: one builder at a time across processes."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _cache_error(exc) from None
     flock = directory.parent / f"{directory.name}.flock"
     try:
         handle = os.fdopen(open_nofollow(flock, os.O_RDWR | os.O_CREAT | os.O_APPEND, mode=0o666), "a+")
@@ -181,10 +221,7 @@ def _exclusive(directory: Path) -> Iterator[None]:
 
 def _compile(directory: Path, force: bool = False, retry: bool = False) -> ModuleType:
     with _tools_on_path():
-        # A recorded failure holds only for the same compiler (as it resolves, with the build's tools on PATH).
-        compiler = os.environ.get("CXX", "c++")
-        key = "\0".join([compiler, str(shutil.which(compiler)), os.environ.get("PATH", "")])
-        key = hashlib.sha256(key.encode()).hexdigest()
+        key = _compiler_key()   # a recorded failure holds only for the same compiler
         if not force and not retry:
             _recorded_failure(directory, key)   # no lock needed to read it: written atomically
         with _exclusive(directory):
@@ -196,7 +233,10 @@ def _compile(directory: Path, force: bool = False, retry: bool = False) -> Modul
                         return _import(directory)
                 if not retry:
                     _recorded_failure(directory, key)   # or failed to
-            directory.mkdir(parents=True, exist_ok=True)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise _cache_error(exc) from None
             _discard(directory)
             # torch's baton: stale, as nobody else builds here while we hold the flock
             (directory / "lock").unlink(missing_ok=True)
@@ -205,15 +245,18 @@ def _compile(directory: Path, force: bool = False, retry: bool = False) -> Modul
                 module = cpp_extension.load(
                     name=NAME, sources=[str(root / s) for s in SOURCES], extra_cflags=list(CFLAGS),
                     extra_include_paths=[str(root / "include")], build_directory=str(directory),
-                    with_cuda=False, verbose=os.environ.get("FRAMEWORK_OPS_VERBOSE", "") == "1")
+                    with_cuda=False, verbose=_flag("FRAMEWORK_OPS_VERBOSE", False))
             except Exception as exc:  # compiler errors arrive as RuntimeError with the full log
                 log = directory / "build_error.log"
-                log.write_text(str(exc))
                 lines = str(exc).splitlines() or [type(exc).__name__]
                 first = next((line.strip() for line in lines if "error:" in line), lines[0])
                 reason = f"the build failed ({first[:300]}); full log in {log}"
-                # Recorded: a slow failing compile per waiting rank would outlast the launch's timeout.
-                write_atomic(directory / "FAILED", f"{key}\n{reason}\n".encode(), shared=True)
+                try:
+                    log.write_text(str(exc))
+                    # Recorded: a slow failing compile per waiting rank would outlast the launch's timeout.
+                    write_atomic(directory / "FAILED", f"{key}\n{reason}\n".encode(), shared=True)
+                except OSError as write:   # (a full disk: the compiler's reason may be that too)
+                    raise _cache_error(write) from exc
                 raise BuildUnavailable(reason) from exc
             built = f"{torch.__version__}\n{_fingerprint(directory / f'{NAME}.so')}\n"
             write_atomic(directory / "BUILT", built.encode(), shared=True)
@@ -222,16 +265,20 @@ def _compile(directory: Path, force: bool = False, retry: bool = False) -> Modul
 
 def load(build: bool = True, force: bool = False, retry: bool = False) -> ModuleType:
     """The extension: a finished build imported, else (``build``) compiled; ``force``: compiled in any case;
-    ``retry``: also over a recorded failure. Raises BuildUnavailable with the reason (a bad
-    FRAMEWORK_OPS_ISA or FRAMEWORK_OPS_PREFETCH too)."""
+    ``retry``: also over a recorded failure. Raises BuildUnavailable with the reason (a bad value of an
+    environment variable too)."""
+    for var in FLAGS:
+        _flag(var, True)
     isa = os.environ.get("FRAMEWORK_OPS_ISA", "").strip().lower()
     if isa not in ("", "auto") + ISAS:
         raise BuildUnavailable(f"FRAMEWORK_OPS_ISA={os.environ['FRAMEWORK_OPS_ISA']!r} is not one of auto, "
                                f"{', '.join(ISAS)} (any case); fix or unset it")
     prefetch = os.environ.get("FRAMEWORK_OPS_PREFETCH", "").strip().lower()
-    if prefetch not in ("", "auto") and not prefetch.isdigit():
+    number = prefetch.isascii() and prefetch.isdigit() and int(prefetch) <= PREFETCH_MAX
+    if prefetch not in ("", "auto") and not number:
         raise BuildUnavailable(f"FRAMEWORK_OPS_PREFETCH={os.environ['FRAMEWORK_OPS_PREFETCH']!r} is not auto or a "
-                               "number of floats >= 0 (0: no software prefetch); fix or unset it")
+                               f"number of floats >= 0 (at most {PREFETCH_MAX}; 0: no software prefetch); fix or "
+                               "unset it")
     directory = build_dir()
     module = None
     if _finished(directory) and not force:
@@ -243,14 +290,35 @@ def load(build: bool = True, force: bool = False, retry: bool = False) -> Module
             # rebuilt from scratch below, under the lock
     if module is None:
         if not build:
-            raise BuildUnavailable("not built yet and building is off (FRAMEWORK_OPS_BUILD=0); "
-                                   "run `python -m framework.ops build`")
+            _not_built(directory)
         module = _compile(directory, force, retry)
     if isa in ISAS:   # a cap: never above what this CPU has
         module.set_isa(ISAS[min(ISAS.index(isa), ISAS.index(module.detected_isa()))])
-    if prefetch.isdigit():
+    if number:
         module.set_prefetch(int(prefetch))
     return module
+
+
+def _not_built(directory: Path) -> None:
+    """Raise with why there is no build to import: damaged, a recorded failure, or none yet."""
+    if not _flag("FRAMEWORK_OPS_BUILD", True):
+        raise BuildUnavailable("not built yet and building is off (FRAMEWORK_OPS_BUILD=0); "
+                               "run `python -m framework.ops build`")
+    if (directory / "BUILT").exists():
+        raise BuildUnavailable(f"the build in {directory} is damaged (its extension does not match BUILT); the "
+                               "next build replaces it: run `python -m framework.ops build`")
+    with _tools_on_path():   # (no compiler: says so)
+        _recorded_failure(directory, _compiler_key())
+    raise BuildUnavailable("not built yet (status never compiles: run `python -m framework.ops build`; "
+                           "training builds it on first use)")
+
+
+def _rank() -> int:
+    """This process's rank where it is known without communicating (else 0)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    value = os.environ.get("RANK", "0")
+    return int(value) if value.isdigit() else 0
 
 
 def attempt(build: bool) -> Status:
@@ -263,11 +331,11 @@ def attempt(build: bool) -> Status:
 
 @functools.cache
 def status() -> Status:
-    """``load`` once per process (building unless FRAMEWORK_OPS_BUILD=0); never raises, warns ONCE with the reason."""
+    """``load`` once per process (building unless FRAMEWORK_OPS_BUILD=0); never raises. Where it fails, ONE line
+    on stderr says why (from rank 0: every rank has the same cache, compiler and environment)."""
 
     found = attempt(build=_on("FRAMEWORK_OPS_BUILD"))
-    if found.module is None:
-        warnings.warn(f"framework.ops: C++ CPU optimizer kernels unavailable ({found.reason}); "
-                      "adam/adamw run torch's fused kernel, lion/adagrad/sgd their pure-PyTorch transforms",
-                      RuntimeWarning, stacklevel=3)
+    if found.module is None and _rank() == 0:
+        print(f"warning: framework.ops: C++ CPU optimizer kernels unavailable ({found.reason}); {FALLBACK}",
+              file=sys.stderr, flush=True)
     return found

@@ -540,29 +540,46 @@ def _train_adamw(steps: int = 3) -> list[Tensor]:
     return params
 
 
-def test_build_disabled_warns_once_and_still_trains(fresh_loader, monkeypatch):
+def fallback_lines(capsys) -> list[str]:
+    """The fallback's warning lines this test printed on stderr."""
+    return [line for line in capsys.readouterr().err.splitlines() if "framework.ops" in line]
+
+
+def test_build_disabled_warns_once_and_still_trains(fresh_loader, monkeypatch, capsys):
+    """One line on stderr (no source line of ours under it), saying what runs instead."""
     monkeypatch.setenv("FRAMEWORK_OPS_BUILD", "0")
-    with pytest.warns(RuntimeWarning, match="FRAMEWORK_OPS_BUILD=0") as record:
-        params = _train_adamw()
-        tx = lion.build(lion.LionConfig(), [True])  # a second optimizer: no second warning
-        _transforms.step(tx, [torch.ones(3)], tx.init([torch.ones(3)]), [torch.ones(3)], 1e-3)
-        assert not ops.available()
-    assert len([w for w in record if "framework.ops" in str(w.message)]) == 1, "warn exactly once per process"
+    params = _train_adamw()
+    tx = lion.build(lion.LionConfig(), [True])  # a second optimizer: no second warning
+    _transforms.step(tx, [torch.ones(3)], tx.init([torch.ones(3)]), [torch.ones(3)], 1e-3)
+    assert not ops.available()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: framework.ops: "), "warn one line once per process"
+    assert "FRAMEWORK_OPS_BUILD=0" in err and "with bias_correction=false their pure-PyTorch transforms" in err, err
     assert all(torch.isfinite(p).all() for p in params)
     assert not torch.equal(params[0], initial_params(SIZES[:2])[0])
     with pytest.raises(ops.BuildUnavailable, match="FRAMEWORK_OPS_BUILD=0"):
         ops.adam_step([torch.zeros(1)], [torch.zeros(1)], [torch.zeros(1)], [torch.zeros(1)], step=1, lr=1.0)
 
 
-def test_missing_compiler_falls_back_with_one_warning(fresh_loader, monkeypatch):
+def test_missing_compiler_falls_back_with_one_warning(fresh_loader, monkeypatch, capsys):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler") as record:
-        _train_adamw()
-        _train_adamw()
-    assert len(record) == 1
+    _train_adamw()
+    _train_adamw()
+    lines = fallback_lines(capsys)
+    assert len(lines) == 1 and "no C++ compiler" in lines[0], lines
 
 
-def test_failed_build_falls_back_and_a_stale_lock_is_cleared(fresh_loader, monkeypatch):
+def test_the_fallback_warning_comes_from_rank_0_only(fresh_loader, monkeypatch, capsys):
+    """Every rank shares the cache and the environment: one line per run, not one per rank."""
+    monkeypatch.setenv("FRAMEWORK_OPS_BUILD", "0")
+    monkeypatch.setenv("RANK", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ops.cpu_optim() is None and "FRAMEWORK_OPS_BUILD=0" in ops.unavailable_reason()
+    assert fallback_lines(capsys) == []
+
+
+def test_failed_build_falls_back_and_a_stale_lock_is_cleared(fresh_loader, monkeypatch, capsys):
     """A compile error (and a lock file left by a killed build) must not hang or raise."""
     csrc = fresh_loader / "csrc"
     for rel in _loader.SOURCES + _loader.HEADERS:
@@ -573,21 +590,19 @@ def test_failed_build_falls_back_and_a_stale_lock_is_cleared(fresh_loader, monke
     directory = _loader.build_dir()
     directory.mkdir(parents=True)
     (directory / "lock").write_text("")  # what a build killed midway leaves behind
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        assert ops.cpu_optim() is None and ops.cpu_optim() is None
-        params = _train_adamw()
-    messages = [str(w.message) for w in record if "framework.ops" in str(w.message)]
+    assert ops.cpu_optim() is None and ops.cpu_optim() is None
+    params = _train_adamw()
+    messages = fallback_lines(capsys)
     assert len(messages) == 1 and "build failed" in messages[0] and "simulated build failure" in messages[0], messages
     assert not (directory / "lock").exists()
     assert (directory / "build_error.log").is_file()
     assert all(torch.isfinite(p).all() for p in params)
 
 
-def test_missing_sources_fall_back(fresh_loader, monkeypatch):
+def test_missing_sources_fall_back(fresh_loader, monkeypatch, capsys):
     monkeypatch.setattr(_loader, "csrc_dir", lambda: fresh_loader / "nowhere")
-    with pytest.warns(RuntimeWarning, match="FileNotFoundError"):
-        assert ops.cpu_optim() is None
+    assert ops.cpu_optim() is None
+    assert "FileNotFoundError" in fallback_lines(capsys)[0]
     assert ops.status()["built"] is False
 
 
@@ -628,6 +643,7 @@ def test_a_damaged_build_is_rebuilt_from_scratch_never_imported(fresh_loader, mo
     good = so.read_bytes()
     (directory / ".ninja_log").write_text("ninja would keep the .so it lists\n")
     so.write_bytes(good[:100])   # truncated: mapping it would crash the process (SIGBUS)
+    assert "is damaged" in ops.status()["reason"]   # status never compiles, and says what it found
     _loader.load()
     assert fake.imported == [], "a truncated extension was imported"
     assert fake.builds[-1] == [], "the rebuild kept outputs ninja would not redo"
@@ -689,6 +705,9 @@ def test_ops_help_says_what_status_and_build_do_in_plain_text(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and "status (the default) never compiles" in out and "--if-needed only" in out, out
+    for var in ("FRAMEWORK_OPS=0", "FRAMEWORK_OPS_BUILD", "FRAMEWORK_OPS_CACHE", "FRAMEWORK_OPS_VERBOSE",
+                "FRAMEWORK_OPS_ISA", "FRAMEWORK_OPS_PREFETCH"):
+        assert f"\n  {var}" in out, f"--help does not list {var}"
     assert "``" not in out
 
 
@@ -774,6 +793,7 @@ def test_a_failed_build_is_recorded_and_not_compiled_again(fresh_loader, monkeyp
     again = _loader.attempt(build=True).reason
     assert len(calls()) == ran, "a recorded failure was compiled again"
     assert again.startswith(first) and "recorded by an earlier build" in again
+    assert ops.status()["reason"] == again, "status hid the recorded failure"
     # Retried (torch itself does not run the compiler again within one process for the same sources).
     assert main(["build", "--if-needed"]) == 1
     err = capsys.readouterr().err
@@ -786,17 +806,56 @@ def test_a_failed_build_is_recorded_and_not_compiled_again(fresh_loader, monkeyp
 
 
 @pytest.mark.parametrize("var, value", [("FRAMEWORK_OPS_ISA", "avx3"), ("FRAMEWORK_OPS_PREFETCH", "-3"),
-                                        ("FRAMEWORK_OPS_PREFETCH", "lots")])
-def test_a_bad_isa_or_prefetch_value_falls_back_with_one_line(fresh_loader, monkeypatch, var, value):
-    """Checked before anything is built or imported (the kernels raised at the first step)."""
+                                        ("FRAMEWORK_OPS_PREFETCH", "lots"), ("FRAMEWORK_OPS_PREFETCH", "9" * 20),
+                                        ("FRAMEWORK_OPS", "disable"), ("FRAMEWORK_OPS_BUILD", "2"),
+                                        ("FRAMEWORK_OPS_VERBOSE", "loud")])
+def test_a_bad_environment_value_falls_back_with_one_line(fresh_loader, monkeypatch, capsys, var, value):
+    """Checked before anything is built or imported (the kernels raised at the first step; a prefetch
+    distance past an int gave a multi-line TypeError; a mistyped switch meant "on")."""
     monkeypatch.setenv(var, value)
     monkeypatch.setattr(_loader, "_compile", lambda *a, **k: pytest.fail("built despite a bad value"))
-    allowed = "auto, scalar, avx2, avx512" if var == "FRAMEWORK_OPS_ISA" else "auto or a number of floats >= 0"
-    with pytest.warns(RuntimeWarning, match=f"{var}='{value}' is not (one of )?{allowed}"):
-        assert ops.cpu_optim() is None
+    allowed = {"FRAMEWORK_OPS_ISA": "one of auto, scalar, avx2, avx512",
+               "FRAMEWORK_OPS_PREFETCH": "auto or a number of floats >= 0"}.get(var, "one of 1/0, true/false")
+    assert ops.cpu_optim() is None
+    lines = fallback_lines(capsys)
+    assert len(lines) == 1 and f"{var}='{value}' is not {allowed}" in lines[0], lines
     assert ops.status()["reason"].startswith(f"{var}='{value}'")
     params = _train_adamw()
     assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_switches_take_true_false_yes_no_on_off(fresh_loader, monkeypatch):
+    directory = _loader.build_dir()
+    _FakeBuild(monkeypatch, directory.parent.mkdir(parents=True) or directory)
+    for value, on in (("1", True), (" True", True), ("yes", True), ("ON", True), ("0", False), ("false", False),
+                      ("No", False), ("off", False)):
+        monkeypatch.setenv("FRAMEWORK_OPS", value)
+        monkeypatch.setenv("FRAMEWORK_OPS_VERBOSE", value)
+        assert _loader.kernels_enabled() is on and _loader._flag("FRAMEWORK_OPS_VERBOSE", False) is on
+        assert _loader.load() is not None
+
+
+def test_status_never_compiles_and_says_so(fresh_loader, monkeypatch):
+    """Not "building is off (FRAMEWORK_OPS_BUILD=0)" where nobody set it."""
+    monkeypatch.delenv("FRAMEWORK_OPS_BUILD", raising=False)
+    monkeypatch.setattr(_loader, "_tools_on_path", contextlib.nullcontext)
+    monkeypatch.setattr(_loader, "_compile", lambda *a, **k: pytest.fail("status compiled"))
+    reason = ops.status()["reason"]
+    assert reason.startswith("not built yet (status never compiles") and "FRAMEWORK_OPS_BUILD" not in reason, reason
+
+
+def test_a_cache_that_cannot_be_made_is_one_line_naming_it(fresh_loader, monkeypatch, capsys):
+    """A read-only cache or a file in its place: what to set, not a traceback (build) or a bare OSError."""
+    from framework.ops.__main__ import main
+
+    (fresh_loader / "afile").write_text("")
+    monkeypatch.setenv("FRAMEWORK_OPS_CACHE", str(fresh_loader / "afile" / "cache"))
+    monkeypatch.setattr(_loader, "_tools_on_path", contextlib.nullcontext)
+    assert main(["build"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write the kernel cache" in err and "FRAMEWORK_OPS_CACHE" in err, err
+    assert ops.cpu_optim() is None
+    assert "set FRAMEWORK_OPS_CACHE to a writable folder" in fallback_lines(capsys)[0]
 
 
 def test_isa_and_prefetch_from_the_environment_are_applied(fresh_loader, monkeypatch):
