@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -181,12 +182,20 @@ def cap_threads(local_world: int) -> None:
         torch.set_num_threads(share)
 
 
+PRINTED_ABOVE = " (anything it printed is above)"   # (on the console; a report's table has no "above")
+
+
+def is_exit_line(line: str) -> bool:
+    """Whether ``line`` is one of ``exit_message``'s (a report prefers the job's own error line to it)."""
+    return re.match(r"rank \d+ of \d+ (exited with code|was killed by|was aborted by) ", line) is not None
+
+
 def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_s: float, stopped: bool) -> str:
     """One line for a rank that exited with ``code`` (negative: killed by that signal); ``stopped``: whether the
     launcher signalled a rank still running (else each ended by itself, as on an error every rank raised)."""
     others = "the other ranks were stopped" if stopped else "the other ranks ended by themselves"
     if code >= 0:
-        return f"rank {rank} of {nproc} exited with code {code} (anything it printed is above); {others}"
+        return f"rank {rank} of {nproc} exited with code {code}{PRINTED_ABOVE}; {others}"
     try:
         name = signal.Signals(-code).name
     except ValueError:
