@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -181,11 +182,20 @@ def cap_threads(local_world: int) -> None:
         torch.set_num_threads(share)
 
 
-def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_s: float) -> str:
-    """One line for a rank that exited with ``code`` (negative: killed by that signal)."""
+PRINTED_ABOVE = " (anything it printed is above)"   # (on the console; a report's table has no "above")
+
+
+def is_exit_line(line: str) -> bool:
+    """Whether ``line`` is one of ``exit_message``'s (a report prefers the job's own error line to it)."""
+    return re.match(r"rank \d+ of \d+ (exited with code|was killed by|was aborted by) ", line) is not None
+
+
+def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_s: float, stopped: bool) -> str:
+    """One line for a rank that exited with ``code`` (negative: killed by that signal); ``stopped``: whether the
+    launcher signalled a rank still running (else each ended by itself, as on an error every rank raised)."""
+    others = "the other ranks were stopped" if stopped else "the other ranks ended by themselves"
     if code >= 0:
-        return (f"rank {rank} of {nproc} exited with code {code} (anything it printed is above); the other ranks "
-                f"were stopped")
+        return f"rank {rank} of {nproc} exited with code {code}{PRINTED_ABOVE}; {others}"
     try:
         name = signal.Signals(-code).name
     except ValueError:
@@ -193,9 +203,9 @@ def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_
     if name == "SIGABRT" and backend == "nccl":
         return (f"rank {rank} of {nproc} was aborted by NCCL's watchdog (SIGABRT): a collective waited longer than "
                 f"dist.timeout_s={timeout_s:g}s because a peer rank died or stalled (the thread dump above shows "
-                f"where each thread waited); the other ranks were stopped")
+                f"where each thread waited); {others}")
     why = " (out of memory? see the system log)" if name == "SIGKILL" else ""
-    return f"rank {rank} of {nproc} was killed by {name}{why}; the other ranks were stopped"
+    return f"rank {rank} of {nproc} was killed by {name}{why}; {others}"
 
 
 def slurm_task_env() -> dict[str, str]:
@@ -235,7 +245,7 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         finally:
             signal.signal(signal.SIGINT, interrupt)
         try:
-            failed = _failed(ranks.processes, store_dir)
+            failed, stopped = _failed(ranks.processes, store_dir)
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
             _stop(ranks.processes, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM,
                   lambda rank: os.path.exists(ready_path(store_dir, rank)))
@@ -245,7 +255,7 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
             if not trace:   # (a rank's FrameworkError exits 1, a bug's leaves its traceback)
                 backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
                 raise _ended(run, FrameworkError(exit_message(failed, cfg.dist.nproc, ranks.processes[failed].exitcode,
-                                                              backend, cfg.dist.timeout_s)))
+                                                              backend, cfg.dist.timeout_s, stopped)))
             say(trace)
             raise _ended(run, FrameworkError(f"rank {failed} of {cfg.dist.nproc} failed: {trace.splitlines()[-1]}"),
                          trace if failed else "")   # (rank 0's console wrote its own to train.log)
@@ -280,10 +290,11 @@ def _ended(run: RunInfo, error: FrameworkError, trace: str = "") -> FrameworkErr
     return error
 
 
-def _failed(ranks: list, store_dir: str) -> int | None:
-    """Wait for the ranks to end; None when all finished. Once one failed, the others have ``REPORT_GRACE_S`` to
-    end with their own error (a rank that failed first may be one whose peer went silent, one slow to exit), then
-    are stopped; the rank to name is the first that failed, unless its error was a lost peer and another's was not."""
+def _failed(ranks: list, store_dir: str) -> tuple[int | None, bool]:
+    """Wait for the ranks to end: the rank to name (None when all finished) and whether any had to be stopped. Once
+    one failed, the others have ``REPORT_GRACE_S`` to end with their own error (a rank that failed first may be one
+    whose peer went silent, one slow to exit), then are stopped; the rank to name is the first that failed, unless
+    its error was a lost peer and another's was not."""
     pending = {p.sentinel: rank for rank, p in enumerate(ranks)}
     failed, deadline = [], None
     while pending and (ready := wait(list(pending), None if deadline is None
@@ -294,19 +305,19 @@ def _failed(ranks: list, store_dir: str) -> int | None:
                 failed.append(rank)
                 deadline = deadline or time.monotonic() + REPORT_GRACE_S
     if not failed:
-        return None
-    _end(ranks)
-    return min(failed, key=lambda rank: os.path.exists(peer_lost_path(store_dir, rank)))   # (the first of the best)
+        return None, False
+    stopped = _end(ranks)
+    return min(failed, key=lambda rank: os.path.exists(peer_lost_path(store_dir, rank))), stopped   # (first of best)
 
 
-def _end(ranks: list) -> None:
+def _end(ranks: list) -> bool:
     """Stop the ranks still running ``REPORT_GRACE_S`` after a rank failed, with one line naming them first:
     SIGTERM, and SIGKILL ``KILL_AFTER_S`` later (a rank in C++ runs no handler). They had their time to end on
     their own, so not ``STOP_GRACE_S`` more; a stopped rank (SIGSTOP) would act on nothing before SIGCONT:
-    SIGKILL at once. A Ctrl-C meanwhile skips ahead. No rank is left running."""
+    SIGKILL at once. A Ctrl-C meanwhile skips ahead. No rank is left running. Whether there was one to stop."""
     alive = [(rank, p) for rank, p in enumerate(ranks) if p.is_alive()]
     if not alive:
-        return
+        return False
     stopped = {rank for rank, p in alive if process_state(p.pid) == "T"}
     names = [f"rank {r} (pid {p.pid}{', stopped by SIGSTOP: SIGKILL now' if r in stopped else ''})" for r, p in alive]
     termed = f"; SIGTERM, then SIGKILL after {KILL_AFTER_S:g}s" if len(stopped) < len(alive) else ""
@@ -318,6 +329,7 @@ def _end(ranks: list) -> None:
     for p in ranks:
         p.kill()   # (nothing for a rank that ended)
     _join(ranks, None)
+    return True
 
 
 def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:

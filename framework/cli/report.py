@@ -4,8 +4,8 @@
     python -m framework.report multirun/2026-12-01/10-00-00 --out docs/  # or somewhere else
 
 Every job folder under the given one (any depth) with a ``summary.json`` or Hydra's overrides is a
-row (one without a summary is running while a run holds its run.lock, else failed: its train.log's last
-error line), and so is the given folder itself when it is one run's (Hydra's overrides, no job below);
+row (one without a summary is running while a run holds its run.lock, else failed: the cause its train.log
+ends with), and so is the given folder itself when it is one run's (Hydra's overrides, no job below);
 ``loss.png`` and ``throughput_memory.png`` plot the losses, tokens/s and measured peak memory.
 Needs matplotlib (``pip install 'framework[report]'``).
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from framework.cli import fail
-from framework.cli.launch import RUN_LOCK
+from framework.cli.launch import PRINTED_ABOVE, RUN_LOCK, is_exit_line
 from framework.config.dsconfig import COMMAND_LINE
 from framework.config.schema import get_key
 from framework.core.registry import GROUPS
@@ -200,8 +200,8 @@ def common_overrides(jobs: list[Job]) -> list[str]:
 
 
 def unfinished(folder: Path, width: int = 80) -> str:
-    """Why a job folder has no summary.json: "running" while a run holds its run.lock, else "failed" with the last
-    ``error:`` line of its train.log (cut to ``width``); "failed or running" where the lock cannot be tried."""
+    """Why a job folder has no summary.json: "running" while a run holds its run.lock, else "failed" with ``why``
+    its train.log says (cut to ``width``); "failed or running" where the lock cannot be tried."""
     try:
         fd = files.open_nofollow(folder / RUN_LOCK, os.O_RDONLY)
     except (OSError, FrameworkError):   # none (a run refused before it owned the folder) or a link in its place
@@ -219,10 +219,27 @@ def unfinished(folder: Path, width: int = 80) -> str:
         lines = (folder / "train.log").read_text(errors="replace").splitlines()
     except OSError:
         lines = []
-    error = next((line.removeprefix("error: ") for line in reversed(lines) if line.startswith("error: ")), None)
+    error = why(lines)
     if error is None:
         return "failed"
     return f"failed: {error if len(error) <= width else error[:width - 3].rstrip() + '...'}"
+
+
+def why(lines: list[str]) -> str | None:
+    """The cause a train.log ends with (a relaunch appends to it: the last): its last own ``error:`` line, not the
+    launcher's that follows it under dist.nproc>1 ("rank 1 of 2 exited with code 1"); a run ended by a signal, its
+    "terminated (SIGTERM) at step N" or "interrupted at step N" line, unless the launcher's line after it says a
+    rank's exit ended the run; the launcher's line alone, without its pointer to the console, where it is all."""
+    exit_line = None
+    for line in reversed(lines):
+        error = line.removeprefix("error: ") if line.startswith("error: ") else None
+        if error is not None and is_exit_line(error):
+            exit_line = exit_line or error.replace(PRINTED_ABOVE, "")
+        elif error is not None:
+            return error
+        elif line.startswith(("terminated (", "interrupted")):
+            return exit_line or line
+    return exit_line
 
 
 def markdown_table(jobs: list[Job], root: Path) -> str:

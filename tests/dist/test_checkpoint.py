@@ -296,7 +296,7 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
 
 def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incomplete_folders_are_ignored(tmp_path, capsys):
     dist = _local()
-    _train(dist, [], str(tmp_path), steps=K)
+    _train(dist, ["scheduler.warmup_steps=1"], str(tmp_path), steps=K)   # (past its warm-up at K: the note below)
     (tmp_path / f"step-{N}.tmp").mkdir()                # an interrupted save
     (tmp_path / "step-9").mkdir()                      # a folder without a manifest
     _train(dist, ["checkpoint.every=0"], str(tmp_path), resume="off", steps=0)   # no saves: a note
@@ -319,14 +319,14 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
     assert f"resumed from {other}" in out and "global batch" not in out, out
     # Every difference is listed, however many (a changed group, logger here, as one entry)
     more = ["logger=console", "model.dropout=0.2", "optimizer.beta1=0.8", "optimizer.beta2=0.98", "optimizer.eps=1e-7",
-            "optimizer.weight_decay=0.2", "scheduler.min_lr=0", "scheduler.warmup_steps=1", f"train.steps={N + 4}"]
+            "optimizer.weight_decay=0.2", "scheduler.warmup_steps=1", f"train.steps={N + 4}"]
     losses, _, first, _ = _train(dist, ["train.micro_batch=4", *more], str(tmp_path), resume="auto", steps=N,
                                  batch_from_config=True)
     assert first[:2] == (K, K) and len(losses) == N - K
     out = capsys.readouterr().out
     assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in out, out
     assert ("; config differs in logger none->console, model.dropout, optimizer.beta1, optimizer.beta2, optimizer.eps, "
-            "optimizer.weight_decay, scheduler.min_lr, scheduler.warmup_steps, train.micro_batch, "
+            "optimizer.weight_decay, train.micro_batch, "
             "train.steps;") in out, out
     # the schedule's length follows train.steps (decay_steps null): the resumed update's lr moves, and that is said
     from framework.schedulers import warmup_cosine
@@ -339,6 +339,12 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
            "to keep it" in out, out
     assert not (tmp_path / f"step-{N}.tmp").exists()   # removed by the next save
     assert (tmp_path / f"step-{N}" / "manifest.json").is_file()
+    # No such note where the scheduler itself changed (this one's lr over the saved length is not the saved run's;
+    # "config differs in" names it) or where no update follows (the checkpoint at or past the new train.steps)
+    for over in (["scheduler.min_lr=0", f"train.steps={N + 8}"], [f"train.steps={N - 1}"]):
+        _train(dist, [*more[:-1], *over], str(tmp_path), resume="auto", steps=0)
+        out = capsys.readouterr().out
+        assert f"resumed from {tmp_path / f'step-{N}'}" in out and "the lr schedule" not in out, out
 
 
 def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_looks(tmp_path, capsys, monkeypatch):

@@ -77,11 +77,14 @@ def test_threads_are_capped_to_the_ranks_share_and_never_raised(monkeypatch):
 
 
 def test_exit_lines_name_the_watchdog():
-    line = exit_message(1, 2, -signal.SIGABRT, "nccl", 300)
+    line = exit_message(1, 2, -signal.SIGABRT, "nccl", 300, True)
     assert line.startswith("rank 1 of 2 was aborted by NCCL's watchdog (SIGABRT)") and "dist.timeout_s=300s" in line
-    assert "out of memory" in exit_message(0, 2, -signal.SIGKILL, "nccl", 300)
-    assert exit_message(0, 2, -signal.SIGABRT, "gloo", 300) == "rank 0 of 2 was killed by SIGABRT; the other ranks were stopped"
-    assert exit_message(1, 4, 1, "gloo", 300).startswith("rank 1 of 4 exited with code 1 (anything it printed is above)")
+    assert "out of memory" in exit_message(0, 2, -signal.SIGKILL, "nccl", 300, True)
+    assert exit_message(0, 2, -signal.SIGABRT, "gloo", 300, True) == \
+        "rank 0 of 2 was killed by SIGABRT; the other ranks were stopped"
+    assert exit_message(1, 4, 1, "gloo", 300, True).startswith("rank 1 of 4 exited with code 1 (anything it printed")
+    # (no rank was signalled: each ended by itself, as on an error every rank raised)
+    assert exit_message(1, 2, 1, "gloo", 300, False).endswith("; the other ranks ended by themselves")
 
 
 def test_a_launcher_stopped_by_a_signal_kills_every_rank_before_it_waits_on_one():
@@ -141,7 +144,7 @@ def test_a_failed_ranks_peers_are_stopped_after_the_kill_grace_a_stopped_one_at_
             assert ready.wait(30)
         ranks[0].start()
         start = time.monotonic()
-        assert launch._failed(ranks, "/nonexistent") == 0
+        assert launch._failed(ranks, "/nonexistent") == (0, True)
         took = time.monotonic() - start
     finally:
         for p in ranks[1:]:
@@ -153,6 +156,20 @@ def test_a_failed_ranks_peers_are_stopped_after_the_kill_grace_a_stopped_one_at_
     how = (", stopped by SIGSTOP: SIGKILL now)" if peer == "stopped" else ")") + ": still there 0.2s after a rank failed"
     how += "" if peer == "stopped" else "; SIGTERM, then SIGKILL after 3s"
     assert capsys.readouterr().err == f"stopping rank 1 (pid {ranks[1].pid}{how}\n"
+
+
+def test_ranks_that_all_failed_by_themselves_are_not_said_stopped(capsys):
+    """Every rank ended with its own error (a non-finite loss raised on every rank): none is signalled, and the
+    launcher's line must not say the others were stopped."""
+    import multiprocessing
+
+    from framework.cli import launch
+    ctx = multiprocessing.get_context("fork")
+    ranks = [ctx.Process(target=os._exit, args=(1,)) for _ in range(2)]
+    for p in ranks:
+        p.start()
+    assert launch._failed(ranks, "/nonexistent") == (0, False)
+    assert "stopping" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("spec,n,device,backend", [

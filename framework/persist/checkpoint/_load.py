@@ -134,9 +134,13 @@ def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str |
 def schedule_change(saved: dict, cfg, position: int) -> str | None:
     """The resume line's note where train.steps changed and the scheduler's length follows it (its
     total_num_steps or decay_steps null): the schedule stretches over the new length, so the lr of the next
-    update (``position``: the applied updates) moves, which a bare "config differs in train.steps" hides."""
+    update (``position``: the applied updates) moves, which a bare "config differs in train.steps" hides. None where
+    no update follows (``position`` at or past the new length) or the scheduler itself changed (another choice or
+    value: the saved run's lr is not this scheduler's over the old length, and "config differs in" names it)."""
     before, now = get_key(saved, "train.steps"), cfg.train.steps
-    if not isinstance(before, int) or before < 1 or before == now:
+    if not isinstance(before, int) or before < 1 or before == now or position >= now:
+        return None
+    if saved.get("scheduler") != cfg.to_dict().get("scheduler"):
         return None
     name = cfg.choices["scheduler"]
     # (called as initialize calls it: base_lr by name)
