@@ -629,8 +629,10 @@ def test_report_of_one_unfinished_run_and_check_of_a_plain_sweep(tmp_path, capsy
     assert f"| no summary.json (failed: step 2: the loss is nan {'x' * 53}...) |" in report.markdown_table([job], run)
     # Under dist.nproc>1 the launcher's line follows the rank's own: the row gives the cause, not that line; a run
     # a signal ended, its terminated line, unless the launcher's after it says a rank's exit ended the run.
-    launcher = "error: rank 1 of 2 exited with code 1 (anything it printed is above); the other ranks ended by themselves"
-    killed = "error: rank 1 of 2 was killed by SIGKILL (out of memory? see the system log); the other ranks were stopped"
+    launcher = ("error: rank 1 of 2 exited with code 1 (anything it printed is above); "
+                "the other ranks ended by themselves")
+    killed = ("error: rank 1 of 2 was killed by SIGKILL (out of memory? see the system log); "
+              "the other ranks were stopped")
     for log, says in ((f"error: step 2: the loss is nan\n{launcher}\n", "step 2: the loss is nan"),
                       ("step 1 | loss 3.0\nterminated (SIGTERM) at step 171\n", "terminated (SIGTERM) at step 171"),
                       (f"terminated (SIGTERM) at step 3\n{killed}\n", killed[7:][:77].rstrip() + "..."),
