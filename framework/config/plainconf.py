@@ -125,7 +125,7 @@ def _split(inner: str) -> list[str]:
 
 
 def load_yaml(path: Path) -> dict:
-    import yaml  # PyYAML: transformers needs it too, so it is there wherever torch's stack is
+    import yaml  # (PyYAML: a core dependency; here only where a config is composed without Hydra)
 
     return dict(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
 
