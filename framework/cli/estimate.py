@@ -48,7 +48,7 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
     try:
         import transformers
     except ImportError:
-        raise ConfigError("estimate: a config.json needs transformers (pip install '.[hf]')") from None
+        raise ConfigError("estimate: a config.json needs transformers (pip install -e '.[hf]')") from None
     # Read as model=hf reads it (custom model code refused in one line, never a prompt to run it).
     config_path, config = hf_lib.load_config(path, key="estimate: model")
     # The class training builds (model=hf: AutoModelForCausalLM's), whatever "architectures" names (a config

@@ -136,7 +136,8 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
     from framework.core.paths import conf_dir
 
     if config_dir is not None or config_name != "train":
-        raise ConfigError("config: --config-dir / --config-name need Hydra (pip install hydra-core)")
+        raise ConfigError("config: --config-dir / --config-name need Hydra: pip install -e . (or pip install "
+                          "'hydra-core>=1.3.2,<1.4')")
     conf = conf_dir()
     primary = load_yaml(conf / "train.yaml")
     defaults = primary.pop("defaults", [])

@@ -28,7 +28,7 @@ def _installed(name: str) -> bool:
 
 needs_submitit = pytest.mark.skipif(
     not (_installed("hydra_plugins.hydra_submitit_launcher") and _installed("submitit")),
-    reason="Hydra's submitit launcher is not installed (pip install 'framework[slurm]')")
+    reason="Hydra's submitit launcher is not installed (pip install -e '.[slurm]')")
 
 
 def _stub(bin_dir: Path, name: str, body: str) -> None:
@@ -111,7 +111,7 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
     assert slurm_task_env() == {}                 # torchrun (or another launcher) already did
     monkeypatch.delenv("WORLD_SIZE")
     if not _installed("submitit"):
-        pytest.skip("submitit is not installed (pip install 'framework[slurm]')")
+        pytest.skip("submitit is not installed (pip install -e '.[slurm]')")
     for key, value in {"SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2",
                        "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_JOB_ID": "4242", "MASTER_PORT": "29611"}.items():
         monkeypatch.setenv(key, value)

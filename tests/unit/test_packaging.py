@@ -65,3 +65,23 @@ def test_every_package_framework_imports_is_declared():
                 if not {re.sub(r"[-_.]+", "-", d).lower() for d in dists.get(top, [top])} & declared:
                     undeclared.add(f"{top} ({path.relative_to(REPO_ROOT)})")
     assert not undeclared, f"imported but not in pyproject.toml's dependencies or extras: {sorted(undeclared)}"
+
+
+def test_every_hint_to_install_an_extra_is_the_one_that_works_from_a_checkout():
+    """``pip install -e '.[NAME]'`` (NAME an extra of pyproject.toml) wherever the code, docs or recipes say how
+    to get an extra: ``pip install 'framework[NAME]'`` looks for a package of that name on the index, and the
+    checkout is often used through PYTHONPATH, not installed."""
+    import re
+    import tomllib
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    wrong = []
+    for folder in ("framework", "docs", "recipes", "tests"):
+        for path in (REPO_ROOT / folder).rglob("*"):
+            if path.suffix not in (".py", ".md", ".yaml", ".sh") or path == Path(__file__):
+                continue
+            for hint in re.findall(r"pip install (?:-e )?['\"]?[\w.]*\[[\w,]+\]['\"]?", path.read_text(encoding="utf-8")):
+                names = re.fullmatch(r"pip install -e '\.\[([\w,]+)\]'", hint)
+                if names is None or not set(names.group(1).split(",")) <= set(extras):
+                    wrong.append(f"{path.relative_to(REPO_ROOT)}: {hint}")
+    assert not wrong, wrong
