@@ -35,7 +35,14 @@ def parse(line: str) -> Override:
         raise ConfigError(f"config: cannot parse override {line!r}: a key holds no spaces; remove them")
     # an unquoted '{'; a comma outside quotes and brackets (a sweep)
     marks = {c for c, plain, depth in _walk(text) if plain and (c == "{" or c == "," and depth == 0)}
-    if any(c in text for c in ("${", "choice(", "range(", "glob(")) or "," in marks:
+    hydra_only = any(c in text for c in ("${", "choice(", "range(", "glob("))
+    if "," in marks and not hydra_only:   # no sweep either, as Hydra's grammar reads it: a parse error there
+        if any(not item.strip() for item in _split(text)):
+            raise ConfigError(f"config: cannot parse override {line!r}: it has an empty item; drop the extra comma")
+        if any(c == "(" and plain for c, plain, _ in _walk(text)):
+            raise ConfigError(f"config: cannot parse override {line!r}: parentheses hold only a sweep's choice(), "
+                              f"range() or glob(); a list is written [a,b]")
+    if hydra_only or "," in marks:
         raise ConfigError(f"config: override {line!r} uses Hydra syntax that needs Hydra (interpolation or "
                           f"sweep); install hydra-core or give a plain value")
     if "{" in marks:
@@ -146,6 +153,10 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
     choices = {str(group): str(name) for entry in defaults if isinstance(entry, Mapping)
                for group, name in entry.items() if not str(group).startswith("override hydra/")}
     parsed = [parse(o) for o in overrides]
+    for line, o in zip(overrides, parsed):
+        if o.key.split(".")[0] == "hydra":   # (a typo in one would be as silent as a right one)
+            raise ConfigError(f"config: {line}: hydra.* keys are Hydra's own (the command line's run folder, logs, "
+                              f"sweeps); composing without Hydra nothing reads them: drop it")
     for o in [o for o in parsed if o.key in GROUPS]:
         if o.prefix == "~":   # the group's choice dropped, as Hydra drops it from the defaults list
             line = o.key if o.value is None else f"{o.key}={o.value}"
@@ -171,7 +182,7 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
         tree[group] = load_yaml(path)
     _merge(tree, primary)
     for o in parsed:
-        if o.key not in GROUPS and o.key.split(".")[0] != "hydra":
+        if o.key not in GROUPS:
             set_key(tree, o)
     return tree, {g: n for g, n in choices.items() if g in GROUPS}
 
