@@ -94,7 +94,7 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         # (Hydra raises a bare ValueError for a group choice that is not a name)
         raise ConfigError("config: " + (_given_twice(str(e), overrides, Path(config_dir or conf_dir()) / f"{name}.yaml")
-                                        or " ".join(str(e).split()))) from None
+                                        or _no_launcher(str(e)) or " ".join(str(e).split()))) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
 
 
@@ -115,6 +115,14 @@ def _given_twice(message: str, overrides: list[str], primary: Path) -> str:
     if default is not None:
         return f"{twice} and {chosen}: give {group}=NAME once, without +"
     return f"{twice}: give +{group}=NAME once"
+
+
+def _no_launcher(message: str) -> str:
+    """Hydra's list of the launchers it has and its search path, where the missing one is an extra's."""
+    if (m := re.search(r"Could not find 'hydra/launcher/(submitit_\w+)'", message)) is None:
+        return ""
+    return (f"hydra/launcher={m.group(1)} needs Hydra's submitit launcher, which is not installed: "
+            f"pip install -e '.[slurm]'")
 
 
 def _default_choice(primary: Path, group: str) -> str | None:

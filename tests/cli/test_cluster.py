@@ -31,6 +31,34 @@ needs_submitit = pytest.mark.skipif(
     reason="Hydra's submitit launcher is not installed (pip install -e '.[slurm]')")
 
 
+_WITHOUT_LAUNCHER = r'''
+import sys
+class Hiding:   # Hydra's plugins (the submitit launcher) as not installed
+    def __init__(self, finder):
+        self.finder = finder
+    def find_spec(self, name, path=None, target=None):
+        find = getattr(self.finder, "find_spec", None)
+        return None if name.split(".")[0] == "hydra_plugins" or find is None else find(name, path, target)
+    def __getattr__(self, name):
+        return getattr(self.finder, name)
+sys.meta_path[:] = [Hiding(f) for f in sys.meta_path]
+import framework
+try:
+    framework.compose(["hydra/launcher=submitit_slurm"])
+except framework.ConfigError as e:
+    print(e)
+'''
+
+
+def test_the_submitit_launcher_not_installed_names_the_extra():
+    """Hydra lists the launchers it has and its search path; the line names the extra to install instead."""
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _WITHOUT_LAUNCHER], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == ("config: hydra/launcher=submitit_slurm needs Hydra's submitit launcher, which is not "
+                                "installed: pip install -e '.[slurm]'"), p.stdout + p.stderr[-2000:]
+
+
 def _stub(bin_dir: Path, name: str, body: str) -> None:
     path = bin_dir / name
     path.write_text("#!/bin/sh\n" + body + "\n")
