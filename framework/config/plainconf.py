@@ -82,6 +82,9 @@ def value(text: str) -> Any:
         tokens.pop()
     text = "".join(tokens)
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        if not _quoted_once(text):   # 'a'/'b': Hydra's grammar refuses it (the inner quotes would stay here)
+            raise ConfigError(f"config: the value {text} is quoted in parts; quote it once as a whole (a quote "
+                              f"inside it escaped: \\{text[0]})")
         return text[1:-1].replace("\\" + text[0], text[0]).replace("\\\\", "\\")
     if text.startswith("[") and text.endswith("]"):
         inner = text[1:-1].strip()
@@ -104,6 +107,19 @@ def value(text: str) -> Any:
     if _FLOAT.fullmatch(text):
         return float(text)
     return text
+
+
+def _quoted_once(text: str) -> bool:
+    """Whether ``text``'s opening quote closes at its last character (not earlier, as in 'a'/'b')."""
+    escaped = False
+    for i, c in enumerate(text[1:], 1):
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == text[0]:
+            return i == len(text) - 1
+    return False
 
 
 # Hydra's numbers (its override grammar): ASCII digits, '_' only between digits, no leading zero on an

@@ -80,6 +80,9 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
     (["optimizer.lr=1e-3,"], "cannot parse override 'optimizer.lr=1e-3,': it has an empty item; drop the extra comma"),
     (["optimizer.betas=(0.9,0.95)"], "cannot parse override 'optimizer.betas=(0.9,0.95)': parentheses hold only a "
                                      "sweep's choice(), range() or glob(); a list is written [a,b]"),
+    # a value quoted in parts (Hydra's grammar refuses it): not taken with its inner quotes
+    *(([f"checkpoint.dir={v}"], f"config: the value {v} is quoted in parts; quote it once as a whole") for v in
+      ("'a'/'b'", "'it''s'", '"a"-"b"')),
     # Hydra's own keys: nothing reads them without Hydra, and a typo in one would pass as silently
     *(([o], f"config: {o}: hydra.* keys are Hydra's own (the command line's run folder, logs, sweeps); composing "
             "without Hydra nothing reads them: drop it") for o in ("hydra.run.dri=x", "+hydra.foo=1", "hydra.run.dir=x")),
