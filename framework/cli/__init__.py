@@ -11,6 +11,19 @@ from framework.core.registry import closest_hint
 from framework.core.utils import plain_text
 
 
+HYDRA_PACKAGES = ("hydra", "omegaconf", "antlr4")   # the command line's composer (core dependencies)
+
+
+def hydra_missing(e: ModuleNotFoundError, command: str) -> str:
+    """The one line for ``python -m framework.<command>`` where Hydra or OmegaConf is not installed (an image
+    that installed torch's stack but not this project's dependencies); any other missing module is raised."""
+    if (e.name or "").split(".")[0] not in HYDRA_PACKAGES:
+        raise e
+    return (f"python -m framework.{command} needs Hydra, and {e.name} is not installed for {sys.executable}: "
+            f"pip install -e . (from the checkout; or pip install 'hydra-core>=1.3.2,<1.4'); "
+            f"the library (framework.compose, framework.initialize) runs without it")
+
+
 def fail(error: object, code: int) -> int:
     """Print ``error`` as one ``error:`` line on stderr; return the exit status ``code``."""
     say(f"error: {error}")

@@ -23,8 +23,6 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
 from framework.engine.build import component
@@ -34,6 +32,7 @@ from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, form
                                      zero2_rows, zero3_rows)
 from framework.cli import override_key, run_command
 from framework.config import compose
+from framework.config.plainconf import load_yaml, parse, set_key, typed
 from framework.core.errors import ConfigError, FrameworkError, typed_line
 from framework.core.registry import closest_hint, registry
 from framework.core.units import GiB, MiB
@@ -49,7 +48,7 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
     try:
         import transformers
     except ImportError:
-        raise ConfigError("estimate: a config.json needs transformers (pip install '.[hf]')") from None
+        raise ConfigError("estimate: a config.json needs transformers (pip install -e '.[hf]')") from None
     # Read as model=hf reads it (custom model code refused in one line, never a prompt to run it).
     config_path, config = hf_lib.load_config(path, key="estimate: model")
     # The class training builds (model=hf: AutoModelForCausalLM's), whatever "architectures" names (a config
@@ -136,6 +135,11 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
     """The GPT config a YAML file states, typed by its schema as a preset is, with the ``model.*`` overrides."""
     fields = [f.name for f in dataclasses.fields(GPTConfig)]
     try:
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+    except ImportError:   # (the GPU image: no Hydra) read as the plain composer reads a preset
+        return _plain_yaml_model(path, model_keys, fields)
+    try:
         node = OmegaConf.merge(OmegaConf.structured(GPTConfig), OmegaConf.load(path))
     except YAMLError as e:
         raise ConfigError(f"estimate: {path} is not YAML: {' '.join(str(e).split())}") from None
@@ -162,7 +166,33 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
         raise ConfigError(f"config: {_omega_error(e)} (model={path})") from None
 
 
-def _omega_error(e: OmegaConfBaseException) -> str:
+def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> GPTConfig:
+    """``_yaml_model`` without OmegaConf: the same checks, plainconf's typing."""
+    try:
+        node = load_yaml(path)
+    except YAMLError as e:
+        raise ConfigError(f"estimate: {path} is not YAML: {' '.join(str(e).split())}") from None
+    except (TypeError, ValueError):
+        raise ConfigError(f"estimate: {path} is not a GPT model config: not a mapping of keys") from None
+    for key in node:
+        if key not in fields:
+            raise ConfigError(f"estimate: {path} is not a GPT model config: model.{key}: Key '{key}' not in "
+                              f"'GPTConfig'{closest_hint(str(key), fields)}")
+    for o in model_keys:
+        name = o.partition("=")[0].lstrip("+~").removeprefix("model.")
+        if name not in fields:
+            hint = closest_hint(f"model.{name}", [f"model.{f}" for f in fields])
+            raise ConfigError(f"config: unknown key 'model.{name}'{hint}; valid keys under "
+                              f"model: {', '.join(fields)}")
+        override = parse(o)
+        if override.prefix == "~":   # back to the schema's default (or missing)
+            node.pop(name, None)
+        else:
+            set_key(node, dataclasses.replace(override, prefix="", key=name))
+    return typed(node, GPTConfig, "model.")
+
+
+def _omega_error(e) -> str:
     """``model.key: message`` of an OmegaConf error on the model's node, on one line."""
     key = getattr(e, "full_key", None) or ""
     return f"model.{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]

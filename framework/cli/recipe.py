@@ -28,11 +28,11 @@ import yaml
 
 from framework.comm.distributed import gpu_count
 from framework.core import files
-from framework.core.errors import DataError, FrameworkError
+from framework.core.errors import ConfigError, DataError, FrameworkError
 from framework.core.paths import PACKAGE_DIR, REPO_ROOT
 from framework.core.registry import closest_hint
 from framework.core.utils import plain_text
-from framework.cli import fail, override_key, report
+from framework.cli import fail, hydra_missing, override_key, report
 from framework.cli.checks import RecipeError, evaluate, validate_checks
 from framework.config import compose
 from framework.config.schema import get_key
@@ -123,7 +123,10 @@ def merge_overrides(*groups: list[str]) -> list[str]:
 
 def compose_jobs(recipe: Recipe, overrides: list[str]):
     """Every job's typed config for one run's overrides (sweeps expanded): fails before any run."""
-    from framework.cli.train import _jobs   # (Hydra's import: only where a recipe runs)
+    try:
+        from framework.cli.train import _jobs   # (Hydra's import: only where a recipe runs)
+    except ModuleNotFoundError as e:
+        raise ConfigError(hydra_missing(e, "recipe")) from None
 
     jobs, *_ = _jobs(["-m", *[_fill(o, {"recipe": str(recipe.dir)}) for o in overrides]])
     return [compose(job, config_dir=str(recipe.dir), config_name="config") for job in jobs]

@@ -7,7 +7,7 @@ Every job folder under the given one (any depth) with a ``summary.json`` or Hydr
 row (one without a summary is running while a run holds its run.lock, else failed: the cause its train.log
 ends with), and so is the given folder itself when it is one run's (Hydra's overrides, no job below);
 ``loss.png`` and ``throughput_memory.png`` plot the losses, tokens/s and measured peak memory.
-Needs matplotlib (``pip install 'framework[report]'``).
+Needs matplotlib (``pip install -e '.[report]'``).
 """
 from __future__ import annotations
 
@@ -272,7 +272,7 @@ def require_matplotlib():
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise FrameworkError("report: plots need matplotlib; pip install 'framework[report]'") from None
+        raise FrameworkError("report: plots need matplotlib; pip install -e '.[report]'") from None
     return Figure
 
 

@@ -35,7 +35,14 @@ def parse(line: str) -> Override:
         raise ConfigError(f"config: cannot parse override {line!r}: a key holds no spaces; remove them")
     # an unquoted '{'; a comma outside quotes and brackets (a sweep)
     marks = {c for c, plain, depth in _walk(text) if plain and (c == "{" or c == "," and depth == 0)}
-    if any(c in text for c in ("${", "choice(", "range(", "glob(")) or "," in marks:
+    hydra_only = any(c in text for c in ("${", "choice(", "range(", "glob("))
+    if "," in marks and not hydra_only:   # no sweep either, as Hydra's grammar reads it: a parse error there
+        if any(not item.strip() for item in _split(text)):
+            raise ConfigError(f"config: cannot parse override {line!r}: it has an empty item; drop the extra comma")
+        if any(c == "(" and plain for c, plain, _ in _walk(text)):
+            raise ConfigError(f"config: cannot parse override {line!r}: parentheses hold only a sweep's choice(), "
+                              f"range() or glob(); a list is written [a,b]")
+    if hydra_only or "," in marks:
         raise ConfigError(f"config: override {line!r} uses Hydra syntax that needs Hydra (interpolation or "
                           f"sweep); install hydra-core or give a plain value")
     if "{" in marks:
@@ -75,6 +82,9 @@ def value(text: str) -> Any:
         tokens.pop()
     text = "".join(tokens)
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        if not _quoted_once(text):   # 'a'/'b': Hydra's grammar refuses it (the inner quotes would stay here)
+            raise ConfigError(f"config: the value {text} is quoted in parts; quote it once as a whole (a quote "
+                              f"inside it escaped: \\{text[0]})")
         return text[1:-1].replace("\\" + text[0], text[0]).replace("\\\\", "\\")
     if text.startswith("[") and text.endswith("]"):
         inner = text[1:-1].strip()
@@ -97,6 +107,19 @@ def value(text: str) -> Any:
     if _FLOAT.fullmatch(text):
         return float(text)
     return text
+
+
+def _quoted_once(text: str) -> bool:
+    """Whether ``text``'s opening quote closes at its last character (not earlier, as in 'a'/'b')."""
+    escaped = False
+    for i, c in enumerate(text[1:], 1):
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == text[0]:
+            return i == len(text) - 1
+    return False
 
 
 # Hydra's numbers (its override grammar): ASCII digits, '_' only between digits, no leading zero on an
@@ -125,7 +148,7 @@ def _split(inner: str) -> list[str]:
 
 
 def load_yaml(path: Path) -> dict:
-    import yaml  # PyYAML: transformers needs it too, so it is there wherever torch's stack is
+    import yaml  # (PyYAML: a core dependency; here only where a config is composed without Hydra)
 
     return dict(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
 
@@ -136,7 +159,8 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
     from framework.core.paths import conf_dir
 
     if config_dir is not None or config_name != "train":
-        raise ConfigError("config: --config-dir / --config-name need Hydra (pip install hydra-core)")
+        raise ConfigError("config: --config-dir / --config-name need Hydra: pip install -e . (or pip install "
+                          "'hydra-core>=1.3.2,<1.4')")
     conf = conf_dir()
     primary = load_yaml(conf / "train.yaml")
     defaults = primary.pop("defaults", [])
@@ -145,6 +169,10 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
     choices = {str(group): str(name) for entry in defaults if isinstance(entry, Mapping)
                for group, name in entry.items() if not str(group).startswith("override hydra/")}
     parsed = [parse(o) for o in overrides]
+    for line, o in zip(overrides, parsed):
+        if o.key.split(".")[0] == "hydra":   # (a typo in one would be as silent as a right one)
+            raise ConfigError(f"config: {line}: hydra.* keys are Hydra's own (the command line's run folder, logs, "
+                              f"sweeps); composing without Hydra nothing reads them: drop it")
     for o in [o for o in parsed if o.key in GROUPS]:
         if o.prefix == "~":   # the group's choice dropped, as Hydra drops it from the defaults list
             line = o.key if o.value is None else f"{o.key}={o.value}"
@@ -170,7 +198,7 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
         tree[group] = load_yaml(path)
     _merge(tree, primary)
     for o in parsed:
-        if o.key not in GROUPS and o.key.split(".")[0] != "hydra":
+        if o.key not in GROUPS:
             set_key(tree, o)
     return tree, {g: n for g, n in choices.items() if g in GROUPS}
 

@@ -5,7 +5,7 @@
 
 ``model.config``: a new model from a ``config.json`` (or its folder); ``model.pretrained``: the folder's config,
 then its weights loaded once the stage has partitioned it. Nothing is downloaded. Models are built on meta and
-materialised by the stage through ``HFInit``. Transformers is an optional extra (``pip install .[hf]``).
+materialised by the stage through ``HFInit``. Transformers is an optional extra (``pip install -e '.[hf]'``).
 """
 from __future__ import annotations
 

@@ -28,7 +28,35 @@ def _installed(name: str) -> bool:
 
 needs_submitit = pytest.mark.skipif(
     not (_installed("hydra_plugins.hydra_submitit_launcher") and _installed("submitit")),
-    reason="Hydra's submitit launcher is not installed (pip install 'framework[slurm]')")
+    reason="Hydra's submitit launcher is not installed (pip install -e '.[slurm]')")
+
+
+_WITHOUT_LAUNCHER = r'''
+import sys
+class Hiding:   # Hydra's plugins (the submitit launcher) as not installed
+    def __init__(self, finder):
+        self.finder = finder
+    def find_spec(self, name, path=None, target=None):
+        find = getattr(self.finder, "find_spec", None)
+        return None if name.split(".")[0] == "hydra_plugins" or find is None else find(name, path, target)
+    def __getattr__(self, name):
+        return getattr(self.finder, name)
+sys.meta_path[:] = [Hiding(f) for f in sys.meta_path]
+import framework
+try:
+    framework.compose(["hydra/launcher=submitit_slurm"])
+except framework.ConfigError as e:
+    print(e)
+'''
+
+
+def test_the_submitit_launcher_not_installed_names_the_extra():
+    """Hydra lists the launchers it has and its search path; the line names the extra to install instead."""
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _WITHOUT_LAUNCHER], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == ("config: hydra/launcher=submitit_slurm needs Hydra's submitit launcher, which is not "
+                                "installed: pip install -e '.[slurm]'"), p.stdout + p.stderr[-2000:]
 
 
 def _stub(bin_dir: Path, name: str, body: str) -> None:
@@ -111,7 +139,7 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
     assert slurm_task_env() == {}                 # torchrun (or another launcher) already did
     monkeypatch.delenv("WORLD_SIZE")
     if not _installed("submitit"):
-        pytest.skip("submitit is not installed (pip install 'framework[slurm]')")
+        pytest.skip("submitit is not installed (pip install -e '.[slurm]')")
     for key, value in {"SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2",
                        "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_JOB_ID": "4242", "MASTER_PORT": "29611"}.items():
         monkeypatch.setenv(key, value)

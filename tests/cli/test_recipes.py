@@ -455,7 +455,7 @@ def test_run_without_matplotlib_refuses_before_anything_trains(tmp_path, capsys,
     for mod in ("matplotlib", "matplotlib.figure"):
         monkeypatch.setitem(sys.modules, mod, None)
     out = tmp_path / "out"
-    _one_line_error(capsys, ["zero_equivalence", "--quick", "--out", str(out)], "pip install 'framework[report]'")
+    _one_line_error(capsys, ["zero_equivalence", "--quick", "--out", str(out)], "pip install -e '.[report]'")
     assert not out.exists()
 
 

@@ -134,6 +134,12 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
     (["+stage=[zero1]"], "a config group takes one name, not a list; give +stage=NAME"),
     # Hydra's own advice here (override stage: zero2) is defaults-list syntax, not a command line's
     (["+stage=zero3", "+stage=zero2"], "config: stage given twice (+stage=zero3, +stage=zero2): give +stage=NAME once"),
+    # a group train.yaml's defaults choose already, added once: overriding it is the fix, not giving it once
+    (["+stage=zero3", "+offload=cpu"], "config: offload is already chosen in the defaults (offload: none): use "
+                                       "offload=cpu, without +"),
+    (["+logger=none"], "config: logger is already chosen in the defaults (logger: console): use logger=none, without +"),
+    (["+offload=cpu", "+offload=nvme"], "config: offload given twice (+offload=cpu, +offload=nvme) and already chosen "
+                                        "in the defaults (offload: none): give offload=NAME once, without +"),
     # keys as YAML spells them: the schema's field async_ (a Python keyword) is checkpoint.async
     (["checkpoint.foo=1"], "unknown key 'checkpoint.foo'; valid keys under checkpoint: dir, every, keep_last, resume, "
                            "async, timeout_s"),

@@ -76,6 +76,16 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
     (["train={steps:5}"], "override 'train={steps:5}' gives a mapping ({...}), which needs Hydra"),
     (["+stage=zero3", "stage.gather_unit=[Block,]"], "the list [Block,] has an empty item; drop the extra comma"),
     (["logger=wandb", "logger.tags=[a,,b]"], "has an empty item"),
+    # what Hydra's grammar refuses is refused, not taken for a sweep that needs Hydra
+    (["optimizer.lr=1e-3,"], "cannot parse override 'optimizer.lr=1e-3,': it has an empty item; drop the extra comma"),
+    (["optimizer.betas=(0.9,0.95)"], "cannot parse override 'optimizer.betas=(0.9,0.95)': parentheses hold only a "
+                                     "sweep's choice(), range() or glob(); a list is written [a,b]"),
+    # a value quoted in parts (Hydra's grammar refuses it): not taken with its inner quotes
+    *(([f"checkpoint.dir={v}"], f"config: the value {v} is quoted in parts; quote it once as a whole") for v in
+      ("'a'/'b'", "'it''s'", '"a"-"b"')),
+    # Hydra's own keys: nothing reads them without Hydra, and a typo in one would pass as silently
+    *(([o], f"config: {o}: hydra.* keys are Hydra's own (the command line's run folder, logs, sweeps); composing "
+            "without Hydra nothing reads them: drop it") for o in ("hydra.run.dri=x", "+hydra.foo=1", "hydra.run.dir=x")),
 ])
 def test_plain_errors_are_one_line(overrides, message, typing):
     typing()

@@ -42,3 +42,46 @@ def test_installed_package_finds_conf(tmp_path):
     assert out.returncode == 0, out.stderr
     module, conf, choice = out.stdout.split()
     assert module.startswith(str(target)) and Path(conf) == target / "framework" / "_conf" and choice == "lion"
+
+
+def test_every_package_framework_imports_is_declared():
+    """A third-party module imported anywhere in framework/ is a dependency or an extra's of pyproject.toml
+    (one pulled in by another package, as PyYAML by OmegaConf, goes missing where that one is not installed)."""
+    import ast
+    import importlib.metadata
+    import re
+    import tomllib
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    declared = {re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", r)[0]).lower() for r in requirements}
+    dists = importlib.metadata.packages_distributions()
+    undeclared = set()
+    for path in (REPO_ROOT / "framework").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"framework"}:
+                if not {re.sub(r"[-_.]+", "-", d).lower() for d in dists.get(top, [top])} & declared:
+                    undeclared.add(f"{top} ({path.relative_to(REPO_ROOT)})")
+    assert not undeclared, f"imported but not in pyproject.toml's dependencies or extras: {sorted(undeclared)}"
+
+
+def test_every_hint_to_install_an_extra_is_the_one_that_works_from_a_checkout():
+    """``pip install -e '.[NAME]'`` (NAME an extra of pyproject.toml) wherever the code, docs or recipes say how
+    to get an extra: ``pip install 'framework[NAME]'`` looks for a package of that name on the index, and the
+    checkout is often used through PYTHONPATH, not installed."""
+    import re
+    import tomllib
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    wrong = []
+    for folder in ("framework", "docs", "recipes", "tests"):
+        for path in (REPO_ROOT / folder).rglob("*"):
+            if path.suffix not in (".py", ".md", ".yaml", ".sh") or path == Path(__file__):
+                continue
+            for hint in re.findall(r"pip install (?:-e )?['\"]?[\w.]*\[[\w,]+\]['\"]?", path.read_text(encoding="utf-8")):
+                names = re.fullmatch(r"pip install -e '\.\[([\w,]+)\]'", hint)
+                if names is None or not set(names.group(1).split(",")) <= set(extras):
+                    wrong.append(f"{path.relative_to(REPO_ROOT)}: {hint}")
+    assert not wrong, wrong
