@@ -595,7 +595,8 @@ def run(*argv):
     except SystemExit as e:
         return e.code if isinstance(e.code, (int, str)) else 0
     return 0
-out = {"train": run("train", "train.steps=1"), "recipe": run("recipe", "zero_equivalence", "--quick", "--out", sys.argv[1])}
+out = {"train": run("train", "train.steps=1"),
+       "recipe": run("recipe", "zero_equivalence", "--quick", "--out", sys.argv[1])}
 out["estimate"] = run("estimate", "model=conf/model/gpt-nano.yaml", "model.n_layer=3", "--json")
 out["estimate_bad"] = run("estimate", "model=conf/model/gpt-nano.yaml", "model.n_layer=2.5")
 import framework   # W&B hidden as a missing package is (find_spec None): its config check is one line

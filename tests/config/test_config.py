@@ -137,7 +137,8 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
     # a group train.yaml's defaults choose already, added once: overriding it is the fix, not giving it once
     (["+stage=zero3", "+offload=cpu"], "config: offload is already chosen in the defaults (offload: none): use "
                                        "offload=cpu, without +"),
-    (["+logger=none"], "config: logger is already chosen in the defaults (logger: console): use logger=none, without +"),
+    (["+logger=none"],
+     "config: logger is already chosen in the defaults (logger: console): use logger=none, without +"),
     (["+offload=cpu", "+offload=nvme"], "config: offload given twice (+offload=cpu, +offload=nvme) and already chosen "
                                         "in the defaults (offload: none): give offload=NAME once, without +"),
     # keys as YAML spells them: the schema's field async_ (a Python keyword) is checkpoint.async

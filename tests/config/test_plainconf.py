@@ -85,7 +85,8 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
       ("'a'/'b'", "'it''s'", '"a"-"b"')),
     # Hydra's own keys: nothing reads them without Hydra, and a typo in one would pass as silently
     *(([o], f"config: {o}: hydra.* keys are Hydra's own (the command line's run folder, logs, sweeps); composing "
-            "without Hydra nothing reads them: drop it") for o in ("hydra.run.dri=x", "+hydra.foo=1", "hydra.run.dir=x")),
+            "without Hydra nothing reads them: drop it")
+      for o in ("hydra.run.dri=x", "+hydra.foo=1", "hydra.run.dir=x")),
 ])
 def test_plain_errors_are_one_line(overrides, message, typing):
     typing()

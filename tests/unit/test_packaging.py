@@ -53,7 +53,8 @@ def test_every_package_framework_imports_is_declared():
     import tomllib
 
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-    requirements = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    extras = project["optional-dependencies"].values()
+    requirements = [*project["dependencies"], *(r for extra in extras for r in extra)]
     declared = {re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", r)[0]).lower() for r in requirements}
     dists = importlib.metadata.packages_distributions()
     undeclared = set()
@@ -80,7 +81,8 @@ def test_every_hint_to_install_an_extra_is_the_one_that_works_from_a_checkout():
         for path in (REPO_ROOT / folder).rglob("*"):
             if path.suffix not in (".py", ".md", ".yaml", ".sh") or path == Path(__file__):
                 continue
-            for hint in re.findall(r"pip install (?:-e )?['\"]?[\w.]*\[[\w,]+\]['\"]?", path.read_text(encoding="utf-8")):
+            text = path.read_text(encoding="utf-8")
+            for hint in re.findall(r"pip install (?:-e )?['\"]?[\w.]*\[[\w,]+\]['\"]?", text):
                 names = re.fullmatch(r"pip install -e '\.\[([\w,]+)\]'", hint)
                 if names is None or not set(names.group(1).split(",")) <= set(extras):
                     wrong.append(f"{path.relative_to(REPO_ROOT)}: {hint}")
