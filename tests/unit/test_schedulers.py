@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+import framework
 from framework.core.errors import ConfigError
 from framework.core.registry import registry
 from framework.schedulers import constant, warmup_cosine, warmup_lr
@@ -310,3 +311,19 @@ def test_a_decay_ending_before_the_run_holds_its_floor_with_a_note():
             note = [n for n in registry("scheduler").get(name).notes(node, run) if "total_num_steps" in n]
             says = f"for the last {count} step{'s' * (count > 1)};"
             assert (len(note) == 1 and says in note[0]) if count else note == [], (name, warm, total, lrs, note)
+
+
+def test_a_resume_note_names_the_first_update_a_longer_run_moves_past_a_warm_up():
+    """The warm-up's lrs are the same over either length: the note names the first update whose lr moves (it
+    said nothing for a checkpoint inside the warm-up, the default's first 100 updates)."""
+    from framework.persist.checkpoint._load import schedule_change
+
+    given = ["scheduler=warmup_cosine", "scheduler.warmup_steps=2"]
+    saved, cfg = (framework.compose([*given, f"train.steps={n}"]) for n in (4, 8))
+    build = [warmup_cosine.build(cfg.scheduler, cfg.optimizer.lr, n) for n in (4, 8)]
+    head = "the lr schedule (scheduler=warmup_cosine) follows train.steps: it now spans 8 steps, not 4, and "
+    keep = "; set scheduler.decay_steps=4 to keep the saved run's"
+    assert schedule_change(saved.to_dict(), cfg, 1) == (
+        f"{head}the lr moves from update 4 on: {build[1](3):.2e} (over 4 steps: {build[0](3):.2e}){keep}")
+    assert schedule_change(saved.to_dict(), cfg, 3) == (
+        f"{head}the next update's lr is {build[1](3):.2e} (over 4 steps: {build[0](3):.2e}){keep}")

@@ -133,8 +133,8 @@ def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str |
 
 def schedule_change(saved: dict, cfg, position: int) -> str | None:
     """The resume line's note where train.steps changed and the scheduler's length follows it (its
-    total_num_steps or decay_steps null): the schedule stretches over the new length, so the lr of the next
-    update (``position``: the applied updates) moves, which a bare "config differs in train.steps" hides. None where
+    total_num_steps or decay_steps null): the schedule stretches over the new length, so the lr of the updates
+    after ``position`` (the applied updates) moves, which a bare "config differs in train.steps" hides. None where
     no update follows (``position`` at or past the new length) or the scheduler itself changed (another choice or
     value: the saved run's lr is not this scheduler's over the old length, and "config differs in" names it)."""
     before, now = get_key(saved, "train.steps"), cfg.train.steps
@@ -146,15 +146,20 @@ def schedule_change(saved: dict, cfg, position: int) -> str | None:
     # (called as initialize calls it: base_lr by name)
     build = partial(registry("scheduler").get(name).build, cfg.scheduler, base_lr=cfg.optimizer.lr)
     try:
-        was, lr = build(total_steps=before)(position), build(total_steps=now)(position)
+        old, new = build(total_steps=before), build(total_steps=now)
     except ConfigError:   # (this run's values were checked with its own length only)
         return None
-    if math.isclose(was, lr, rel_tol=1e-9):   # a length of its own, or none, or past both ends
+    # The first update that moves: a warm-up's updates (the default's first 100) are the same over either length.
+    # (A closed form per update; the window bounds a run of millions of steps to a few milliseconds.)
+    moved = next((i for i in range(position, min(now, position + 10_000))
+                  if not math.isclose(old(i), new(i), rel_tol=1e-9)), None)
+    if moved is None:   # a length of its own, or none, or past both ends
         return None
     key = next((k for k in ("total_num_steps", "decay_steps") if getattr(cfg.scheduler, k, 0) is None), None)
     keep = f"; set scheduler.{key}={before} to keep the saved run's" if key else ""
+    which = "the next update's lr is" if moved == position else f"the lr moves from update {moved + 1} on:"
     return (f"the lr schedule (scheduler={name}) follows train.steps: it now spans {now} steps, not {before}, and "
-            f"the next update's lr is {lr:.2e} (over {before} steps: {was:.2e}){keep}")
+            f"{which} {new(moved):.2e} (over {before} steps: {old(moved):.2e}){keep}")
 
 
 def data_change(saved, mine) -> tuple[str, bool] | None:
