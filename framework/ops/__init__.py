@@ -24,7 +24,7 @@ __all__ = ["BuildUnavailable", "KERNELS", "adagrad_step", "adam_step", "availabl
            "lion_step", "status", "unavailable_reason", "usable"]
 
 
-OFF = "off (FRAMEWORK_OPS=0)"
+OFF = "off (FRAMEWORK_OPS turns them off: 0, false, no or off)"
 
 
 def cpu_optim() -> ModuleType | None:

@@ -313,8 +313,12 @@ def _not_built(directory: Path) -> None:
                            "training builds it on first use)")
 
 
-def _rank() -> int:
-    """This process's rank where it is known without communicating (else 0)."""
+def _local_rank() -> int:
+    """This process's rank on its machine where it is known without communicating (the launchers' LOCAL_RANK;
+    else the global rank; else 0): each machine has its own cache and compiler."""
+    value = os.environ.get("LOCAL_RANK", "")
+    if value.isdigit():
+        return int(value)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
     value = os.environ.get("RANK", "0")
@@ -332,10 +336,10 @@ def attempt(build: bool) -> Status:
 @functools.cache
 def status() -> Status:
     """``load`` once per process (building unless FRAMEWORK_OPS_BUILD=0); never raises. Where it fails, ONE line
-    on stderr says why (from rank 0: every rank has the same cache, compiler and environment)."""
+    on stderr says why (from each machine's first rank: its ranks share a cache, compiler and environment)."""
 
     found = attempt(build=_on("FRAMEWORK_OPS_BUILD"))
-    if found.module is None and _rank() == 0:
+    if found.module is None and _local_rank() == 0:
         print(f"warning: framework.ops: C++ CPU optimizer kernels unavailable ({found.reason}); {FALLBACK}",
               file=sys.stderr, flush=True)
     return found
