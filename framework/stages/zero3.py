@@ -456,10 +456,12 @@ def _ungathered_call(error: BaseException, split_root: bool, unit_modules: dict[
             f"parameters were not gathered ({typed_line(error)}): ")
     # The unit's own module with its forward called directly (self.b.forward(x)): no hook ran to gather it.
     skipped = next((bypassed[id(m)] for m in unit_modules.get(unit, ()) if id(m) in bypassed), None)
-    if skipped is not None:
+    if skipped is not None:   # (named by the module whose forward was called, not by a part that failed in it)
         module, parent = skipped
+        head = head.replace(f"a module ({cls})", f"a module ({type(module).__name__})", 1)
         path = next((n for n, m in parent.named_modules() if m is module), "") if parent is not None else ""
-        call = f"self.{path}" if path else "the module"
+        # (from loss_fn: the unit's path from the root; a merged unit's name, a+b, is no path)
+        call = f"self.{path}" if path else "the module" if "+" in unit or unit == "<root>" else f"module.{unit}"
         return head + (f"its forward was called directly, which skips the module's hooks, where zero3 gathers "
                        f"its parameters: call {call}(...), not {call}.forward(...)")
     if unit != "<root>" and caller is not None:   # a model's module reaching into a unit it does not run

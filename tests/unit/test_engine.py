@@ -732,8 +732,14 @@ def test_under_zero3_a_model_module_calling_a_part_of_a_unit_is_told_to_hold_it_
     with framework.initialize(_Reach(hold=True), loss, cfg) as engine:
         engine.train_step(engine.state, batch)
     with framework.initialize(_Bypass(), loss, cfg) as engine:   # (blk already is its submodule)
-        with pytest.raises(framework.FrameworkError, match=r"^zero3: _Bypass\.forward called a module \(Linear\) .*"
+        with pytest.raises(framework.FrameworkError, match=r"^zero3: _Bypass\.forward called a module \(_Blk\) .*"
                            r"its forward was called directly, .*call self\.blk\(\.\.\.\), not self\.blk\.forward"):
+            engine.train_step(engine.state, batch)
+    # From loss_fn: the unit's path from the root (it said "call the module(...)")
+    bypass = lambda m, mb: torch.nn.functional.mse_loss(m.out(m.blk.forward(m.inp(mb[0]))), mb[1])   # noqa: E731
+    with framework.initialize(_Net(), bypass, cfg) as engine:
+        with pytest.raises(framework.FrameworkError, match=r"^zero3: loss_fn called a module \(_Blk\) .*"
+                           r"call module\.blk\(\.\.\.\), not module\.blk\.forward\(\.\.\.\)$"):
             engine.train_step(engine.state, batch)
 
 
