@@ -93,28 +93,9 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
             cfg = hydra_compose(name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         # (Hydra raises a bare ValueError for a group choice that is not a name)
-        raise ConfigError("config: " + (_given_twice(str(e), overrides, Path(config_dir or conf_dir()) / f"{name}.yaml")
+        raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, Path(config_dir or conf_dir()) / f"{name}.yaml")
                                         or _no_launcher(str(e)) or " ".join(str(e).split()))) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
-
-
-def _given_twice(message: str, overrides: list[str], primary: Path) -> str:
-    """Hydra's advice for a group added twice (``override stage: zero2``) is defaults-list syntax, which no
-    command line takes. Added once, the group is in the primary config's defaults already: the fix is to
-    override that choice (no ``+``); added twice, to give it once. Empty: another message."""
-    if (m := re.match(r"Multiple values for ([\w/]+)\.", message)) is None:
-        return ""
-    group = m.group(1)
-    given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].removeprefix("/") == group]
-    default = _default_choice(primary, group)
-    chosen = f"already chosen in the defaults{f' ({group}: {default})' if default is not None else ''}"
-    if len(given) == 1:
-        return f"{group} is {chosen}: use {given[0].lstrip('+')}, without +"
-    listed = ", ".join(given)
-    twice = f"{group} given twice{f' ({listed})' if given else ''}"
-    if default is not None:
-        return f"{twice} and {chosen}: give {group}=NAME once, without +"
-    return f"{twice}: give +{group}=NAME once"
 
 
 def _no_launcher(message: str) -> str:
@@ -123,15 +104,6 @@ def _no_launcher(message: str) -> str:
         return ""
     return (f"hydra/launcher={m.group(1)} needs Hydra's submitit launcher, which is not installed: "
             f"pip install -e '.[slurm]'")
-
-
-def _default_choice(primary: Path, group: str) -> str | None:
-    """``group``'s choice in the defaults list of the config file ``primary`` (None: not there, or unreadable)."""
-    try:
-        defaults = plainconf.load_yaml(primary).get("defaults") or []
-    except Exception:   # (only the wording of an error depends on it)
-        return None
-    return next((str(entry[group]) for entry in defaults if isinstance(entry, Mapping) and group in entry), None)
 
 
 def _check_hydra_keys(overrides: list[str]) -> None:

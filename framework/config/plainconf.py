@@ -183,8 +183,7 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
         if o.prefix == "++":
             raise ConfigError(f"config: force-add of config groups is not supported: '++{o.key}={o.value}'")
         if o.key in choices and o.prefix == "+":
-            raise ConfigError(f"config: Could not append to config. An item is already at '{o.key}' "
-                              f"(use {o.key}={o.value})")
+            raise ConfigError("config: " + given_twice(f"Multiple values for {o.key}.", overrides, conf / "train.yaml"))
         if o.key not in choices and o.prefix == "":
             raise ConfigError(f"config: Could not override '{o.key}'. No match in the defaults list. "
                               f"To append to your default list use +{o.key}={o.value}")
@@ -201,6 +200,36 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
         if o.key not in GROUPS:
             set_key(tree, o)
     return tree, {g: n for g, n in choices.items() if g in GROUPS}
+
+
+def given_twice(message: str, overrides: list[str], primary: Path) -> str:
+    """Hydra's advice for a group added twice (``override stage: zero2``) is defaults-list syntax, which no
+    command line takes. Added once, the group is in the primary config's defaults already: the fix is to
+    override that choice (no ``+``); added twice, to give it once. Hydra words the same mistakes, spelled with
+    the name already chosen, as the group appearing more than once. Empty: another message."""
+    if (m := re.match(r"Multiple values for ([\w/]+)\.|([\w/]+) appears more than once in the final defaults list",
+                      message)) is None:
+        return ""
+    group = m.group(1) or m.group(2)
+    given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].removeprefix("/") == group]
+    default = _default_choice(primary, group)
+    chosen = f"already chosen in the defaults{f' ({group}: {default})' if default is not None else ''}"
+    if len(given) == 1:
+        return f"{group} is {chosen}: use {given[0].lstrip('+')}, without +"
+    listed = ", ".join(given)
+    twice = f"{group} given twice{f' ({listed})' if given else ''}"
+    if default is not None:
+        return f"{twice} and {chosen}: give {group}=NAME once, without +"
+    return f"{twice}: give +{group}=NAME once"
+
+
+def _default_choice(primary: Path, group: str) -> str | None:
+    """``group``'s choice in the defaults list of the config file ``primary`` (None: not there, or unreadable)."""
+    try:
+        defaults = load_yaml(primary).get("defaults") or []
+    except Exception:   # (only the wording of an error depends on it)
+        return None
+    return next((str(entry[group]) for entry in defaults if isinstance(entry, Mapping) and group in entry), None)
 
 
 def _merge(dst: dict, src: Mapping) -> None:

@@ -83,6 +83,10 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
     # a value quoted in parts (Hydra's grammar refuses it): not taken with its inner quotes
     *(([f"checkpoint.dir={v}"], f"config: the value {v} is quoted in parts; quote it once as a whole") for v in
       ("'a'/'b'", "'it''s'", '"a"-"b"')),
+    # a group added where it is chosen already: the lines Hydra's composer gives (tests/config/test_config.py)
+    (["+stage=zero2", "+stage=zero3"], "config: stage given twice (+stage=zero2, +stage=zero3): give +stage=NAME once"),
+    (["+model=gpt2-small"], "config: model is already chosen in the defaults (model: gpt-nano): use model=gpt2-small, "
+                            "without +"),
     # Hydra's own keys: nothing reads them without Hydra, and a typo in one would pass as silently
     *(([o], f"config: {o}: hydra.* keys are Hydra's own (the command line's run folder, logs, sweeps); composing "
             "without Hydra nothing reads them: drop it")
