@@ -5,7 +5,6 @@ import contextlib
 import dataclasses
 import functools
 import re
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -16,7 +15,7 @@ from framework.config.checks import refuse_inert, root_value, validate
 from framework.config.schema import Config, flat
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
-from framework.core.registry import GROUPS, closest, registry
+from framework.core.registry import GROUPS, registry
 from framework.core.utils import under
 
 if TYPE_CHECKING:
@@ -107,34 +106,10 @@ def _no_launcher(message: str) -> str:
 
 
 def _check_hydra_keys(overrides: list[str]) -> None:
-    """One line naming the closest key for a ``hydra.*`` key Hydra's own config lacks: Hydra's advice for a
-    typo (``+hydra.run.dri=X``) adds a key nothing reads, and the run goes into the default folder. Keys
-    under Hydra's free-form nodes (job_logging, launcher, sweeper, job.env_set, ...) are Hydra's to check."""
-    from hydra.conf import HydraConf
-
+    """A ``hydra.*`` key Hydra's own config lacks: one line naming the closest (as without Hydra)."""
     for o in parse_overrides(overrides):
-        key = o.key_or_group
-        if not key.startswith("hydra."):
-            continue
-        schema = HydraConf
-        for part in key.split(".")[1:]:
-            if not dataclasses.is_dataclass(schema):
-                break
-            if part not in (fields := typing.get_type_hints(schema)):
-                match = closest(key.removeprefix("hydra."), _keys(HydraConf, ""))   # (all share "hydra.")
-                hint = f" (did you mean 'hydra.{match}'?)" if match else ""
-                raise ConfigError(f"config: unknown key '{key}' of Hydra's config{hint}; --cfg hydra shows its keys")
-            schema = fields[part]
-
-
-def _keys(schema, prefix: str) -> list[str]:
-    """The dotted keys of dataclass ``schema`` and its nested dataclasses."""
-    out = []
-    for name, kind in typing.get_type_hints(schema).items():
-        out.append(prefix + name)
-        if dataclasses.is_dataclass(kind):
-            out += _keys(kind, f"{prefix}{name}.")
-    return out
+        if o.key_or_group.startswith("hydra."):
+            plainconf.check_hydra_key(o.key_or_group)
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), *, ds_config: str | Path | Mapping | None = None,

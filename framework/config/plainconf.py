@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from framework.core.errors import ConfigError
-from framework.core.registry import GROUPS, closest_hint, registry
+from framework.core.registry import GROUPS, closest, closest_hint, registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,9 +170,16 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
                for group, name in entry.items() if not str(group).startswith("override hydra/")}
     parsed = [parse(o) for o in overrides]
     for line, o in zip(overrides, parsed):
-        if o.key.split(".")[0] == "hydra":   # (a typo in one would be as silent as a right one)
-            raise ConfigError(f"config: {line}: hydra.* keys are Hydra's own (the command line's run folder, logs, "
-                              f"sweeps); composing without Hydra nothing reads them: drop it")
+        # Hydra's own keys (the command line's run folder, logs, sweeps) compose to nothing a Config holds, with
+        # Hydra or without: taken as Hydra takes them, a typo named. Its search path alone changes what is composed.
+        if o.key == "hydra.searchpath":
+            raise ConfigError(f"config: {line}: a search path for config groups needs Hydra: pip install -e . (or "
+                              "pip install 'hydra-core>=1.3.2,<1.4')")
+        if o.key == "hydra":   # (as Hydra words it)
+            raise ConfigError("config: Could not override 'hydra'. No match in the defaults list")
+        if o.key.startswith("hydra."):
+            check_hydra_key(o.key)
+    parsed = [o for o in parsed if not o.key.startswith("hydra.")]
     for o in [o for o in parsed if o.key in GROUPS]:
         if o.prefix == "~":   # the group's choice dropped, as Hydra drops it from the defaults list
             line = o.key if o.value is None else f"{o.key}={o.value}"
@@ -200,6 +207,34 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
         if o.key not in GROUPS:
             set_key(tree, o)
     return tree, {g: n for g, n in choices.items() if g in GROUPS}
+
+
+# Hydra 1.3's own config (hydra.conf.HydraConf), its structured nodes spelled out: without Hydra there is no
+# schema to read (tests/config/test_plainconf.py checks this against Hydra's). Below a key with no keys under it
+# here (launcher, sweeper, job_logging, job.env_set, ...) any key is Hydra's to check.
+HYDRA_KEYS = frozenset({
+    "callbacks", "defaults", "help", "help.app_name", "help.footer", "help.header", "help.template", "hydra_help",
+    "hydra_help.hydra_help", "hydra_help.template", "hydra_logging", "job", "job.chdir", "job.config",
+    "job.config.override_dirname", "job.config.override_dirname.exclude_keys", "job.config.override_dirname.item_sep",
+    "job.config.override_dirname.kv_sep", "job.config_name", "job.env_copy", "job.env_set", "job.id", "job.name",
+    "job.num", "job.override_dirname", "job_logging", "launcher", "mode", "output_subdir", "overrides",
+    "overrides.hydra", "overrides.task", "run", "run.dir", "runtime", "runtime.choices", "runtime.config_sources",
+    "runtime.cwd", "runtime.output_dir", "runtime.version", "runtime.version_base", "searchpath", "sweep",
+    "sweep.dir", "sweep.subdir", "sweeper", "verbose"})
+
+
+def check_hydra_key(key: str) -> None:
+    """One line naming the closest key for a ``hydra.*`` key Hydra's own config lacks: Hydra's advice for a
+    typo (``+hydra.run.dri=X``) adds a key nothing reads, and the run goes into the default folder."""
+    parts = key.split(".")[1:]
+    for n in range(1, len(parts) + 1):
+        path = ".".join(parts[:n])
+        if path not in HYDRA_KEYS:
+            match = closest(key.removeprefix("hydra."), sorted(HYDRA_KEYS))   # (all share "hydra.")
+            hint = f" (did you mean 'hydra.{match}'?)" if match else ""
+            raise ConfigError(f"config: unknown key '{key}' of Hydra's config{hint}; --cfg hydra shows its keys")
+        if not any(k.startswith(path + ".") for k in HYDRA_KEYS):
+            return
 
 
 def given_twice(message: str, overrides: list[str], primary: Path) -> str:
