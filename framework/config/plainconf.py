@@ -81,8 +81,12 @@ def value(text: str) -> Any:
     while tokens and tokens[-1] in (" ", "\t"):
         tokens.pop()
     text = "".join(tokens)
+    if text[:1] in ("'", '"') and (end := _closing(text)) is None:   # 'a\': its last quote is escaped
+        escaped = f" (\\{text[0]} is a quote inside the value)" if "\\" + text[0] in text else ""
+        raise ConfigError(f"config: the value {text} has no closing {text[0]}{escaped}; end it with an unescaped "
+                          f"{text[0]}")
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        if not _quoted_once(text):   # 'a'/'b': Hydra's grammar refuses it (the inner quotes would stay here)
+        if end != len(text) - 1:   # 'a'/'b': Hydra's grammar refuses it (the inner quotes would stay here)
             raise ConfigError(f"config: the value {text} is quoted in parts; quote it once as a whole (a quote "
                               f"inside it escaped: \\{text[0]})")
         return text[1:-1].replace("\\" + text[0], text[0]).replace("\\\\", "\\")
@@ -96,8 +100,9 @@ def value(text: str) -> Any:
         raise ConfigError(f"config: the value {text!r} has characters other than ASCII; quote it ('{text}')")
     if bad := next((t for t in tokens if len(t) == 1 and not (t.isalnum() or t in _UNQUOTED)), None):
         quote = '"' if "'" in text else "'"
+        quoted = text.replace(quote, "\\" + quote)   # (the suggestion is then one quoted value, not one in parts)
         raise ConfigError(f"config: the value {text!r} has a character ({bad!r}) that an override value holds only "
-                          f"quoted; quote it ({quote}{text}{quote})")
+                          f"quoted; quote it ({quote}{quoted}{quote})")
     text = "".join(t[-1] for t in tokens)   # Hydra's escapes in an unquoted value: a\ b is 'a b'
     constants = {"null": None, "true": True, "false": False}
     if text.lower() in constants:
@@ -109,8 +114,9 @@ def value(text: str) -> Any:
     return text
 
 
-def _quoted_once(text: str) -> bool:
-    """Whether ``text``'s opening quote closes at its last character (not earlier, as in 'a'/'b')."""
+def _closing(text: str) -> int | None:
+    """Where ``text``'s opening quote closes (the last character when quoted once; earlier, as in 'a'/'b', when
+    quoted in parts); None: it never does."""
     escaped = False
     for i, c in enumerate(text[1:], 1):
         if escaped:
@@ -118,8 +124,8 @@ def _quoted_once(text: str) -> bool:
         elif c == "\\":
             escaped = True
         elif c == text[0]:
-            return i == len(text) - 1
-    return False
+            return i
+    return None
 
 
 # Hydra's numbers (its override grammar): ASCII digits, '_' only between digits, no leading zero on an

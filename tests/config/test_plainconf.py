@@ -83,6 +83,10 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
     # a value quoted in parts (Hydra's grammar refuses it): not taken with its inner quotes
     *(([f"checkpoint.dir={v}"], f"config: the value {v} is quoted in parts; quote it once as a whole") for v in
       ("'a'/'b'", "'it''s'", '"a"-"b"')),
+    # a quote that never closes (the last one escaped) is not a value quoted in parts
+    (["checkpoint.dir='a\\'"], "config: the value 'a\\' has no closing ' (\\' is a quote inside the value); end it "
+                                "with an unescaped '"),
+    (["checkpoint.dir=\"abc"], "config: the value \"abc has no closing \"; end it with an unescaped \""),
     # a group added where it is chosen already: the lines Hydra's composer gives (tests/config/test_config.py)
     (["+stage=zero2", "+stage=zero3"], "config: stage given twice (+stage=zero2, +stage=zero3): give +stage=NAME once"),
     (["+model=gpt2-small"], "config: model is already chosen in the defaults (model: gpt-nano): use model=gpt2-small, "
@@ -124,6 +128,15 @@ def test_what_hydra_cannot_parse_is_refused_without_it(override):
         compose([override])
     with pytest.raises(ConfigError, match=r"holds only quoted; quote it \(|a key holds no spaces"):
         plain_composer([override])
+
+
+@pytest.mark.parametrize("given", ["\"a\"'b'", "a'b", "it's \"x\"", "a\\'b"])
+def test_the_quoting_advised_is_taken_as_the_value(given):
+    """The value a refusal suggests quoting is one the check takes, and it is the value given."""
+    with pytest.raises(ConfigError, match="holds only quoted; quote it") as e:
+        plain_composer([f"checkpoint.dir={given}"])
+    advised = re.search(r"quote it \((.*)\)$", str(e.value)).group(1)
+    assert plain_composer([f"checkpoint.dir={advised}"])[0]["checkpoint"]["dir"] == given
 
 
 def test_integral_floats_are_integers(typing):
