@@ -6,6 +6,7 @@ import copy
 import functools
 import math
 import os
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,13 @@ from framework.models.gpt import gpt_loss
 
 TINY = ["model=gpt-nano", "model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.context=16",
         "data.vocab_size=24", "train.steps=20", "train.micro_batch=4", "logger=none"]
+
+
+def shakespeare() -> Path:
+    """The suite's copy of tiny shakespeare: the file $TINYSHAKESPEARE names (e.g. from a git worktree, which has
+    no ../shared), else the copy beside the repository. Tests that need it skip when it is not a file."""
+    default = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
+    return Path(os.environ.get("TINYSHAKESPEARE", default))
 
 
 def count_params(cfg) -> int:

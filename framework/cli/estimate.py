@@ -178,6 +178,12 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
         if key not in fields:
             raise ConfigError(f"estimate: {path} is not a GPT model config: model.{key}: Key '{key}' not in "
                               f"'GPTConfig'{closest_hint(str(key), fields)}")
+    try:   # the file's own values first, as OmegaConf merges them: their errors name the file
+        typed(node, GPTConfig, "model.")
+    except ConfigError as e:
+        if "Missing mandatory value" not in str(e):   # (an override may give it: checked once they are in)
+            raise ConfigError(f"estimate: {path} is not a GPT model config: {str(e).removeprefix('config: ')}") \
+                from None
     for o in model_keys:
         name = o.partition("=")[0].lstrip("+~").removeprefix("model.")
         if name not in fields:
@@ -189,7 +195,10 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
             node.pop(name, None)
         else:
             set_key(node, dataclasses.replace(override, prefix="", key=name))
-    return typed(node, GPTConfig, "model.")
+    try:
+        return typed(node, GPTConfig, "model.")
+    except ConfigError as e:
+        raise ConfigError(f"{e} (model={path})") from None
 
 
 def _omega_error(e) -> str:

@@ -5,7 +5,6 @@ import contextlib
 import dataclasses
 import functools
 import re
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -16,7 +15,7 @@ from framework.config.checks import refuse_inert, root_value, validate
 from framework.config.schema import Config, flat
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
-from framework.core.registry import GROUPS, closest, registry
+from framework.core.registry import GROUPS, registry
 from framework.core.utils import under
 
 if TYPE_CHECKING:
@@ -93,28 +92,9 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
             cfg = hydra_compose(name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         # (Hydra raises a bare ValueError for a group choice that is not a name)
-        raise ConfigError("config: " + (_given_twice(str(e), overrides, Path(config_dir or conf_dir()) / f"{name}.yaml")
+        raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, Path(config_dir or conf_dir()) / f"{name}.yaml")
                                         or _no_launcher(str(e)) or " ".join(str(e).split()))) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
-
-
-def _given_twice(message: str, overrides: list[str], primary: Path) -> str:
-    """Hydra's advice for a group added twice (``override stage: zero2``) is defaults-list syntax, which no
-    command line takes. Added once, the group is in the primary config's defaults already: the fix is to
-    override that choice (no ``+``); added twice, to give it once. Empty: another message."""
-    if (m := re.match(r"Multiple values for ([\w/]+)\.", message)) is None:
-        return ""
-    group = m.group(1)
-    given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].removeprefix("/") == group]
-    default = _default_choice(primary, group)
-    chosen = f"already chosen in the defaults{f' ({group}: {default})' if default is not None else ''}"
-    if len(given) == 1:
-        return f"{group} is {chosen}: use {given[0].lstrip('+')}, without +"
-    listed = ", ".join(given)
-    twice = f"{group} given twice{f' ({listed})' if given else ''}"
-    if default is not None:
-        return f"{twice} and {chosen}: give {group}=NAME once, without +"
-    return f"{twice}: give +{group}=NAME once"
 
 
 def _no_launcher(message: str) -> str:
@@ -125,44 +105,11 @@ def _no_launcher(message: str) -> str:
             f"pip install -e '.[slurm]'")
 
 
-def _default_choice(primary: Path, group: str) -> str | None:
-    """``group``'s choice in the defaults list of the config file ``primary`` (None: not there, or unreadable)."""
-    try:
-        defaults = plainconf.load_yaml(primary).get("defaults") or []
-    except Exception:   # (only the wording of an error depends on it)
-        return None
-    return next((str(entry[group]) for entry in defaults if isinstance(entry, Mapping) and group in entry), None)
-
-
 def _check_hydra_keys(overrides: list[str]) -> None:
-    """One line naming the closest key for a ``hydra.*`` key Hydra's own config lacks: Hydra's advice for a
-    typo (``+hydra.run.dri=X``) adds a key nothing reads, and the run goes into the default folder. Keys
-    under Hydra's free-form nodes (job_logging, launcher, sweeper, job.env_set, ...) are Hydra's to check."""
-    from hydra.conf import HydraConf
-
+    """A ``hydra.*`` key Hydra's own config lacks: one line naming the closest (as without Hydra)."""
     for o in parse_overrides(overrides):
-        key = o.key_or_group
-        if not key.startswith("hydra."):
-            continue
-        schema = HydraConf
-        for part in key.split(".")[1:]:
-            if not dataclasses.is_dataclass(schema):
-                break
-            if part not in (fields := typing.get_type_hints(schema)):
-                match = closest(key.removeprefix("hydra."), _keys(HydraConf, ""))   # (all share "hydra.")
-                hint = f" (did you mean 'hydra.{match}'?)" if match else ""
-                raise ConfigError(f"config: unknown key '{key}' of Hydra's config{hint}; --cfg hydra shows its keys")
-            schema = fields[part]
-
-
-def _keys(schema, prefix: str) -> list[str]:
-    """The dotted keys of dataclass ``schema`` and its nested dataclasses."""
-    out = []
-    for name, kind in typing.get_type_hints(schema).items():
-        out.append(prefix + name)
-        if dataclasses.is_dataclass(kind):
-            out += _keys(kind, f"{prefix}{name}.")
-    return out
+        if o.key_or_group.startswith("hydra."):
+            plainconf.check_hydra_key(o.key_or_group)
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), *, ds_config: str | Path | Mapping | None = None,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from framework.core.errors import ConfigError
-from framework.core.registry import GROUPS, closest_hint, registry
+from framework.core.registry import GROUPS, closest, closest_hint, registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +81,12 @@ def value(text: str) -> Any:
     while tokens and tokens[-1] in (" ", "\t"):
         tokens.pop()
     text = "".join(tokens)
+    if text[:1] in ("'", '"') and (end := _closing(text)) is None:   # 'a\': its last quote is escaped
+        escaped = f" (\\{text[0]} is a quote inside the value)" if "\\" + text[0] in text else ""
+        raise ConfigError(f"config: the value {text} has no closing {text[0]}{escaped}; end it with an unescaped "
+                          f"{text[0]}")
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        if not _quoted_once(text):   # 'a'/'b': Hydra's grammar refuses it (the inner quotes would stay here)
+        if end != len(text) - 1:   # 'a'/'b': Hydra's grammar refuses it (the inner quotes would stay here)
             raise ConfigError(f"config: the value {text} is quoted in parts; quote it once as a whole (a quote "
                               f"inside it escaped: \\{text[0]})")
         return text[1:-1].replace("\\" + text[0], text[0]).replace("\\\\", "\\")
@@ -96,8 +100,9 @@ def value(text: str) -> Any:
         raise ConfigError(f"config: the value {text!r} has characters other than ASCII; quote it ('{text}')")
     if bad := next((t for t in tokens if len(t) == 1 and not (t.isalnum() or t in _UNQUOTED)), None):
         quote = '"' if "'" in text else "'"
+        quoted = text.replace(quote, "\\" + quote)   # (the suggestion is then one quoted value, not one in parts)
         raise ConfigError(f"config: the value {text!r} has a character ({bad!r}) that an override value holds only "
-                          f"quoted; quote it ({quote}{text}{quote})")
+                          f"quoted; quote it ({quote}{quoted}{quote})")
     text = "".join(t[-1] for t in tokens)   # Hydra's escapes in an unquoted value: a\ b is 'a b'
     constants = {"null": None, "true": True, "false": False}
     if text.lower() in constants:
@@ -109,8 +114,9 @@ def value(text: str) -> Any:
     return text
 
 
-def _quoted_once(text: str) -> bool:
-    """Whether ``text``'s opening quote closes at its last character (not earlier, as in 'a'/'b')."""
+def _closing(text: str) -> int | None:
+    """Where ``text``'s opening quote closes (the last character when quoted once; earlier, as in 'a'/'b', when
+    quoted in parts); None: it never does."""
     escaped = False
     for i, c in enumerate(text[1:], 1):
         if escaped:
@@ -118,8 +124,8 @@ def _quoted_once(text: str) -> bool:
         elif c == "\\":
             escaped = True
         elif c == text[0]:
-            return i == len(text) - 1
-    return False
+            return i
+    return None
 
 
 # Hydra's numbers (its override grammar): ASCII digits, '_' only between digits, no leading zero on an
@@ -170,9 +176,16 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
                for group, name in entry.items() if not str(group).startswith("override hydra/")}
     parsed = [parse(o) for o in overrides]
     for line, o in zip(overrides, parsed):
-        if o.key.split(".")[0] == "hydra":   # (a typo in one would be as silent as a right one)
-            raise ConfigError(f"config: {line}: hydra.* keys are Hydra's own (the command line's run folder, logs, "
-                              f"sweeps); composing without Hydra nothing reads them: drop it")
+        # Hydra's own keys (the command line's run folder, logs, sweeps) compose to nothing a Config holds, with
+        # Hydra or without: taken as Hydra takes them, a typo named. Its search path alone changes what is composed.
+        if o.key == "hydra.searchpath":
+            raise ConfigError(f"config: {line}: a search path for config groups needs Hydra: pip install -e . (or "
+                              "pip install 'hydra-core>=1.3.2,<1.4')")
+        if o.key == "hydra":   # (as Hydra words it)
+            raise ConfigError("config: Could not override 'hydra'. No match in the defaults list")
+        if o.key.startswith("hydra."):
+            check_hydra_key(o.key)
+    parsed = [o for o in parsed if not o.key.startswith("hydra.")]
     for o in [o for o in parsed if o.key in GROUPS]:
         if o.prefix == "~":   # the group's choice dropped, as Hydra drops it from the defaults list
             line = o.key if o.value is None else f"{o.key}={o.value}"
@@ -183,8 +196,7 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
         if o.prefix == "++":
             raise ConfigError(f"config: force-add of config groups is not supported: '++{o.key}={o.value}'")
         if o.key in choices and o.prefix == "+":
-            raise ConfigError(f"config: Could not append to config. An item is already at '{o.key}' "
-                              f"(use {o.key}={o.value})")
+            raise ConfigError("config: " + given_twice(f"Multiple values for {o.key}.", overrides, conf / "train.yaml"))
         if o.key not in choices and o.prefix == "":
             raise ConfigError(f"config: Could not override '{o.key}'. No match in the defaults list. "
                               f"To append to your default list use +{o.key}={o.value}")
@@ -201,6 +213,64 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
         if o.key not in GROUPS:
             set_key(tree, o)
     return tree, {g: n for g, n in choices.items() if g in GROUPS}
+
+
+# Hydra 1.3's own config (hydra.conf.HydraConf), its structured nodes spelled out: without Hydra there is no
+# schema to read (tests/config/test_plainconf.py checks this against Hydra's). Below a key with no keys under it
+# here (launcher, sweeper, job_logging, job.env_set, ...) any key is Hydra's to check.
+HYDRA_KEYS = frozenset({
+    "callbacks", "defaults", "help", "help.app_name", "help.footer", "help.header", "help.template", "hydra_help",
+    "hydra_help.hydra_help", "hydra_help.template", "hydra_logging", "job", "job.chdir", "job.config",
+    "job.config.override_dirname", "job.config.override_dirname.exclude_keys", "job.config.override_dirname.item_sep",
+    "job.config.override_dirname.kv_sep", "job.config_name", "job.env_copy", "job.env_set", "job.id", "job.name",
+    "job.num", "job.override_dirname", "job_logging", "launcher", "mode", "output_subdir", "overrides",
+    "overrides.hydra", "overrides.task", "run", "run.dir", "runtime", "runtime.choices", "runtime.config_sources",
+    "runtime.cwd", "runtime.output_dir", "runtime.version", "runtime.version_base", "searchpath", "sweep",
+    "sweep.dir", "sweep.subdir", "sweeper", "verbose"})
+
+
+def check_hydra_key(key: str) -> None:
+    """One line naming the closest key for a ``hydra.*`` key Hydra's own config lacks: Hydra's advice for a
+    typo (``+hydra.run.dri=X``) adds a key nothing reads, and the run goes into the default folder."""
+    parts = key.split(".")[1:]
+    for n in range(1, len(parts) + 1):
+        path = ".".join(parts[:n])
+        if path not in HYDRA_KEYS:
+            match = closest(key.removeprefix("hydra."), sorted(HYDRA_KEYS))   # (all share "hydra.")
+            hint = f" (did you mean 'hydra.{match}'?)" if match else ""
+            raise ConfigError(f"config: unknown key '{key}' of Hydra's config{hint}; --cfg hydra shows its keys")
+        if not any(k.startswith(path + ".") for k in HYDRA_KEYS):
+            return
+
+
+def given_twice(message: str, overrides: list[str], primary: Path) -> str:
+    """Hydra's advice for a group added twice (``override stage: zero2``) is defaults-list syntax, which no
+    command line takes. Added once, the group is in the primary config's defaults already: the fix is to
+    override that choice (no ``+``); added twice, to give it once. Hydra words the same mistakes, spelled with
+    the name already chosen, as the group appearing more than once. Empty: another message."""
+    if (m := re.match(r"Multiple values for ([\w/]+)\.|([\w/]+) appears more than once in the final defaults list",
+                      message)) is None:
+        return ""
+    group = m.group(1) or m.group(2)
+    given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].removeprefix("/") == group]
+    default = _default_choice(primary, group)
+    chosen = f"already chosen in the defaults{f' ({group}: {default})' if default is not None else ''}"
+    if len(given) == 1:
+        return f"{group} is {chosen}: use {given[0].lstrip('+')}, without +"
+    listed = ", ".join(given)
+    twice = f"{group} given twice{f' ({listed})' if given else ''}"
+    if default is not None:
+        return f"{twice} and {chosen}: give {group}=NAME once, without +"
+    return f"{twice}: give +{group}=NAME once"
+
+
+def _default_choice(primary: Path, group: str) -> str | None:
+    """``group``'s choice in the defaults list of the config file ``primary`` (None: not there, or unreadable)."""
+    try:
+        defaults = load_yaml(primary).get("defaults") or []
+    except Exception:   # (only the wording of an error depends on it)
+        return None
+    return next((str(entry[group]) for entry in defaults if isinstance(entry, Mapping) and group in entry), None)
 
 
 def _merge(dst: dict, src: Mapping) -> None:

@@ -16,7 +16,6 @@ each must still be in a document.
 """
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -25,6 +24,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from tests._helpers import shakespeare
 
 ROOT = Path(__file__).resolve().parents[2]
 # README first (its headline commands), then the pages, each after those that write what it reads:
@@ -43,9 +44,9 @@ SKIP = {
 # Recipes run their --quick twin, which tests/cli/test_recipes.py runs for every recipe.
 RECIPE_RUN = re.compile(r"^python -m framework\.recipe (\w+)( --quick)?$")
 PLACEHOLDER = re.compile(r"\b(NAME|DIR|FILE)\b|key=value \.\.\.")
-# The user's copy of tiny shakespeare (``path/to/input.txt`` in the docs): the suite's copy beside the
-# repository, as in tests/cli/test_recipes.py; any text file where it is missing (prepare only warns).
-SHAKESPEARE = Path(os.environ.get("TINYSHAKESPEARE", ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+# The user's copy of tiny shakespeare (``path/to/input.txt`` in the docs): the suite's (tests/_helpers.py);
+# any text file where it is missing (prepare only warns).
+SHAKESPEARE = shakespeare()
 
 
 def commands() -> list[tuple[str, str]]:

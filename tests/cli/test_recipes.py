@@ -18,11 +18,10 @@ from framework.cli import recipe as recipes
 from framework.cli import report
 from framework.core import files
 from framework.core.errors import DataError
+from tests._helpers import shakespeare
 
 ROOT = Path(__file__).resolve().parents[2]
-# The suite's copy of tiny shakespeare sits beside the repository (../shared); TINYSHAKESPEARE
-# points elsewhere (e.g. from a git worktree). Without it the tests that need it skip.
-SHAKESPEARE = Path(os.environ.get("TINYSHAKESPEARE", ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+SHAKESPEARE = shakespeare()   # without it the tests that need it skip
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

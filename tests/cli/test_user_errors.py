@@ -587,7 +587,8 @@ def test_a_python_without_torch_is_one_line():
 
 
 _WITHOUT_HYDRA = r'''
-import json, runpy, sys
+import json, pathlib, runpy, sys
+HERE = pathlib.Path(sys.argv[1]).parent   # (run() sets sys.argv)
 def run(*argv):
     sys.argv = ["-m", *argv[1:]]
     try:
@@ -599,6 +600,10 @@ out = {"train": run("train", "train.steps=1"),
        "recipe": run("recipe", "zero_equivalence", "--quick", "--out", sys.argv[1])}
 out["estimate"] = run("estimate", "model=conf/model/gpt-nano.yaml", "model.n_layer=3", "--json")
 out["estimate_bad"] = run("estimate", "model=conf/model/gpt-nano.yaml", "model.n_layer=2.5")
+for name, text in (("bad", "n_layer: two\nbias: false"), ("nobias", "n_layer: 2")):   # errors in the model YAML
+    path = HERE / f"{name}.yaml"
+    path.write_text("vocab_size: 65\ncontext: 64\nn_head: 4\nd_model: 128\n" + text + "\n")
+    out[f"estimate_{name}"] = run("estimate", f"model={path}")
 import framework   # W&B hidden as a missing package is (find_spec None): its config check is one line
 try:
     framework.compose(["logger=wandb"])
@@ -624,6 +629,10 @@ def test_the_commands_without_hydra_say_what_to_install_and_estimate_runs(tmp_pa
                f"install -e . (from the checkout; or pip install 'hydra-core>=1.3.2,<1.4')"
         assert line in (out[command] if command == "train" else p.stderr), (command, out, p.stderr)
     assert out["recipe"] == 2 and out["estimate"] == 0 and out["estimate_bad"] == 2, out
+    # an error in the model YAML names the file, as with OmegaConf (tests/cli/test_estimate.py)
+    assert out["estimate_bad"] == out["estimate_nobias"] == 2, out
+    assert f"error: estimate: {tmp_path / 'bad.yaml'} is not a GPT model config: model.n_layer: Value 'two'" in p.stderr
+    assert f"Missing mandatory value: model.bias (model={tmp_path / 'nobias.yaml'})" in p.stderr, p.stderr
     assert '"params": 607232,' in p.stdout, p.stdout[-2000:]   # gpt-nano's 804,096 less one layer (n_layer=3)
     assert "error: config: model.n_layer: Value '2.5' of type 'float' could not be converted to Int" in p.stderr
     assert out["wandb"] == "logger=wandb needs wandb, which is not installed: pip install wandb, or logger=console"

@@ -139,6 +139,10 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
                                        "offload=cpu, without +"),
     (["+logger=none"],
      "config: logger is already chosen in the defaults (logger: console): use logger=none, without +"),
+    # the same mistakes with the name already chosen (Hydra: "appears more than once in the final defaults list")
+    (["+stage=zero2", "+stage=zero2"], "config: stage given twice (+stage=zero2, +stage=zero2): give +stage=NAME once"),
+    (["+model=gpt-nano"], "config: model is already chosen in the defaults (model: gpt-nano): use model=gpt-nano, "
+                          "without +"),
     (["+offload=cpu", "+offload=nvme"], "config: offload given twice (+offload=cpu, +offload=nvme) and already chosen "
                                         "in the defaults (offload: none): give offload=NAME once, without +"),
     # keys as YAML spells them: the schema's field async_ (a Python keyword) is checkpoint.async

@@ -8,7 +8,7 @@ from typing import Union, get_args, get_origin, get_type_hints
 import pytest
 
 from framework import ConfigError
-from framework.config.plainconf import plain_composer, typed, value
+from framework.config.plainconf import HYDRA_KEYS, plain_composer, typed, value
 from framework.config.schema import RootSchema
 from framework.core.registry import GROUPS, registry
 from framework.config import compose, validate
@@ -83,15 +83,40 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
     # a value quoted in parts (Hydra's grammar refuses it): not taken with its inner quotes
     *(([f"checkpoint.dir={v}"], f"config: the value {v} is quoted in parts; quote it once as a whole") for v in
       ("'a'/'b'", "'it''s'", '"a"-"b"')),
-    # Hydra's own keys: nothing reads them without Hydra, and a typo in one would pass as silently
-    *(([o], f"config: {o}: hydra.* keys are Hydra's own (the command line's run folder, logs, sweeps); composing "
-            "without Hydra nothing reads them: drop it")
-      for o in ("hydra.run.dri=x", "+hydra.foo=1", "hydra.run.dir=x")),
+    # a quote that never closes (the last one escaped) is not a value quoted in parts
+    (["checkpoint.dir='a\\'"], "config: the value 'a\\' has no closing ' (\\' is a quote inside the value); end it "
+                                "with an unescaped '"),
+    (["checkpoint.dir=\"abc"], "config: the value \"abc has no closing \"; end it with an unescaped \""),
+    # a group added where it is chosen already: the lines Hydra's composer gives (tests/config/test_config.py)
+    (["+stage=zero2", "+stage=zero3"], "config: stage given twice (+stage=zero2, +stage=zero3): give +stage=NAME once"),
+    (["+model=gpt2-small"], "config: model is already chosen in the defaults (model: gpt-nano): use model=gpt2-small, "
+                            "without +"),
+    # Hydra's own keys: a typo named as with Hydra (tests/cli/test_cli.py); its search path needs Hydra
+    (["hydra.run.dri=x"], "config: unknown key 'hydra.run.dri' of Hydra's config (did you mean 'hydra.run.dir'?)"),
+    (["+hydra.foo=1"], "config: unknown key 'hydra.foo' of Hydra's config; --cfg hydra shows its keys"),
+    (["hydra.searchpath=[file:///x]"], "config: hydra.searchpath=[file:///x]: a search path for config groups needs "
+                                       "Hydra: pip install -e ."),
 ])
 def test_plain_errors_are_one_line(overrides, message, typing):
     typing()
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(*plain_composer(overrides))
+
+
+def test_hydra_keys_compose_as_with_hydra():
+    """A valid hydra.* key composes to the config it leaves out, with Hydra or without; the keys known without
+    Hydra are Hydra's own config's."""
+    import typing as t
+    from hydra.conf import HydraConf
+
+    def keys(schema, prefix=""):
+        for name, kind in t.get_type_hints(schema).items():
+            yield prefix + name
+            if dataclasses.is_dataclass(kind):
+                yield from keys(kind, f"{prefix}{name}.")
+    assert HYDRA_KEYS == frozenset(keys(HydraConf))
+    given = ["hydra.run.dir=x", "+hydra.job.env_set.A=1", "hydra.sweep.subdir=s", "train.steps=3"]
+    assert validate(*plain_composer(given)).to_dict() == compose(given).to_dict()
 
 
 @pytest.mark.parametrize("override", ["checkpoint.dir=~/ckpt", "checkpoint.dir=a=b", "checkpoint.dir=a#b",
@@ -103,6 +128,15 @@ def test_what_hydra_cannot_parse_is_refused_without_it(override):
         compose([override])
     with pytest.raises(ConfigError, match=r"holds only quoted; quote it \(|a key holds no spaces"):
         plain_composer([override])
+
+
+@pytest.mark.parametrize("given", ["\"a\"'b'", "a'b", "it's \"x\"", "a\\'b"])
+def test_the_quoting_advised_is_taken_as_the_value(given):
+    """The value a refusal suggests quoting is one the check takes, and it is the value given."""
+    with pytest.raises(ConfigError, match="holds only quoted; quote it") as e:
+        plain_composer([f"checkpoint.dir={given}"])
+    advised = re.search(r"quote it \((.*)\)$", str(e.value)).group(1)
+    assert plain_composer([f"checkpoint.dir={advised}"])[0]["checkpoint"]["dir"] == given
 
 
 def test_integral_floats_are_integers(typing):

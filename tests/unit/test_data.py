@@ -16,10 +16,11 @@ from framework.data import Batch, DataSource
 from framework.data import synthetic, text, tokens
 from framework.core.errors import DataError
 from framework.core.registry import registry
+from tests._helpers import shakespeare
 
 ROOT = Path(__file__).resolve().parents[2]
-SHAKESPEARE = "../shared/data/tinyshakespeare.txt"   # relative to the repo root
-needs_shakespeare = pytest.mark.skipif(not (ROOT / SHAKESPEARE).is_file(),
+SHAKESPEARE = shakespeare()
+needs_shakespeare = pytest.mark.skipif(not SHAKESPEARE.is_file(),
                                        reason="tinyshakespeare.txt not available")
 
 
@@ -38,8 +39,8 @@ def sources(token_file) -> dict[str, DataSource]:
         "tokens": tokens.TokensSource(tokens.TokensConfig(path=str(token_file[0]), vocab_size=1000),
                                seed=3, context=16),
     }
-    if (ROOT / SHAKESPEARE).is_file():
-        out["text"] = text.TextSource(text.TextConfig(path=SHAKESPEARE), seed=3, context=16)
+    if SHAKESPEARE.is_file():
+        out["text"] = text.TextSource(text.TextConfig(path=str(SHAKESPEARE)), seed=3, context=16)
     return out
 
 
