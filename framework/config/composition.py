@@ -92,7 +92,8 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
             cfg = hydra_compose(name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         # (Hydra raises a bare ValueError for a group choice that is not a name)
-        raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, Path(config_dir or conf_dir()) / f"{name}.yaml")
+        primary = Path(config_dir or conf_dir()) / f"{name}.yaml"
+        raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, primary)
                                         or _no_launcher(str(e)) or " ".join(str(e).split()))) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
 
