@@ -580,9 +580,11 @@ def test_a_python_without_torch_is_one_line():
     -S hides site-packages, so this python sees no torch."""
     root, env = Path(framework.__file__).parents[1], {**os.environ, "PYTHONPATH": ""}
     fix = f"torch is not installed for {sys.executable}: run `make setup`, then `. .venv/bin/activate`"
-    p = subprocess.run([sys.executable, "-S", "-m", "framework.train"], cwd=root, env=env, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-S", "-m", "framework.train"], cwd=root, env=env, capture_output=True,
+                       text=True)
     assert p.returncode == 1 and p.stderr.startswith(f"error: {fix}") and len(p.stderr.splitlines()) == 1, p.stderr
-    p = subprocess.run([sys.executable, "-S", "-c", "import framework"], cwd=root, env=env, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-S", "-c", "import framework"], cwd=root, env=env, capture_output=True,
+                       text=True)
     assert p.returncode == 1 and p.stderr.splitlines()[-1].startswith(f"ImportError: {fix}"), p.stderr
 
 

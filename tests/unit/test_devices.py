@@ -153,7 +153,8 @@ def test_a_failed_ranks_peers_are_stopped_after_the_kill_grace_a_stopped_one_at_
             p.join()
     assert ranks[1].exitcode == -signal.SIGKILL
     assert (took < 2.5) if peer == "stopped" else (3.0 <= took < 8), took   # (not 30 s more)
-    how = (", stopped by SIGSTOP: SIGKILL now)" if peer == "stopped" else ")") + ": still there 0.2s after a rank failed"
+    how = ", stopped by SIGSTOP: SIGKILL now)" if peer == "stopped" else ")"
+    how += ": still there 0.2s after a rank failed"
     how += "" if peer == "stopped" else "; SIGTERM, then SIGKILL after 3s"
     assert capsys.readouterr().err == f"stopping rank 1 (pid {ranks[1].pid}{how}\n"
 
