@@ -425,6 +425,11 @@ def _read_in_line(error: BaseException) -> str | None:
     return found
 
 
+def _python(path: str) -> str:
+    """A module path as Python reaches it: a ModuleList's or Sequential's children by index (layers.1 -> layers[1])."""
+    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", path)
+
+
 def _ungathered_call(error: BaseException, split_root: bool, unit_modules: dict[str, list[nn.Module]]) -> str | None:
     """For an error raised inside a module whose own parameters were empty shards (a part of a gather unit
     called directly), one line naming the fix; else None. Read from the traceback (error path only).
@@ -461,7 +466,8 @@ def _ungathered_call(error: BaseException, split_root: bool, unit_modules: dict[
         head = head.replace(f"a module ({cls})", f"a module ({type(module).__name__})", 1)
         path = next((n for n, m in parent.named_modules() if m is module), "") if parent is not None else ""
         # (from loss_fn: the unit's path from the root; a merged unit's name, a+b, is no path)
-        call = f"self.{path}" if path else "the module" if "+" in unit or unit == "<root>" else f"module.{unit}"
+        call = _python(f"self.{path}" if path else "the module" if "+" in unit or unit == "<root>" else
+                       f"module.{unit}")
         return head + (f"its forward was called directly, which skips the module's hooks, where zero3 gathers "
                        f"its parameters: call {call}(...), not {call}.forward(...)")
     if unit != "<root>" and caller is not None:   # a model's module reaching into a unit it does not run
@@ -470,7 +476,7 @@ def _ungathered_call(error: BaseException, split_root: bool, unit_modules: dict[
                        f"it both hold stays gathered), or call the unit itself")
     if unit != "<root>":   # (outermost units win: naming the part's class as a unit too changes nothing)
         return head + (f"it is part of gather unit {unit!r}, gathered only when that unit's own forward runs; "
-                       f"call module.{unit}(...) (or the whole module) in loss_fn, not its parts")
+                       f"call {_python(f'module.{unit}')}(...) (or the whole module) in loss_fn, not its parts")
     fixes = ["call the whole module in loss_fn", f"add {cls} to stage.gather_unit"]
     if not split_root:
         fixes.append("set stage.split_root=true (the root's children become units)")

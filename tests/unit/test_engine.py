@@ -735,12 +735,16 @@ def test_under_zero3_a_model_module_calling_a_part_of_a_unit_is_told_to_hold_it_
         with pytest.raises(framework.FrameworkError, match=r"^zero3: _Bypass\.forward called a module \(_Blk\) .*"
                            r"its forward was called directly, .*call self\.blk\(\.\.\.\), not self\.blk\.forward"):
             engine.train_step(engine.state, batch)
-    # From loss_fn: the unit's path from the root (it said "call the module(...)")
+    # From loss_fn: the unit's path from the root (it said "call the module(...)"), a ModuleList's child by index
     bypass = lambda m, mb: torch.nn.functional.mse_loss(m.out(m.blk.forward(m.inp(mb[0]))), mb[1])   # noqa: E731
-    with framework.initialize(_Net(), bypass, cfg) as engine:
-        with pytest.raises(framework.FrameworkError, match=r"^zero3: loss_fn called a module \(_Blk\) .*"
-                           r"call module\.blk\(\.\.\.\), not module\.blk\.forward\(\.\.\.\)$"):
-            engine.train_step(engine.state, batch)
+    listed = lambda m, mb: torch.nn.functional.mse_loss(m.out(m.blk[1].forward(m.inp(mb[0]))), mb[1])   # noqa: E731
+    stacked = _Net()
+    stacked.blk = torch.nn.ModuleList([_Blk(), _Blk()])
+    for module, fn, path in ((_Net(), bypass, r"module\.blk"), (stacked, listed, r"module\.blk\[1\]")):
+        with framework.initialize(module, fn, cfg) as engine:
+            with pytest.raises(framework.FrameworkError, match=rf"^zero3: loss_fn called a module \(_Blk\) .*"
+                               rf"call {path}\(\.\.\.\), not {path}\.forward\(\.\.\.\)$"):
+                engine.train_step(engine.state, batch)
 
 
 def test_a_complex_trainable_parameter_is_refused_by_initialize():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -327,3 +328,14 @@ def test_a_resume_note_names_the_first_update_a_longer_run_moves_past_a_warm_up(
         f"{head}the lr moves from update 4 on: {build[1](3):.2e} (over 4 steps: {build[0](3):.2e}){keep}")
     assert schedule_change(saved.to_dict(), cfg, 3) == (
         f"{head}the next update's lr is {build[1](3):.2e} (over 4 steps: {build[0](3):.2e}){keep}")
+    # A warm-up of many thousand updates, and a move too small to print just past the peak: the update named is the
+    # first whose printed lrs differ (the note printed 1.00e-03 twice, or nothing past a 10,000-update window).
+    given = ["scheduler=warmup_cosine", "scheduler.warmup_steps=20000"]
+    saved, cfg = (framework.compose([*given, f"train.steps={n}"]) for n in (50_000, 100_000))
+    note = schedule_change(saved.to_dict(), cfg, 5000)
+    update, lr, was = re.fullmatch(r".* the lr moves from update (\d+) on: (\S+) \(over 50000 steps: (\S+)\);.*",
+                                   note).groups()
+    build = [warmup_cosine.build(cfg.scheduler, cfg.optimizer.lr, n) for n in (50_000, 100_000)]
+    i = int(update) - 1
+    assert 20_000 < i and lr != was and (lr, was) == (f"{build[1](i):.2e}", f"{build[0](i):.2e}")
+    assert all(f"{build[0](j):.2e}" == f"{build[1](j):.2e}" for j in range(5000, i))

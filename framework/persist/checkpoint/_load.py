@@ -149,10 +149,7 @@ def schedule_change(saved: dict, cfg, position: int) -> str | None:
         old, new = build(total_steps=before), build(total_steps=now)
     except ConfigError:   # (this run's values were checked with its own length only)
         return None
-    # The first update that moves: a warm-up's updates (the default's first 100) are the same over either length.
-    # (A closed form per update; the window bounds a run of millions of steps to a few milliseconds.)
-    moved = next((i for i in range(position, min(now, position + 10_000))
-                  if not math.isclose(old(i), new(i), rel_tol=1e-9)), None)
+    moved = _first_moved(old, new, position, now)
     if moved is None:   # a length of its own, or none, or past both ends
         return None
     key = next((k for k in ("total_num_steps", "decay_steps") if getattr(cfg.scheduler, k, 0) is None), None)
@@ -160,6 +157,17 @@ def schedule_change(saved: dict, cfg, position: int) -> str | None:
     which = "the next update's lr is" if moved == position else f"the lr moves from update {moved + 1} on:"
     return (f"the lr schedule (scheduler={name}) follows train.steps: it now spans {now} steps, not {before}, and "
             f"{which} {new(moved):.2e} (over {before} steps: {old(moved):.2e}){keep}")
+
+
+def _first_moved(old, new, start: int, end: int) -> int | None:
+    """The first update in [start, end) whose lr, as the note prints it, differs between the ``old`` and ``new``
+    schedules: a warm-up's updates (the default's first 100, or many thousands) are the same over either length.
+    At most ~10,000 points on a grid over the run, then the grid step before the first that differs (a closed
+    form each: milliseconds for a run of any length)."""
+    differs = lambda i: f"{old(i):.2e}" != f"{new(i):.2e}"   # noqa: E731
+    stride = max(1, (end - start) // 10_000)
+    hit = next((i for i in range(start, end, stride) if differs(i)), None)
+    return None if hit is None else next(i for i in range(max(start, hit - stride + 1), hit + 1) if differs(i))
 
 
 def data_change(saved, mine) -> tuple[str, bool] | None:
