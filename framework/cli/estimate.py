@@ -197,8 +197,8 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
             set_key(node, dataclasses.replace(override, prefix="", key=name))
     try:
         return typed(node, GPTConfig, "model.")
-    except ConfigError as e:
-        raise ConfigError(f"{e} (model={path})") from None
+    except ConfigError as e:   # (a value neither the file nor the command line gave names the file, as OmegaConf's)
+        raise ConfigError(f"{e} (model={path})" if "Missing mandatory value" in str(e) else str(e)) from None
 
 
 def _omega_error(e) -> str:

@@ -89,7 +89,9 @@ def value(text: str) -> Any:
         if end != len(text) - 1:   # 'a'/'b': Hydra's grammar refuses it (the inner quotes would stay here)
             raise ConfigError(f"config: the value {text} is quoted in parts; quote it once as a whole (a quote "
                               f"inside it escaped: \\{text[0]})")
-        return text[1:-1].replace("\\" + text[0], text[0]).replace("\\\\", "\\")
+        # As Hydra's grammar: only backslashes before a quote (or the closing one) escape; C:\\data keeps both
+        q = text[0]
+        return re.sub(rf"(\\+)({q}|$)", lambda m: "\\" * (len(m.group(1)) // 2) + m.group(2), text[1:-1])
     if text.startswith("[") and text.endswith("]"):
         inner = text[1:-1].strip()
         items = _split(inner) if inner else []

@@ -149,6 +149,10 @@ def test_integral_floats_are_integers(typing):
 def test_values_read_as_hydra_reads_them():
     assert [value(v) for v in ("1e9", "12", "0.5", "null", "true", "abc", "'x y'", "[1,'a,b',c]", "")] == \
         [1e9, 12, 0.5, None, True, "abc", "x y", [1, "a,b", "c"], ""]
+    # Only backslashes before a quote (or the closing one) escape, as in Hydra's grammar (a Windows path kept both)
+    quoted = [r"'C:\\data\\x'", r"'a\\b'", r"'a\'b'", r"'C:\\'", r"'a\\\'b'", r"'a\b'", r'"x\\y\"z"']
+    from framework.config.composition import parse_overrides
+    assert [value(v) for v in quoted] == [parse_overrides([f"x={t}"])[0].value() for t in quoted]
 
 
 # Numbers as Hydra's grammar has them (ASCII digits, '_' only between digits, no leading zeros, inf/nan);
