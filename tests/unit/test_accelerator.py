@@ -272,6 +272,37 @@ def test_host_syncs_in_hooks_are_framework_code_only(acc):
     assert ours(y) is None                            # outside: fine
 
 
+def test_a_signal_raised_while_a_hot_region_is_entered_leaves_nothing_hot(acc, monkeypatch):
+    """SIGTERM's SystemExit landing inside the mode's push (its with-block and __exit__ never run): the run's
+    abort and close then synchronize events outside any hook, which the checker blamed on "the backward pass"."""
+    import os
+
+    import framework
+    from torch.overrides import TorchFunctionMode
+
+    ours = eval(compile("lambda t: bool(t.sum()) and None", os.path.join(os.path.dirname(framework.__file__), "stages",
+                                                                 "hook.py"), "eval"))
+    enter = TorchFunctionMode.__enter__
+
+    def pushed_then_signalled(mode):   # (the worst case: the mode is on torch's stack when the exit is raised)
+        enter(mode)
+        raise SystemExit(143)
+    monkeypatch.setattr(TorchFunctionMode, "__enter__", pushed_then_signalled)
+    mode = acc.hot("the backward pass (its hooks)")
+    with pytest.raises(SystemExit):
+        with mode:
+            pass
+    monkeypatch.undo()
+    try:
+        assert getattr(acc._local, "hot", ()) == ()
+        event = acc.event()
+        event.record()
+        event.synchronize()                           # (refused inside a hot region)
+        assert ours(torch.ones(2)) is None            # the pushed mode checks nothing
+    finally:
+        mode.__exit__(None, None, None)               # (this test's own pop of the mode left pushed)
+
+
 def test_pinned_memory_is_rounded_and_cached_as_cudas_host_allocator_does(acc):
     before = acc.pinned_stats()
     a = acc.empty_host(3 << 18, torch.float32)        # 3 MiB -> 4 MiB

@@ -46,13 +46,20 @@ class NoHostSync(TorchFunctionMode):
 
     def __init__(self, acc, where: str):
         super().__init__()
-        self.acc, self.where = acc, where
+        self.acc, self.where, self.off = acc, where, False
 
     def __enter__(self):
         # Where this thread is hot, for what the mode does not see (an event's ``synchronize``: no torch call).
         local = self.acc._local
-        local.hot = (*getattr(local, "hot", ()), self.where)
-        return super().__enter__()
+        before = getattr(local, "hot", ())
+        try:
+            local.hot = (*before, self.where)
+            return super().__enter__()
+        except BaseException:
+            # A signal's exit raised in here (Ctrl-C, SIGTERM): the with-block and __exit__ never run, so this
+            # thread is not hot, and the mode, pushed or not, checks nothing while the run unwinds and closes.
+            local.hot, self.off = before, True
+            raise
 
     def __exit__(self, *exc):
         self.acc._local.hot = self.acc._local.hot[:-1]
@@ -60,6 +67,8 @@ class NoHostSync(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.off:
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name in _SYNCS or name in _MAYBE or "out" in kwargs:   # (the common call: one set lookup or two)
             t = _synced(self.acc, name, args, kwargs)
