@@ -62,11 +62,16 @@ def read_hint(p: ShardedParameter, error: str, reader: str | None = None) -> str
     return head + tie
 
 
+def _first_argument(frame):
+    """A frame's first argument (a method's self, whatever its name), else None."""
+    code = frame.f_code
+    return frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+
+
 def forward_of(frame) -> nn.Module | None:
     """The module whose own ``forward`` ``frame`` runs (its first argument), else None; a decorated forward
     (``functools.wraps``, ``@torch.no_grad()``) is matched through its ``__wrapped__`` chain."""
-    code = frame.f_code   # (a method's first argument, whatever its name)
-    owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+    code, owner = frame.f_code, _first_argument(frame)
     if not isinstance(owner, nn.Module):
         return None
     # (Read statically: a ScriptModule's class forward is a descriptor that raises when read from the class.)
@@ -86,9 +91,7 @@ def reader_of(frames) -> str:
         if (owner := forward_of(frame)) is not None:
             return f"{type(owner).__name__}.forward"
     for frame in frames:
-        code = frame.f_code
-        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-        if code.co_name == "forward" and isinstance(owner, nn.Module):
+        if frame.f_code.co_name == "forward" and isinstance(owner := _first_argument(frame), nn.Module):
             return f"{type(owner).__name__}.forward"
     return "loss_fn"
 
