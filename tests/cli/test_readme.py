@@ -62,16 +62,16 @@ def commands() -> list[tuple[str, str]]:
     return out
 
 
-def shorten(args: list[str]) -> list[str]:
+def shorten(args: list[str], steps: int = STEPS) -> list[str]:
     out = []
     for a in args:
-        a = re.sub(r"^train\.steps=\d+$", f"train.steps={STEPS}", a)
+        a = re.sub(r"^train\.steps=\d+$", f"train.steps={steps}", a)
         a = re.sub(r"^checkpoint\.every=\d+$", "checkpoint.every=1", a)
         a = re.sub(r"/step-(\d+)$", lambda m: f"/step-{STEPS - 1}", a)
         out.append(a)
     if not any(a.startswith("train.steps=") for a in out):
-        out.append(f"train.steps={STEPS}")
-    return out + ["train.log_every=1", f"train.eval_every={STEPS}", "train.eval_batches=1"]
+        out.append(f"train.steps={steps}")
+    return out + ["train.log_every=1", f"train.eval_every={steps}", "train.eval_batches=1"]
 
 
 def _next_second(last: int) -> int:
@@ -118,6 +118,7 @@ def test_every_documented_command_runs(clone, forkrun):
     failures, ran, started = [], 0, 0
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     before, here = Counter(), Counter()   # lines of the earlier documents, of this one so far
+    trained = Counter()   # train lines run so far: a line's rerun resumes its folder, so it gets one step more
     for i, (doc, line) in enumerate(cmds):
         if i and doc != cmds[i - 1][0]:
             before, here = before + here, Counter()
@@ -152,7 +153,8 @@ def test_every_documented_command_runs(clone, forkrun):
         if words[:2] == ["python", "-m"] and words[2].startswith("framework."):
             module, args = words[2], words[3:]
             if module == "framework.train" and "--cfg" not in args:
-                args, started = shorten(args), _next_second(started)
+                args, started = shorten(args, STEPS + trained[line]), _next_second(started)
+                trained[line] += 1
             p = forkrun.run(module, args, cwd=clone, env={**env, **assigned}, timeout=240)
         elif words[0] == "torchrun":   # (the torchrun script is ``sys.exit(torch.distributed.run.main())``)
             at = words.index("framework.train") + 1
