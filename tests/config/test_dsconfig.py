@@ -927,7 +927,9 @@ def test_unknown_key_where_deepspeed_rejects_it_is_an_error(path, needle):
 
 DS019 = [
     ({"gradient_allreduce_op": "mean"}, None, "gradient_allreduce_op"),
-    ({"gradient_allreduce_op": "sum"}, "error", "gradient_allreduce_op=\"sum\""),
+    # the reason once, not nested in a second "not supported here (...)"
+    ({"gradient_allreduce_op": "sum"}, "error", "ds_config: gradient_allreduce_op=\"sum\" is not supported here "
+     "(gradients are averaged over the ranks); remove it or give \"mean\""),
     ({"data_types": {"param_dtype": "fp32", "buffer_dtype": "fp32"}}, None, "data_types.buffer_dtype"),
     ({"bf16": {"enabled": True}, "data_types": {"param_dtype": "bf16"}}, None, "data_types.param_dtype"),
     ({"data_types": {"param_dtype": "bf16"}}, "error", "data_types.param_dtype=bf16 with precision=fp32"),
@@ -941,7 +943,8 @@ DS019 = [
     ({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": True}}}, None, "fp32_optimizer_states"),
     ({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": False}}}, "error", "fp32_optimizer_states"),
     ({"managed_gradient_accumulation": True}, None, "managed_gradient_accumulation"),
-    ({"managed_gradient_accumulation": False}, "error", "managed_gradient_accumulation=false is not supported"),
+    ({"managed_gradient_accumulation": False}, "error", "ds_config: managed_gradient_accumulation=false is not "
+     "supported here (the engine always manages gradient accumulation); remove it or give true"),
     # false would rebuild the fp32 masters from the 16-bit weights at a resume: not a knob that changes nothing
     ({"zero_optimization": {"stage": 2, "load_from_fp32_weights": True}}, None,
      "zero_optimization.load_from_fp32_weights (a resume restores the saved fp32 masters)"),

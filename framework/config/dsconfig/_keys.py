@@ -63,11 +63,12 @@ DEEPCOMPILE_KEYS = ("deepcompile", "free_activation", "free_activation_threshold
                     "keep_int_input_tensors", "keep_all_input_tensors", "passes")
 TORCH_COMPILE_KEYS = ("enabled", "backend", "kwargs", "fullgraph", "dynamic", "mode", "options", "disable")
 # Keys whose one value is what happens here anyway (a note) and whose other values would change
-# the math in a way not implemented (an error): key -> (that value, why it is inert, what the others do).
+# the math in a way not implemented (an error): key -> (that value, why it is inert, why the others are refused:
+# a bare reason, set in "<key>=<value> is not supported here (<reason>); remove it or give <value>").
 AS_HERE = {
     "gradient_allreduce_op": ("mean", "gradients are averaged over the ranks here",
-                              "summed gradients are not supported here (they are averaged over the ranks)"),
-    "managed_gradient_accumulation": (True, "the default", "the engine always manages gradient accumulation here"),
+                              "gradients are averaged over the ranks"),
+    "managed_gradient_accumulation": (True, "the default", "the engine always manages gradient accumulation"),
 }
 MAPPED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
               "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "aio",
