@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import sys
-import tempfile
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +25,8 @@ from framework.offload._diskstore import DiskStore, parked, pool_layout
 from framework.offload._nvmespec import NVMeOffloadConfig
 from framework.offload._store import Tier, copy_on
 from framework.offload._swapfile import remove_stale, swap_path
-from framework.offload._swapfolder import MadeOnDisk, agree_room, agree_swap_room, memory_fs, preflight, temp_root
+from framework.offload._swapfolder import (PRIVATE, MadeOnDisk, agree_room, agree_swap_room, make_private, memory_fs,
+                                           preflight, sweep_private, temp_root)
 from framework.offload.base import Piece, Shards
 from framework.offload.cpu import HostPlacement
 from framework.optimizers import group_state, init_groups, merge_groups, replace_groups
@@ -65,13 +65,19 @@ class NVMePlacement(HostPlacement):
     _init_state = HostPlacement.init_opt_state   # (``DiskPlacement`` swaps its tiles' state out)
 
     def clean_stale(self) -> None:
-        """Before the pre-flight counts free space: remove swap files that dead processes left."""
-        if self._cleaned or self.spec.nvme_path is None:
+        """Before the pre-flight counts free space: remove swap files that dead processes left (without
+        ``nvme_path``: in the private folders of the temporary folder, and those folders)."""
+        if self._cleaned:
             return
         self._cleaned = True
-        count, freed = remove_stale(self.spec.nvme_path)
-        if count:
-            say(f"nvme: removed {counted(count, 'stale swap file')} of dead processes from {self.spec.nvme_path}, "
+        if self.spec.nvme_path is not None:
+            folders, (count, freed), where = 0, remove_stale(self.spec.nvme_path), self.spec.nvme_path
+        else:   # a library run killed (SIGTERM, SIGKILL) left its private folder: no later run has its name
+            root = temp_root()
+            (folders, count, freed), where = sweep_private(root), f"{root}/{PRIVATE}*"
+        if count or folders:
+            also = f" and {counted(folders, 'folder')}" if folders else ""
+            say(f"nvme: removed {counted(count, 'stale swap file')}{also} of dead processes from {where}, "
                 f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", sys.stdout)
 
     def expect(self, sizes: Sequence[int], working: torch.dtype, master: torch.dtype) -> None:
@@ -115,9 +121,9 @@ class NVMePlacement(HostPlacement):
         if self.spec.nvme_path is not None:
             return self.spec.nvme_path
         if self._made.tmpdir is None:   # library use without a run directory: a private folder
-            self._made.tmpdir = tempfile.mkdtemp(prefix="framework-nvme-", dir=temp_root())
+            self._made.tmpdir, self._made.lock = make_private(temp_root())
             say(f"nvme: offload.nvme_path is not set: the swap files go to {self._made.tmpdir} (removed at "
-                "close or exit)", sys.stdout)
+                "close or exit; if this process is killed, by the next run without offload.nvme_path)", sys.stdout)
         return self._made.tmpdir
 
     def write_swap(self, store: DiskStore, kind: str, check: Callable[[], None], fills: Iterable, what: str) -> None:

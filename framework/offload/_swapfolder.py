@@ -3,6 +3,7 @@ every rank agrees on before any file is made, and what a placement made there.""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import shutil
 import sys
@@ -16,7 +17,9 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.core.files import make_dirs, probe_writable
 from framework.core.room import Claim, free_bytes, shortfalls
 from framework.core.units import size as _size
-from framework.offload._swapfile import reserved_bytes, swap_path
+from framework.offload._swapfile import remove_stale, reserved_bytes, swap_path
+
+PRIVATE = "framework-nvme-"   # the prefix of the private folders made without offload.nvme_path
 
 # statfs(2) f_type of the file systems that keep their files in host memory (<linux/magic.h>)
 MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
@@ -46,6 +49,50 @@ def temp_root() -> str:
     if memory_fs(tmp) and os.access("/var/tmp", os.W_OK | os.X_OK) and not memory_fs("/var/tmp"):
         return "/var/tmp"
     return tmp
+
+
+def make_private(root: str) -> tuple[str, int]:
+    """A new private swap folder in ``root`` and a descriptor holding its ``flock`` until this process
+    closes it or dies: ``sweep_private`` in another run leaves it alone."""
+    while True:
+        path = tempfile.mkdtemp(prefix=PRIVATE, dir=root)   # 0700
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_EX)   # (waits for a sweep that found it unlocked and is removing it)
+        with suppress(OSError):
+            named, held = os.lstat(path), os.fstat(fd)
+            if (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+                return path, fd
+        os.close(fd)   # swept in the moment between making and locking it: make another
+
+
+def sweep_private(root: str) -> tuple[int, int, int]:
+    """Remove the private swap folders in ``root`` that no live process holds (``make_private``'s lock)
+    with the swap files in them no live process holds (``remove_stale``); (folders, files, bytes) removed.
+    A folder still holding anything else stays, and so does everything of a live run."""
+    folders = files = freed = 0
+    try:
+        names = sorted(n for n in os.listdir(root) if n.startswith(PRIVATE))
+    except OSError:
+        return 0, 0, 0
+    for name in names:
+        path = os.path.join(root, name)
+        try:   # (not ours: another user's 0700 folder; a link is never followed)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue   # held: its run is alive (in this process or another)
+            count, nbytes = remove_stale(path)   # (a file a live process holds stays, and so the folder)
+            files, freed = files + count, freed + nbytes
+            with suppress(OSError):
+                os.rmdir(path)   # only if empty
+                folders += 1
+        finally:
+            os.close(fd)
+    return folders, files, freed
 
 
 def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int = 0, buffer_bytes: int = 0, *,
@@ -137,6 +184,7 @@ class MadeOnDisk:
 
     def __init__(self):
         self.tmpdir: str | None = None
+        self.lock: int | None = None   # the descriptor holding ``tmpdir``'s lock (``make_private``)
         self.folders: list[Path] = []   # the swap folder and its parents a rank of this run made, deepest first
         self.files: list[weakref.finalize] = []
 
@@ -152,9 +200,11 @@ class MadeOnDisk:
             removal()
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
+        if self.lock is not None:   # (after the removal: no sweep races it)
+            os.close(self.lock)
         with suppress(OSError):
             for folder in self.folders:
                 folder.rmdir()   # only if empty: never what another run keeps there
-        self.tmpdir = None
+        self.tmpdir = self.lock = None
         self.folders = []
         self.files.clear()

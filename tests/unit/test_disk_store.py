@@ -326,3 +326,44 @@ def test_a_peer_names_the_kind_of_swap_failure(tmp_path):
     with pytest.raises(SwapIOError, match=f"another rank failed while {what} \\(its error names the file"):
         placement.agree_io_error(None, what)
     placement.close()
+
+
+def test_a_run_without_nvme_path_removes_the_private_folders_of_dead_runs(tmp_path, monkeypatch, capsys):
+    """Library use without offload.nvme_path: a killed run (SIGTERM, SIGKILL) left its private folder under a
+    name no later run uses, so a run's start-up removes such folders that no live process holds, and the swap
+    files in them no live process holds, in one line; a live run's folder (its lock) or file (its flock) stays."""
+    import fcntl
+    import os
+
+    import framework.offload._disk as disk
+    from framework.offload.nvme import NVMeOffloadConfig, build, resolve
+
+    monkeypatch.setattr(disk, "temp_root", lambda: str(tmp_path))   # (not wherever the machine's /tmp is)
+    for name in ("framework-nvme-dead", "framework-nvme-empty", "framework-nvme-held", "other"):
+        (tmp_path / name).mkdir()
+    for name in ("framework-nvme-dead", "framework-nvme-held", "other"):
+        (tmp_path / name / "rank00000.optim.swap").write_bytes(bytes(8192))
+        (tmp_path / name / "rank00000.optim.swap.manifest.json").write_text("{}")
+    held = os.open(tmp_path / "framework-nvme-held" / "rank00000.optim.swap", os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)   # (a live process's swap file)
+
+    def placement():
+        return build(resolve(NVMeOffloadConfig(), "zero2", {}), for_device(torch.device("cpu")))
+
+    live = placement()
+    mine = live.folder()   # a live run's private folder, still without files
+    capsys.readouterr()
+    try:
+        late = placement()
+        late.clean_stale()
+        late.close()
+        assert capsys.readouterr().out.startswith(
+            f"nvme: removed 1 stale swap file and 2 folders of dead processes from {tmp_path}/framework-nvme-*, "
+            "freeing 0.00 GiB (")
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["framework-nvme-held", "other",
+                                                                      os.path.basename(mine)])
+        assert len(os.listdir(tmp_path / "framework-nvme-held")) == 2 and len(os.listdir(tmp_path / "other")) == 2
+    finally:
+        os.close(held)
+        live.close()
+    assert not os.path.exists(mine)
