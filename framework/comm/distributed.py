@@ -398,6 +398,14 @@ def _join(backend: str, rank: int, world: int, timeout_s: float, store_path: str
     timeout = timedelta(seconds=timeout_s)
     where = f"FileStore {store_path}" if store_path else \
         f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT)"
+    if not store_path and (host := os.environ.get("MASTER_ADDR")):   # a typo: said now, not a rank missing
+        try:                                                          # after torch's retries until the timeout
+            socket.getaddrinfo(host, None)
+        except socket.gaierror as e:   # (a temporary failure, EAI_AGAIN, is left to those retries)
+            if e.errno != socket.EAI_AGAIN:
+                raise ConfigError(f"rank {rank}/{world}: MASTER_ADDR={host} does not resolve ({e.strerror}): set it "
+                                  f"to rank 0's host name or address (torchrun --master-addr, or the job's first "
+                                  f"node)") from None
     try:
         store = tdist.FileStore(store_path, world) if store_path else None
         if store is not None:
