@@ -71,11 +71,13 @@ class Dist:
             who = _blamed(lost, stalled)
             if lost:   # its closed connections failed the collective at once: no wait, nothing the backend adds
                 raise DistributedError(f"rank {self.rank}/{self.world}: {who} during {what}") from e
+            if not stalled and any(c in str(e) for c in _CLOSED):   # the same from a peer still unwinding its error
+                peer = f"rank {1 - self.rank}" if self.world == 2 else "a peer rank"   # (or on another host)
+                raise DistributedError(f"rank {self.rank}/{self.world}: {peer} closed its connection during {what} "
+                                       f"(it failed or died: its own error is on its console or log)") from e
             timeout_s, key = limit or (self.timeout_s, "dist.timeout_s")
-            raise DistributedError(
-                f"rank {self.rank}/{self.world}: {what} failed after waiting up to {timeout_s:g}s "
-                f"({who}; {key} sets the limit): {str(e).splitlines()[0]}"
-            ) from e
+            raise DistributedError(f"rank {self.rank}/{self.world}: {what} failed after waiting up to {timeout_s:g}s "
+                                   f"({who}; {key} sets the limit): {str(e).splitlines()[0]}") from e
 
     def who_failed(self, settle_s: float | None = None) -> str:
         """The ranks on this host to blame for a failed collective (``_blame``), in words."""
@@ -140,10 +142,9 @@ def _blamed(lost: list[int], stalled: list[str]) -> str:
     return "; ".join(parts + stalled) or "a peer rank died or stalled"
 
 
+_CLOSED = ("Connection closed by peer", "Connection reset by peer")   # gloo's words for a peer's closed socket
 _STALLED = {"T": "is stopped (SIGSTOP or SIGTSTP: send SIGCONT, or kill it)", "t": "is stopped by a debugger",
             "D": "is blocked in the kernel (uninterruptible sleep: a hung disk or network file system?)"}
-
-
 # How long ``who_failed`` waits for a local peer to be seen gone when none is yet: the kernel closes a dying
 # process's sockets before it shows as a zombie, and a peer may close them itself while still exiting.
 _SETTLE_S = 1.0
@@ -398,6 +399,13 @@ def _join(backend: str, rank: int, world: int, timeout_s: float, store_path: str
     timeout = timedelta(seconds=timeout_s)
     where = f"FileStore {store_path}" if store_path else \
         f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT)"
+    if not store_path and (host := os.environ.get("MASTER_ADDR")):   # a typo: said now, not a rank missing
+        try:                                                          # after torch's retries until the timeout
+            socket.getaddrinfo(host, None)
+        except socket.gaierror as e:   # (a temporary failure, EAI_AGAIN, is left to those retries)
+            if e.errno != socket.EAI_AGAIN:
+                raise ConfigError(f"rank {rank}/{world}: MASTER_ADDR={host} does not resolve ({e.strerror}): set it "
+                                  f"to rank 0's host name or address (torchrun --master-addr)") from None
     try:
         store = tdist.FileStore(store_path, world) if store_path else None
         if store is not None:

@@ -99,6 +99,8 @@ def build_train_step(c: Components, applying: Callable[[int], None]
             # every rank reaches the same skip decision.
             sq_norm = c.stage.grad_sq_norm()
             # The mean loss over the global batch, known before the update: a non-finite one is never stepped on.
+            # (this rank's own sum kept: a non-finite global one names the ranks whose micro batches made it)
+            local_sum = loss_sum.clone()
             c.dist.all_reduce(loss_sum, what="loss all-reduce")
             # Read in one wait with the stage's flags (float64 holds the fp32 loss and small integers exactly).
             flags = [f.to(sq_norm.device, torch.float64) for f in c.stage.step_flags()]
@@ -117,7 +119,7 @@ def build_train_step(c: Components, applying: Callable[[int], None]
                 c.update.skip()
             if nonfinite:
                 _nonfinite(c, state.step + 1, mean_loss, norm, c.stage.nonfinite_names(grads),
-                           state.precision.skipped_steps + 1)
+                           state.precision.skipped_steps + 1, local_sum)
             opt_state = state.opt_state
             precision = next_scale(c.policy.scaler, state.precision, overflow,
                                    culprits=lambda: c.stage.nonfinite_names(grads))
@@ -199,10 +201,12 @@ def _warn_fp16_loss(c: Components, scale: float, n: int) -> bool:
     return True
 
 
-def _nonfinite(c: Components, step: int, loss: float, norm: float, names: list[str], skipped: int) -> None:
-    """``names``: parameters with non-finite gradients; ``skipped``: the steps skipped so far, this one too."""
-    what = (f"step {step}: the loss is {loss:g} and the global gradient norm {norm:g} (non-finite; non-finite "
-            f"gradients in: {few(names, 8, str) or 'none'})")
+def _nonfinite(c: Components, step: int, loss: float, norm: float, names: list[str], skipped: int,
+               local_sum: torch.Tensor) -> None:
+    """``names``: parameters with non-finite gradients; ``skipped``: the steps skipped so far, this one too;
+    ``local_sum``: this rank's own loss sum (every rank calls this together: the decision is on global values)."""
+    what = (f"step {step}: the loss is {loss:g}{'' if math.isfinite(loss) else _loss_ranks(c, local_sum)} and the "
+            f"global gradient norm {norm:g} (non-finite; non-finite gradients in: {few(names, 8, str) or 'none'})")
     if c.on_nonfinite != "warn":   # (decided on the all-reduced norm and loss: every rank stops here alike)
         raise on_every_rank(TrainingError(f"{what}; stopping before the update, nothing of this step is saved. "
                                           f"Lower the learning rate or check the data; train.on_nonfinite=warn skips "
@@ -210,3 +214,21 @@ def _nonfinite(c: Components, step: int, loss: float, norm: float, names: list[s
     if c.dist.rank == 0:
         print(f"warning: {what}; update skipped ({skipped} skipped step{'s' if skipped != 1 else ''} so far), "
               f"no checkpoint of this step (train.on_nonfinite=warn)", file=sys.stderr, flush=True)
+
+
+def _loss_ranks(c: Components, local_sum: torch.Tensor) -> str:
+    """" (non-finite from the micro batches of rank 2; ranks 0, 1 finite)": whose own loss made the global one
+    non-finite ("" for one rank, or when each rank's was finite). One small collective, on this path alone."""
+    if c.dist.world == 1:
+        return ""
+    mine = torch.arange(c.dist.world, device=local_sum.device) == c.dist.rank
+    bad = (mine & ~torch.isfinite(local_sum)).to(torch.float32)
+    c.dist.all_reduce(bad, what="non-finite loss all-reduce")
+    flags = bad.tolist()   # host sync: on a non-finite loss alone, about to stop or skip the step
+    worse, fine = [r for r, f in enumerate(flags) if f], [r for r, f in enumerate(flags) if not f]
+    return f" (non-finite from the micro batches of {_ranks(worse)}{f'; {_ranks(fine)} finite' if fine else ''})" \
+        if worse else ""
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

@@ -277,26 +277,37 @@ def test_world_one_is_local_and_free():
 
 
 class _DeadPeer:
-    """Primitives whose work fails on wait, as gloo/NCCL report a timed-out or dead peer."""
+    """Primitives whose work fails on wait with ``text``, as gloo/NCCL report a timed-out or dead peer."""
 
-    class _Work:
-        def wait(self):
-            raise RuntimeError("[../third_party/gloo/transport/tcp/pair.cc:534] Connection closed by peer\n"
-                               "second line of the backend's message")
+    def __init__(self, text):
+        self.text = text
+
+    def wait(self):   # (each primitive's work is this object)
+        raise RuntimeError(self.text)
 
     def __getattr__(self, name):
-        return lambda *a, **k: self._Work()
+        return lambda *a, **k: self
 
 
 @pytest.mark.parametrize("kind", [Gloo, Nccl])
 def test_dead_peer_gives_one_clear_line(kind):
-    comm = kind(Dist(0, 2, 0, torch.device("cpu"), "gloo", 7.0), ops=_DeadPeer())
-    with pytest.raises(DistributedError) as e:
-        comm.wait(comm.reduce_to_owners(torch.ones(8), 0, 4, "gradient reduction of bucket 3"),
-                  "gradient reduction of bucket 3")
-    msg = str(e.value)
-    assert "\n" not in msg and "gradient reduction of bucket 3 failed after waiting up to 7s" in msg
-    assert "peer rank died or stalled" in msg and "Connection closed by peer" in msg
+    """A wait that ran out says how long; a connection the peer closed (it raised, or died on another host)
+    failed at once: no wait to speak of, and with two ranks the peer is named."""
+    def fails(text, world=2):
+        comm = kind(Dist(0, world, 0, torch.device("cpu"), "gloo", 7.0), ops=_DeadPeer(text))
+        with pytest.raises(DistributedError) as e:
+            comm.wait(comm.reduce_to_owners(torch.ones(8), 0, 4, "gradient reduction of bucket 3"),
+                      "gradient reduction of bucket 3")
+        assert "\n" not in str(e.value)
+        return str(e.value)
+    msg = fails("[../third_party/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 7000ms for recv operation"
+                " to complete\nsecond line of the backend's message")
+    assert "gradient reduction of bucket 3 failed after waiting up to 7s" in msg
+    assert "peer rank died or stalled" in msg and "Timed out waiting 7000ms" in msg
+    closed = "[../third_party/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:3218\nsecond line"
+    assert fails(closed) == ("rank 0/2: rank 1 closed its connection during gradient reduction of bucket 3 (it failed "
+                             "or died: its own error is on its console or log)")
+    assert fails(closed.replace("closed", "reset"), world=3).startswith("rank 0/3: a peer rank closed its connection")
 
 
 # --- real NCCL (GPU machines with enough devices) -------------------------------------------------

@@ -166,7 +166,8 @@ def test_swap_corruption_mid_run_is_never_committed_and_resume_is_exact(pools, t
 # --- item 1: non-finite state is never saved -------------------------------------------------------
 
 NONFINITE = {   # fault -> (run options, error expected, steps kept)
-    "nan loss stops": ({"nan_loss": True}, "TrainingError: step 3: the loss is nan", [1, 2]),
+    "nan loss stops": ({"nan_loss": True, "fault_rank": 1}, "TrainingError: step 3: the loss is nan (non-finite "
+                                                             "from the micro batches of rank 1; rank 0 finite) ", [1, 2]),
     "nan loss warns": ({"nan_loss": True, "extra": ["train.on_nonfinite=warn"]}, None, [2, 4]),
     "nan master stops": ({"poison": True}, "TrainingError: checkpoint: not saving step 3: the state holds "
                                            "non-finite values (NaN or inf) in rank 0: 'model.", [1, 2]),
@@ -175,14 +176,15 @@ NONFINITE = {   # fault -> (run options, error expected, steps kept)
 
 @pytest.mark.parametrize("case", list(NONFINITE))
 def test_non_finite_state_is_never_saved(pools, tmp_path, case):
-    """fp32 (no loss scaling): a NaN loss on rank 0 at step 3 stops both ranks before the update
-    (or, train.on_nonfinite=warn, skips the step and its save); a NaN master value at the save of
-    step 3 is refused on every rank. The checkpoints of steps 1 and 2 are kept."""
+    """fp32 (no loss scaling): a NaN loss on one rank at step 3 stops both ranks before the update, each
+    naming the rank whose micro batches made it (or, train.on_nonfinite=warn, skips the step and its save);
+    a NaN master value at the save of step 3 is refused on every rank. The checkpoints of steps 1 and 2 are kept."""
     options, expected, kept = NONFINITE[case]
     runs = pools(2).run(_run, ZERO2, str(tmp_path / "ckpt"), fault_at=3, timeout=240, **options)
     for r in runs:
         if expected is None:
             assert r["error"] is None and "not saving step 3" in r["out"] + runs[0]["out"], r
+            assert "the loss is nan (non-finite from the micro batches of rank 0; rank 1 finite)" in runs[0]["out"]
         else:
             assert r["error"] is not None and r["error"].startswith(expected), r["error"]
     assert _steps(tmp_path / "ckpt") == kept

@@ -319,6 +319,18 @@ def test_a_rendezvous_that_fails_is_one_line(monkeypatch, tmp_path):
         with pytest.raises(d.DistributedError, match=rf"^rank 0/2: rendezvous at 127.0.0.1:{port} .*failed: address "
                                                      r"already in use \(another job on MASTER_PORT\?"):
             d.connect("gloo", 2.0)
+    # A MASTER_ADDR that does not resolve (a typo): said at once, not a rank that never joined after the timeout.
+    # (.invalid never resolves, RFC 6761; a resolver that cannot be reached answers EAI_AGAIN, left to torch)
+    try:
+        socket.getaddrinfo("no-such-host.invalid", None)
+    except socket.gaierror as unresolved:
+        if unresolved.errno != socket.EAI_AGAIN:
+            monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+            start = time.monotonic()
+            with pytest.raises(ConfigError, match=r"^rank 0/2: MASTER_ADDR=no-such-host.invalid does not resolve "
+                                                  r"\(.+\): set it to rank 0's host name or address") as e:
+                d.connect("gloo", 30.0)
+            assert time.monotonic() - start < 10 and "\n" not in str(e.value) and not d.tdist.is_initialized()
     monkeypatch.setenv("RANK", "1")
     start = time.monotonic()
     with pytest.raises(d.DistributedError, match=r"^rank 1/2: rendezvous at FileStore .*not every rank joined within "
