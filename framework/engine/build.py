@@ -298,7 +298,7 @@ class Engine(contextlib.AbstractContextManager):
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
         with self.mapped_state(state, write=True, agreed="load_state_dict: swap file map") as (mapped, _):
             loaded = load_state_dict(mapped, c.stage.piece_specs(), saved, policy=c.policy, names=names,
-                                     rank=c.dist.rank, world=c.dist.world, whole=whole_tensors(c.module),
+                                     dist=c.dist, whole=whole_tensors(c.module),
                                      seed=self.config.seed if self.config is not None else 0, device=c.dist.device)
         return self.finish_load(state, loaded)
 
