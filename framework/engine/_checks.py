@@ -84,3 +84,12 @@ def check_arguments(module: nn.Module, loss_fn, cfg: Config | None, ds_config: s
         raise ConfigError(f"initialize: complex trainable parameters are not supported ({few(complex_, 5, str)}); "
                           f"hold each as a real parameter with a last dimension of 2 and use "
                           f"torch.view_as_complex(p) in forward (or freeze it: requires_grad=False)")
+
+
+def another_engine(what: str) -> FrameworkError:
+    """The refusal of a state none of whose tensors is the engine's (``what``: the call refusing it): another
+    engine's, or a copy (``copy.deepcopy``, often taken as a snapshot to return to), whose tensors no step updates."""
+    return FrameworkError(f"{what}: this state belongs to another engine, or is a copy of one (copy.deepcopy; none of "
+                          f"its tensors is this engine's): pass this engine's state (engine.state, or what its "
+                          f"train_step returned); to keep a state to return to, take sd = engine.state_dict(state) "
+                          f"and later state = engine.load_state_dict(engine.state, [sd]) (every rank's sd, at several ranks)")

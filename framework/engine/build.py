@@ -23,7 +23,7 @@ from framework.config import Config, check_batch_world, compose
 from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError, FrameworkError, TrainingError
 from framework.comm.distributed import Dist, agree, connect, disconnect, rank_and_world
-from framework.engine._checks import Owner, check_arguments, owner
+from framework.engine._checks import Owner, another_engine, check_arguments, owner
 from framework.engine.materialize import materialize_buffers
 from framework.models.hf import config_hidden_size
 from framework.core.registry import registry
@@ -99,8 +99,7 @@ class Engine(contextlib.AbstractContextManager):
             raise FrameworkError(f"{what}: state must be a TrainState, got {type(state).__name__}; pass the state "
                                  f"train_step returned (engine.state)")
         if state.params is not cur.params and not any(p is q for p, q in zip(state.params, cur.params)):
-            raise FrameworkError(f"{what}: this state belongs to another engine (none of its tensors is this "
-                                 f"engine's): pass this engine's state (engine.state, or what its train_step returned)")
+            raise another_engine(what)
         if not superseded_ok and state is not cur and (state.step != cur.step or state.params is not cur.params):
             raise FrameworkError(f"{what}: this state (step {state.step}) is not the one the last train_step, "
                                  f"load_state_dict or resume returned (step {cur.step}); its tensors were updated "
@@ -298,7 +297,7 @@ class Engine(contextlib.AbstractContextManager):
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
         with self.mapped_state(state, write=True, agreed="load_state_dict: swap file map") as (mapped, _):
             loaded = load_state_dict(mapped, c.stage.piece_specs(), saved, policy=c.policy, names=names,
-                                     rank=c.dist.rank, world=c.dist.world, whole=whole_tensors(c.module),
+                                     dist=c.dist, whole=whole_tensors(c.module),
                                      seed=self.config.seed if self.config is not None else 0, device=c.dist.device)
         return self.finish_load(state, loaded)
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from framework.comm.distributed import agree
 from framework.core.errors import FrameworkError
 from framework.engine.state import FORMAT, TrainState, optimizer_leaves, with_scalars
 from framework.precision import Policy, PrecisionState
@@ -157,15 +159,71 @@ def check_format(saved_format: Any, caller: str) -> None:
         raise FrameworkError(f"{caller}: saved state of format {saved_format!r}, this version reads format {FORMAT}")
 
 
+def check_ranks(saved: Sequence[dict]) -> int:
+    """The world size of the one run whose state dicts ``saved`` are, each of its ranks once; else one line (the
+    same on every loading rank given the same list, and a refusal too where each passes only its own)."""
+    how = "pass every rank's state dict (engine.state_dict on each rank), the same list on every rank"
+    order = lambda v: (repr(type(v)), v if isinstance(v, int) else repr(v))  # noqa: E731 - (ints in number order)
+    worlds = sorted({sd.get("world") for sd in saved}, key=order)
+    if len(worlds) > 1:
+        raise FrameworkError(f"load_state_dict: the state dicts are of runs of {few(worlds)} ranks: {how}")
+    world, ranks = worlds[0], sorted((sd.get("rank") for sd in saved), key=order)
+    if isinstance(world, int) and ranks == list(range(world)):
+        return world
+    missing = sorted(set(range(world)) - set(ranks)) if isinstance(world, int) else []
+    twice = sorted({r for r in ranks if ranks.count(r) > 1}, key=order)
+    why = "; ".join([*([f"{counted(len(missing), 'rank')} missing ({few(missing)})"] if missing else []),
+                     *([f"rank {few(twice)} given more than once"] if twice else [])]) or "not its ranks"
+    raise FrameworkError(f"load_state_dict: got the state dicts of ranks {ranks} of a {world}-rank run ({why}): "
+                         f"{how} (all {world})")
+
+
 def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequence[dict], *, policy: Policy,
-                    names: Iterable[str], rank: int = 0, world: int = 1,
+                    names: Iterable[str], rank: int = 0, world: int = 1, dist: Any = None,
                     whole: Mapping[str, torch.Tensor] | None = None, seed: int = 0,
                     device: torch.device | None = None) -> TrainState:
     """Copy the fragments of ``saved`` (every saving rank's state dict) into ``state``'s tensors and return it with
     the saved scalars; all checked first (``FrameworkError``). ``names``: every trained parameter; ``whole``: the
     buffers and frozen parameters to fill. Saved by another number of ranks, each rank's generators are derived
-    from (``seed``, step, rank) on ``device``, as a resume derives them."""
+    from (``seed``, step, rank) on ``device``, as a resume derives them. ``dist``: the loading ranks (their rank
+    and world), which agree on the checks (collective): a refusal on one rank stops every rank, none waits."""
+    if dist is not None:
+        rank, world = dist.rank, dist.world
     flats, per, scalars = pieces(state, specs)
+    check = partial(_checked, per, scalars, specs, saved, names, rank, world, whole)
+    first, saved_world, kept, plans = check() if dist is None else agree(dist, check, "load_state_dict")
+    for plan, flat in zip(plans, flats):
+        if not plan:
+            continue
+        for key, target in flat.items():
+            # a device piece through one host copy of it: two transfers, however many fragments
+            buf = target if target.device.type == "cpu" else target.to("cpu")
+            for h, frags, parts in plan:
+                for i, a, b in parts:
+                    f = frags[i]
+                    values = f["master"] if key == "master" else f["optim"][key]
+                    h.of(buf, a, b).copy_(values[a - f["range"][0]:b - f["range"][0]])
+            if buf is not target:
+                target.copy_(buf)
+    with torch.no_grad():
+        for k, t in (kept or {}).items():
+            whole[k].copy_(t)
+    # The RNG: a rank of a run of the same world size resumes its own generators; otherwise each derives its own,
+    # as a resume does (one saved rank's on every rank would draw the same dropout masks everywhere).
+    if saved_world == world:
+        rng = next(sd for sd in saved if sd["rank"] == rank)["rng"]
+    else:
+        rng = derive(seed, first["step"], rank, device if device is not None else torch.device("cpu"))[0]
+        if rank == 0:
+            print(f"load_state_dict: saved by {counted(saved_world, 'rank')}, loaded by {world}: each rank's random "
+                  f"generators are derived from (seed, step, rank), so its draws (dropout) are not those of an "
+                  f"uninterrupted run", flush=True)
+    return with_saved_scalars(state, first, rng, first["optimizer"]["scalars"], policy)
+
+
+def _checked(per, scalars, specs, saved, names, rank, world, whole):
+    """``load_state_dict``'s checks, before anything is written: (the first saved dict, the saving run's world size,
+    the saved buffers and frozen parameters to fill or None, per piece the (holding, fragments, cover) to copy)."""
     if isinstance(saved, Mapping):   # (one rank's state dict: its keys would be read as the ranks' dicts)
         raise FrameworkError("load_state_dict: pass every rank's state dicts as a list: [sd] for a run of one rank")
     if not saved:
@@ -173,6 +231,8 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     first = saved[0]
     for sd in saved:
         check_format(sd.get("format"), "load_state_dict")
+    saved_world = check_ranks(saved)
+    for sd in saved:
         if (sd["step"], sd["data"]) != (first["step"], first["data"]):
             raise FrameworkError(f"load_state_dict: the saved states are from different steps "
                                  f"({first['step']} on rank {first['rank']}, {sd['step']} on rank {sd['rank']})")
@@ -204,7 +264,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
             if t.shape != whole[k].shape:
                 raise FrameworkError(f"load_state_dict: {k!r} has shape {tuple(t.shape)} in the saved state but "
                                      f"{tuple(whole[k].shape)} in this model")
-    # Every rank checks every fragment (one verdict everywhere, nothing to agree on), before anything is written.
+    # Every rank checks every fragment: one verdict everywhere on the values, before anything is written.
     bad = nonfinite_items([(f"{name} ({'master' if key is None else key})", f["master"] if key is None else f["optim"][key])
                            for sd in saved for name, entry in sd["params"].items() for f in entry["fragments"]
                            for key in [None, *sorted(f["optim"])]])
@@ -225,33 +285,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
             raise FrameworkError(f"load_state_dict: parameter {p.name!r} {shape}: {e} of the "
                                  f"{counted(len(saved), 'saved rank')}") from None
         plans[h.piece].append((h, frags, parts))
-    for plan, flat in zip(plans, flats):
-        if not plan:
-            continue
-        for key, target in flat.items():
-            # a device piece through one host copy of it: two transfers, however many fragments
-            buf = target if target.device.type == "cpu" else target.to("cpu")
-            for h, frags, parts in plan:
-                for i, a, b in parts:
-                    f = frags[i]
-                    values = f["master"] if key == "master" else f["optim"][key]
-                    h.of(buf, a, b).copy_(values[a - f["range"][0]:b - f["range"][0]])
-            if buf is not target:
-                target.copy_(buf)
-    with torch.no_grad():
-        for k, t in (kept or {}).items():
-            whole[k].copy_(t)
-    # The RNG: a rank of a run of the same world size resumes its own generators; otherwise each derives its own,
-    # as a resume does (one saved rank's on every rank would draw the same dropout masks everywhere).
-    if len(saved) == world:
-        rng = next((sd for sd in saved if sd["rank"] == rank), first)["rng"]
-    else:
-        rng = derive(seed, first["step"], rank, device if device is not None else torch.device("cpu"))[0]
-        if rank == 0:
-            print(f"load_state_dict: saved by {counted(len(saved), 'rank')}, loaded by {world}: each rank's random "
-                  f"generators are derived from (seed, step, rank), so its draws (dropout) are not those of an "
-                  f"uninterrupted run", flush=True)
-    return with_saved_scalars(state, first, rng, saved_opt["scalars"], policy)
+    return first, saved_world, kept, plans
 
 
 def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_only: bool = False) -> list[str]:

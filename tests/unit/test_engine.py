@@ -2,8 +2,8 @@
 thread and removes every hook the stage registered; offload runs on the checking accelerator
 catch a missing event and a host buffer allocated in device memory."""
 import contextlib
-import dataclasses
 import copy
+import dataclasses
 import functools
 import gc
 import threading
@@ -553,10 +553,18 @@ def test_the_state_api_refuses_a_misplaced_argument_in_one_line(tmp_path):
     with framework.initialize(module, loss, tiny_config()) as engine, \
             framework.initialize(torch.nn.Linear(3, 1), loss, tiny_config()) as other:
         state, _ = engine.train_step(engine.state, framework.Batch((micro,)))
-        with pytest.raises(framework.FrameworkError, match=r"^train_step: this state belongs to another engine .*"
+        with pytest.raises(framework.FrameworkError, match=r"^train_step: this state belongs to another engine.*"
                                                            r"pass this engine's state \(engine\.state"):
             other.train_step(state, framework.Batch((micro,)))
-        saved = engine.state_dict(state)
+        saved, snap = engine.state_dict(state), copy.deepcopy(state)   # a snapshot to return to, the JAX way
+        state, _ = engine.train_step(state, framework.Batch((micro,)))
+        for use in (lambda: engine.train_step(snap, framework.Batch((micro,))), lambda: engine.state_dict(snap)):
+            with pytest.raises(framework.FrameworkError, match=r"this state belongs to another engine, or is a copy "
+                               r"of one \(copy.deepcopy.*to keep a state to return to, take sd = engine.state_dict"
+                               r"\(state\) and later state = engine.load_state_dict\(engine.state, \[sd\]\)"):
+                use()
+        state = engine.load_state_dict(engine.state, [saved])   # the way the message names: back to that step
+        assert state.step == 1 and torch.equal(state.params[0], snap.params[0])
         with pytest.raises(framework.FrameworkError, match=r"^load_state_dict or resume: this state belongs to "
                                                            r"another engine"):   # (it took the other's tensors)
             other.load_state_dict(state, [saved])

@@ -207,7 +207,7 @@ def test_round_trip_between_layouts(opt, src, dst):
 
 def test_replicated_saves_load_and_rng_follows_the_rank():
     saved = saved_by(make_state(1, None, seed=0)) * 2   # two ddp ranks: both hold everything
-    saved[1] = {**saved[1], "rank": 1, "rng": [torch.zeros(3, dtype=torch.uint8)]}
+    saved = [{**saved[0], "world": 2}, {**saved[1], "rank": 1, "world": 2, "rng": [torch.zeros(3, dtype=torch.uint8)]}]
     (s0, sp0), (s1, sp1) = make_state(2, 64)
     loaded = load_state_dict(s1, sp1, saved, policy=FP32, names=SHAPES, rank=1, world=2)
     check_reference(loaded, sp1)
@@ -231,9 +231,22 @@ def test_errors_are_one_line_and_leave_the_state_alone():
     (state, specs), = make_state(1, None)
     load = lambda s, names=SHAPES: load_state_dict(state, specs, s, policy=FP32, names=names)  # noqa: E731
 
+    # not every rank of one run, each once (each rank passing [its own], or one rank's twice): the generators and
+    # buffers would be some rank's, silently
+    how = r"pass every rank's state dict \(engine.state_dict on each rank\), the same list on every rank \(all 2\)$"
+    with pytest.raises(FrameworkError, match=r"^load_state_dict: got the state dicts of ranks \[1\] of a 2-rank run "
+                                             r"\(1 rank missing \(0\)\): " + how):
+        _unchanged_after(lambda: load(saved[1:]), state)
+    with pytest.raises(FrameworkError, match=r"ranks \[0, 0\] of a 2-rank run \(1 rank missing \(1\); rank 0 "
+                                             r"given more than once\): " + how):
+        _unchanged_after(lambda: load([saved[0], saved[0]]), state)
+    with pytest.raises(FrameworkError, match=r"^load_state_dict: the state dicts are of runs of 1, 2 ranks: pass"):
+        _unchanged_after(lambda: load([*saved, *saved_by(make_state(1, None, seed=0))]), state)
+    gap = [{**sd, "params": {n: {**e, "fragments": e["fragments"][:-1] if n == "e" else e["fragments"]}
+                             for n, e in sd["params"].items()}} if sd["rank"] == 1 else sd for sd in saved]
     with pytest.raises(FrameworkError, match=r"parameter 'e' \(300,\): elements \[\d+, 300\) are in no saved "
-                                             r"fragment of the 1 saved rank"):
-        _unchanged_after(lambda: load(saved[:1]), state)   # rank 1's half is missing
+                                             r"fragment of the 2 saved ranks"):
+        _unchanged_after(lambda: load(gap), state)   # rank 1's half is missing
     missing = [{**sd, "params": {n: e for n, e in sd["params"].items() if n != "c"}} for sd in saved]
     with pytest.raises(FrameworkError, match=r"parameter 'c' is not in the saved state"):
         _unchanged_after(lambda: load(missing), state)
