@@ -246,19 +246,23 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
             signal.signal(signal.SIGINT, interrupt)
         try:
             failed, stopped = _failed(ranks.processes, store_dir)
+            lost = [rank for rank in failed if os.path.exists(peer_lost_path(store_dir, rank))]
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
             _stop(ranks.processes, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM,
                   lambda rank: os.path.exists(ready_path(store_dir, rank)))
             raise
-        if failed is not None:
-            trace = _traceback(ranks.error_files[failed])
+        if failed and stopped and len(lost) == len(failed):   # each lost a peer: the one still running is to blame
+            raise _ended(run, FrameworkError(stalled_message(stopped, lost, cfg.dist.nproc, cfg.dist.timeout_s)))
+        if failed:
+            first = failed[0]
+            trace = _traceback(ranks.error_files[first])
             if not trace:   # (a rank's FrameworkError exits 1, a bug's leaves its traceback)
                 backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
-                raise _ended(run, FrameworkError(exit_message(failed, cfg.dist.nproc, ranks.processes[failed].exitcode,
-                                                              backend, cfg.dist.timeout_s, stopped)))
+                raise _ended(run, FrameworkError(exit_message(first, cfg.dist.nproc, ranks.processes[first].exitcode,
+                                                              backend, cfg.dist.timeout_s, bool(stopped))))
             say(trace)
-            raise _ended(run, FrameworkError(f"rank {failed} of {cfg.dist.nproc} failed: {trace.splitlines()[-1]}"),
-                         trace if failed else "")   # (rank 0's console wrote its own to train.log)
+            raise _ended(run, FrameworkError(f"rank {first} of {cfg.dist.nproc} failed: {trace.splitlines()[-1]}"),
+                         trace if first else "")   # (rank 0's console wrote its own to train.log)
     finally:
         for path in ranks.error_files if ranks is not None else ():   # (torch leaves them in the temporary folder)
             with contextlib.suppress(FileNotFoundError):
@@ -290,11 +294,11 @@ def _ended(run: RunInfo, error: FrameworkError, trace: str = "") -> FrameworkErr
     return error
 
 
-def _failed(ranks: list, store_dir: str) -> tuple[int | None, bool]:
-    """Wait for the ranks to end: the rank to name (None when all finished) and whether any had to be stopped. Once
-    one failed, the others have ``REPORT_GRACE_S`` to end with their own error (a rank that failed first may be one
-    whose peer went silent, one slow to exit), then are stopped; the rank to name is the first that failed, unless
-    its error was a lost peer and another's was not."""
+def _failed(ranks: list, store_dir: str) -> tuple[list[int], list[int]]:
+    """Wait for the ranks to end: those that failed, the one to name first (empty when all finished), and those
+    that had to be stopped. Once one failed, the others have ``REPORT_GRACE_S`` to end with their own error (a rank
+    that failed first may be one whose peer went silent, one slow to exit), then are stopped; the rank to name is
+    the first that failed, unless its error was a lost peer and another's was not."""
     pending = {p.sentinel: rank for rank, p in enumerate(ranks)}
     failed, deadline = [], None
     while pending and (ready := wait(list(pending), None if deadline is None
@@ -305,19 +309,30 @@ def _failed(ranks: list, store_dir: str) -> tuple[int | None, bool]:
                 failed.append(rank)
                 deadline = deadline or time.monotonic() + REPORT_GRACE_S
     if not failed:
-        return None, False
+        return [], []
     stopped = _end(ranks)
-    return min(failed, key=lambda rank: os.path.exists(peer_lost_path(store_dir, rank))), stopped   # (first of best)
+    return sorted(failed, key=lambda rank: os.path.exists(peer_lost_path(store_dir, rank))), stopped   # (stable)
 
 
-def _end(ranks: list) -> bool:
+def stalled_message(stalled: list[int], lost: list[int], nproc: int, timeout_s: float) -> str:
+    """One line for ranks the launcher had to stop after every rank that failed did so only on losing a peer:
+    those still running (stalled: in a loop, a hung read, a slow step) are what ended the run."""
+    def ranks(group: list[int]) -> str:
+        return f"rank{'s' if len(group) > 1 else ''} {', '.join(map(str, group))}"
+    it, was, its = ("they", "were", "their") if len(stalled) > 1 else ("it", "was", "its")
+    return (f"{ranks(stalled)} of {nproc} stalled: still running {REPORT_GRACE_S:g}s after {ranks(lost)} failed "
+            f"waiting for a peer (their lines are above), so {it} {was} stopped; if {its} step can take longer "
+            f"than dist.timeout_s={timeout_s:g}s, raise dist.timeout_s")
+
+
+def _end(ranks: list) -> list[int]:
     """Stop the ranks still running ``REPORT_GRACE_S`` after a rank failed, with one line naming them first:
     SIGTERM, and SIGKILL ``KILL_AFTER_S`` later (a rank in C++ runs no handler). They had their time to end on
     their own, so not ``STOP_GRACE_S`` more; a stopped rank (SIGSTOP) would act on nothing before SIGCONT:
-    SIGKILL at once. A Ctrl-C meanwhile skips ahead. No rank is left running. Whether there was one to stop."""
+    SIGKILL at once. A Ctrl-C meanwhile skips ahead. No rank is left running. The ranks it had to stop."""
     alive = [(rank, p) for rank, p in enumerate(ranks) if p.is_alive()]
     if not alive:
-        return False
+        return []
     stopped = {rank for rank, p in alive if process_state(p.pid) == "T"}
     names = [f"rank {r} (pid {p.pid}{', stopped by SIGSTOP: SIGKILL now' if r in stopped else ''})" for r, p in alive]
     termed = f"; SIGTERM, then SIGKILL after {KILL_AFTER_S:g}s" if len(stopped) < len(alive) else ""
@@ -329,7 +344,7 @@ def _end(ranks: list) -> bool:
     for p in ranks:
         p.kill()   # (nothing for a rank that ended)
     _join(ranks, None)
-    return True
+    return [rank for rank, _ in alive]
 
 
 def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:

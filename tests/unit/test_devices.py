@@ -144,7 +144,7 @@ def test_a_failed_ranks_peers_are_stopped_after_the_kill_grace_a_stopped_one_at_
             assert ready.wait(30)
         ranks[0].start()
         start = time.monotonic()
-        assert launch._failed(ranks, "/nonexistent") == (0, True)
+        assert launch._failed(ranks, "/nonexistent") == ([0], [1])
         took = time.monotonic() - start
     finally:
         for p in ranks[1:]:
@@ -169,8 +169,34 @@ def test_ranks_that_all_failed_by_themselves_are_not_said_stopped(capsys):
     ranks = [ctx.Process(target=os._exit, args=(1,)) for _ in range(2)]
     for p in ranks:
         p.start()
-    assert launch._failed(ranks, "/nonexistent") == (0, False)
+    assert launch._failed(ranks, "/nonexistent") == ([0, 1], [])
     assert "stopping" not in capsys.readouterr().err
+
+
+def _lost_a_peer(marker: str) -> None:   # (a rank whose collective timed out: a DistributedError's marker)
+    open(marker, "w").close()
+    os._exit(1)
+
+
+def test_a_rank_still_running_after_its_peers_lost_it_is_the_one_named(monkeypatch, capsys, tmp_path):
+    """Ranks 0 and 2 fail only on waiting for a peer (their collective timed out) while rank 1 is still in its
+    step: the launcher stops rank 1 and its last line names rank 1 as stalled, not a healthy rank that timed out."""
+    import multiprocessing
+
+    from framework.cli import launch
+    from framework.cli._rendezvous import peer_lost_path
+    monkeypatch.setattr(launch, "REPORT_GRACE_S", 1.0)   # (rank 2's own exit within it, on a loaded host too)
+    ctx = multiprocessing.get_context("fork")
+    ranks = [ctx.Process(target=_lost_a_peer, args=(peer_lost_path(str(tmp_path), 0),)),
+             ctx.Process(target=time.sleep, args=(60,)),
+             ctx.Process(target=_lost_a_peer, args=(peer_lost_path(str(tmp_path), 2),))]
+    for p in ranks:
+        p.start()
+    assert launch._failed(ranks, str(tmp_path)) == ([0, 2], [1])
+    assert ranks[1].exitcode == -signal.SIGTERM, capsys.readouterr().err
+    assert launch.stalled_message([1], [0, 2], 3, 10) == (
+        "rank 1 of 3 stalled: still running 1s after ranks 0, 2 failed waiting for a peer (their lines are above), "
+        "so it was stopped; if its step can take longer than dist.timeout_s=10s, raise dist.timeout_s")
 
 
 @pytest.mark.parametrize("spec,n,device,backend", [
