@@ -34,7 +34,7 @@ from framework.comm.distributed import (agree, backend_notice, check_env, connec
                                        local_world_size, process_state, resolve_backend, run_world,
                                        slurm_tasks_here)
 from framework.core import files
-from framework.core.errors import ConfigError, DistributedError, FrameworkError, on_every_rank, say
+from framework.core.errors import ConfigError, DistributedError, FrameworkError, Interrupted, on_every_rank, say
 from framework.loggers import RunInfo, check_records
 from framework.cli._rendezvous import LOCK, PREFIX, hold, peer_lost_path, ready_path, remove_dead
 from framework.cli._signals import INTERRUPT, signals_unwind, terminated_line
@@ -284,14 +284,19 @@ def _traceback(error_file: str) -> str | None:
 
 def _ended(run: RunInfo, error: FrameworkError, trace: str = "") -> FrameworkError:
     """``error``, its line (after the rank's ``trace``) appended to the run's train.log, whose last line rank 0
-    wrote before the launcher stopped it ("terminated (SIGTERM)"); none where rank 0 never started one."""
+    wrote before the launcher stopped it ("terminated (SIGTERM)")."""
+    append_log(run, (f"{trace}\n" if trace else "") + f"error: {error}\n")
+    return error
+
+
+def append_log(run: RunInfo, text: str) -> None:
+    """Append ``text`` to the run's train.log; nothing where rank 0 never started one."""
     try:
         fd = files.open_nofollow(run.run_dir / "train.log", os.O_WRONLY | os.O_APPEND)
     except (OSError, FrameworkError):   # (none, or a link in its place: rank 0 refused it)
-        return error
+        return
     with contextlib.suppress(OSError), os.fdopen(fd, "a") as log:
-        log.write((f"{trace}\n" if trace else "") + f"error: {error}\n")
-    return error
+        log.write(text)
 
 
 def _failed(ranks: list, store_dir: str) -> tuple[list[int], list[int]]:
@@ -401,7 +406,7 @@ def rank_env(rank: int, nproc: int) -> None:
 
 def _die_with(launcher: int) -> None:
     """End this rank as a Ctrl-C would once its ``launcher`` (parent) is gone (killed with -9 it cannot stop its
-    ranks); SIGKILL after the launcher's own grace, for a rank waiting in C++."""
+    ranks; ``interrupted_line`` says so); SIGKILL after the launcher's own grace, for a rank waiting in C++."""
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(1.0)
@@ -409,6 +414,15 @@ def _die_with(launcher: int) -> None:
         time.sleep(STOP_GRACE_S + KILL_AFTER_S)
         os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=watch, name="framework-launcher-watch", daemon=True).start()
+
+
+def interrupted_line(rank: int, e: KeyboardInterrupt, launcher: int) -> str:
+    """A spawned rank's line for its Ctrl-C: the group's (passed on by the launcher), or ``_die_with``'s once its
+    ``launcher`` is gone (killed with -9: nobody pressed Ctrl-C, and the rank is no longer its child)."""
+    if os.getppid() == launcher:
+        return f"rank {rank}: {str(e) or 'interrupted'}"
+    at = f" at step {e.step}" if isinstance(e, Interrupted) else ""
+    return f"rank {rank}: stopped{at}: its launcher (pid {launcher}) is gone (killed?)"
 
 
 def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Callable[[str], None] | None,
@@ -434,7 +448,9 @@ def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Call
                 os.close(os.open(peer_lost_path(store_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
         sys.exit(1)
     except KeyboardInterrupt as e:   # (torch's wrapper would exit 0, as if the rank had finished)
-        say(f"rank {rank}: {str(e) or 'interrupted'}")
+        say(line := interrupted_line(rank, e, launcher))
+        if rank == 0 and os.getppid() != launcher:   # (train.log's "interrupted at step N" was no Ctrl-C)
+            append_log(run, line + "\n")
         sys.exit(130)
     except SystemExit as e:   # SIGTERM: a line as for Ctrl-C, the exit status kept
         if (line := terminated_line(e)) is not None:

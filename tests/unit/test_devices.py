@@ -362,3 +362,15 @@ def test_a_rendezvous_that_fails_is_one_line(monkeypatch, tmp_path):
     finally:
         signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 10 and not d.tdist.is_initialized()
+
+
+def test_a_ranks_line_says_its_launcher_is_gone_not_interrupted():
+    """A rank the launcher's kill -9 left behind ends as on Ctrl-C, but its line says why (nobody pressed Ctrl-C);
+    one whose launcher passed on the group's Ctrl-C keeps the Ctrl-C line."""
+    from framework.cli.launch import interrupted_line
+    from framework.core.errors import Interrupted
+    assert interrupted_line(1, Interrupted(4), os.getppid()) == "rank 1: interrupted at step 4"
+    gone = os.getppid() + 1   # (not this process's parent)
+    assert interrupted_line(1, Interrupted(4), gone) == f"rank 1: stopped at step 4: its launcher (pid {gone}) is gone (killed?)"
+    assert interrupted_line(0, KeyboardInterrupt(), gone) == f"rank 0: stopped: its launcher (pid {gone}) is gone (killed?)"
+
