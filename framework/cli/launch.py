@@ -34,6 +34,9 @@ from framework.comm.distributed import (agree, backend_notice, check_env, connec
                                        local_world_size, process_state, resolve_backend, run_world,
                                        slurm_tasks_here)
 from framework.core import files
+from framework.core.units import GiB
+from framework.core.utils import counted
+from framework.offload import remove_stale
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, Interrupted, on_every_rank, say
 from framework.loggers import RunInfo, check_records
 from framework.cli._rendezvous import LOCK, PREFIX, hold, peer_lost_path, ready_path, remove_dead
@@ -233,6 +236,8 @@ REPORT_GRACE_S = 5     # after a rank failed: the others' time to end with their
 def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
            on_ready: Callable[[Path], None] | None = None) -> dict:
     remove_dead(tempfile.gettempdir())
+    # the run folder's own swap files (each new run has a new folder: no later run would remove a killed rank's)
+    swap = run.run_dir / "nvme" if cfg.choices["offload"] == "nvme" and cfg.offload.nvme_path is None else None
     store_dir = tempfile.mkdtemp(prefix=PREFIX)
     lock = hold(os.path.join(store_dir, LOCK), create=True)
     ranks = None
@@ -250,7 +255,9 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
             _stop(ranks.processes, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM,
                   lambda rank: os.path.exists(ready_path(store_dir, rank)))
+            remove_killed_swap(swap, [p.exitcode for p in ranks.processes])
             raise
+        remove_killed_swap(swap, [p.exitcode for p in ranks.processes])
         if failed and stopped and len(lost) == len(failed):   # each lost a peer: the one still running is to blame
             raise _ended(run, FrameworkError(stalled_message(stopped, lost, cfg.dist.nproc, cfg.dist.timeout_s)))
         if failed:
@@ -270,6 +277,20 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         shutil.rmtree(store_dir, ignore_errors=True)
         os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
+
+
+def remove_killed_swap(folder: Path | None, codes: list[int | None]) -> None:
+    """With every rank ended: remove the swap files a rank killed by a signal (SIGKILL: out of memory) left in
+    ``folder``, the run's default swap folder (None: none, or ``offload.nvme_path``'s, which the next run there
+    cleans), with one line, and the folder once empty. A rank that ended on its own removed its own."""
+    if folder is None or not any(code is not None and code < 0 for code in codes):
+        return
+    count, freed = remove_stale(folder)
+    if count:
+        say(f"nvme: removed {counted(count, 'swap file')} a killed rank left in {folder}, freeing {freed / GiB:.2f} "
+            f"GiB ({freed} bytes)")
+    with contextlib.suppress(OSError):   # (only if empty)
+        folder.rmdir()
 
 
 def _traceback(error_file: str) -> str | None:

@@ -374,3 +374,17 @@ def test_a_ranks_line_says_its_launcher_is_gone_not_interrupted():
     assert interrupted_line(1, Interrupted(4), gone) == f"rank 1: stopped at step 4: its launcher (pid {gone}) is gone (killed?)"
     assert interrupted_line(0, KeyboardInterrupt(), gone) == f"rank 0: stopped: its launcher (pid {gone}) is gone (killed?)"
 
+
+def test_a_killed_ranks_swap_files_in_the_run_folder_are_removed_by_the_launcher(tmp_path, capsys):
+    """A rank killed by SIGKILL (out of memory) leaves its swap files in the run folder's nvme/, which no later
+    run uses (each has a folder of its own): the launcher removes them once every rank ended, in one line."""
+    from framework.cli.launch import remove_killed_swap
+    folder = tmp_path / "nvme"
+    folder.mkdir()
+    (folder / "rank00001.optim.swap").write_bytes(b"x" * 8192)
+    (folder / "rank00001.optim.swap.manifest.json").write_text("{}")
+    remove_killed_swap(folder, [1, 143])   # (ranks that ended on their own removed their own)
+    assert (folder / "rank00001.optim.swap").exists() and capsys.readouterr().err == ""
+    remove_killed_swap(folder, [143, -signal.SIGKILL])
+    assert not folder.exists()
+    assert capsys.readouterr().err.startswith(f"nvme: removed 1 swap file a killed rank left in {folder}, freeing ")
