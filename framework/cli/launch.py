@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import replace
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -37,7 +38,8 @@ from framework.core import files
 from framework.core.units import GiB
 from framework.core.utils import counted
 from framework.offload import remove_stale
-from framework.core.errors import ConfigError, DistributedError, FrameworkError, Interrupted, on_every_rank, say
+from framework.core.errors import (ConfigError, DistributedError, FrameworkError, Interrupted, on_every_rank, say,
+                                   typed_line)
 from framework.loggers import RunInfo, check_records
 from framework.cli._rendezvous import LOCK, PREFIX, hold, peer_lost_path, ready_path, remove_dead
 from framework.cli._signals import INTERRUPT, signals_unwind, terminated_line
@@ -87,7 +89,12 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
             cfg = dist.all_gather_object(mine, what="the checkpoint pre-flight")[0]
             if cfg.checkpoint.every:   # ranks on other nodes may see another folder at the same path
                 shared(dist, checkpoint_root(cfg, run.run_dir, run.job))
-            return train(cfg, run, dist, on_point, on_ready if dist.is_main else None)
+            try:
+                return train(cfg, run, dist, on_point, on_ready if dist.is_main else None)
+            except Exception as e:
+                if not dist.is_main:
+                    log_rank_error(run, dist.rank, dist.world, e)
+                raise
         # Another model's checkpoint is refused before any rank starts; "latest" is resolved once for every rank.
         cfg = own_and_preflight(cfg, run)
         if cfg.dist.nproc == 1:
@@ -259,7 +266,7 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
             raise
         remove_killed_swap(swap, [p.exitcode for p in ranks.processes])
         if failed and stopped and len(lost) == len(failed):   # each lost a peer: the one still running is to blame
-            raise _ended(run, FrameworkError(stalled_message(stopped, lost, cfg.dist.nproc, cfg.dist.timeout_s)))
+            raise _ended(run, FrameworkError(stalled_message(stopped, sorted(lost), cfg.dist.nproc, cfg.dist.timeout_s)))
         if failed:
             first = failed[0]
             trace = _traceback(ranks.error_files[first])
@@ -291,6 +298,16 @@ def remove_killed_swap(folder: Path | None, codes: list[int | None]) -> None:
             f"GiB ({freed} bytes)")
     with contextlib.suppress(OSError):   # (only if empty)
         folder.rmdir()
+
+
+def log_rank_error(run: RunInfo, rank: int, world: int, e: Exception) -> None:
+    """Under torchrun, where train.log is rank 0's console: a rank's own error, the one that ended the run (its
+    traceback too for one not the framework's), as the launcher of spawned ranks writes it. Not an error every rank
+    raised alike (rank 0 logs it), nor a lost peer (rank 0's own line names it: this rank only waited on it)."""
+    if isinstance(e, FrameworkError) and (e.every_rank or isinstance(e, DistributedError)):
+        return
+    trace = "" if isinstance(e, FrameworkError) else "".join(traceback.format_exception(e))
+    append_log(run, f"{trace}error: rank {rank} of {world} failed: {typed_line(e)}\n")
 
 
 def _traceback(error_file: str) -> str | None:
