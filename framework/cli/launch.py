@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import replace
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -34,7 +35,11 @@ from framework.comm.distributed import (agree, backend_notice, check_env, connec
                                        local_world_size, process_state, resolve_backend, run_world,
                                        slurm_tasks_here)
 from framework.core import files
-from framework.core.errors import ConfigError, DistributedError, FrameworkError, on_every_rank, say
+from framework.core.units import GiB
+from framework.core.utils import counted
+from framework.offload import remove_stale
+from framework.core.errors import (ConfigError, DistributedError, FrameworkError, Interrupted, on_every_rank, say,
+                                   typed_line)
 from framework.loggers import RunInfo, check_records
 from framework.cli._rendezvous import LOCK, PREFIX, hold, peer_lost_path, ready_path, remove_dead
 from framework.cli._signals import INTERRUPT, signals_unwind, terminated_line
@@ -84,7 +89,12 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
             cfg = dist.all_gather_object(mine, what="the checkpoint pre-flight")[0]
             if cfg.checkpoint.every:   # ranks on other nodes may see another folder at the same path
                 shared(dist, checkpoint_root(cfg, run.run_dir, run.job))
-            return train(cfg, run, dist, on_point, on_ready if dist.is_main else None)
+            try:
+                return train(cfg, run, dist, on_point, on_ready if dist.is_main else None)
+            except Exception as e:
+                if not dist.is_main:
+                    log_rank_error(run, dist.rank, dist.world, e)
+                raise
         # Another model's checkpoint is refused before any rank starts; "latest" is resolved once for every rank.
         cfg = own_and_preflight(cfg, run)
         if cfg.dist.nproc == 1:
@@ -233,6 +243,8 @@ REPORT_GRACE_S = 5     # after a rank failed: the others' time to end with their
 def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
            on_ready: Callable[[Path], None] | None = None) -> dict:
     remove_dead(tempfile.gettempdir())
+    # the run folder's own swap files (each new run has a new folder: no later run would remove a killed rank's)
+    swap = run.run_dir / "nvme" if cfg.choices["offload"] == "nvme" and cfg.offload.nvme_path is None else None
     store_dir = tempfile.mkdtemp(prefix=PREFIX)
     lock = hold(os.path.join(store_dir, LOCK), create=True)
     ranks = None
@@ -246,19 +258,25 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
             signal.signal(signal.SIGINT, interrupt)
         try:
             failed, stopped = _failed(ranks.processes, store_dir)
+            lost = [rank for rank in failed if os.path.exists(peer_lost_path(store_dir, rank))]
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
             _stop(ranks.processes, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM,
                   lambda rank: os.path.exists(ready_path(store_dir, rank)))
+            remove_killed_swap(swap, [p.exitcode for p in ranks.processes])
             raise
-        if failed is not None:
-            trace = _traceback(ranks.error_files[failed])
+        remove_killed_swap(swap, [p.exitcode for p in ranks.processes])
+        if failed and stopped and len(lost) == len(failed):   # each lost a peer: the one still running is to blame
+            raise _ended(run, FrameworkError(stalled_message(stopped, sorted(lost), cfg.dist.nproc, cfg.dist.timeout_s)))
+        if failed:
+            first = failed[0]
+            trace = _traceback(ranks.error_files[first])
             if not trace:   # (a rank's FrameworkError exits 1, a bug's leaves its traceback)
                 backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
-                raise _ended(run, FrameworkError(exit_message(failed, cfg.dist.nproc, ranks.processes[failed].exitcode,
-                                                              backend, cfg.dist.timeout_s, stopped)))
+                raise _ended(run, FrameworkError(exit_message(first, cfg.dist.nproc, ranks.processes[first].exitcode,
+                                                              backend, cfg.dist.timeout_s, bool(stopped))))
             say(trace)
-            raise _ended(run, FrameworkError(f"rank {failed} of {cfg.dist.nproc} failed: {trace.splitlines()[-1]}"),
-                         trace if failed else "")   # (rank 0's console wrote its own to train.log)
+            raise _ended(run, FrameworkError(f"rank {first} of {cfg.dist.nproc} failed: {trace.splitlines()[-1]}"),
+                         trace if first else "")   # (rank 0's console wrote its own to train.log)
     finally:
         for path in ranks.error_files if ranks is not None else ():   # (torch leaves them in the temporary folder)
             with contextlib.suppress(FileNotFoundError):
@@ -266,6 +284,30 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         shutil.rmtree(store_dir, ignore_errors=True)
         os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
+
+
+def remove_killed_swap(folder: Path | None, codes: list[int | None]) -> None:
+    """With every rank ended: remove the swap files a rank killed by a signal (SIGKILL: out of memory) left in
+    ``folder``, the run's default swap folder (None: none, or ``offload.nvme_path``'s, which the next run there
+    cleans), with one line, and the folder once empty. A rank that ended on its own removed its own."""
+    if folder is None or not any(code is not None and code < 0 for code in codes):
+        return
+    count, freed = remove_stale(folder)
+    if count:
+        say(f"nvme: removed {counted(count, 'swap file')} a killed rank left in {folder}, freeing {freed / GiB:.2f} "
+            f"GiB ({freed} bytes)")
+    with contextlib.suppress(OSError):   # (only if empty)
+        folder.rmdir()
+
+
+def log_rank_error(run: RunInfo, rank: int, world: int, e: Exception) -> None:
+    """Under torchrun, where train.log is rank 0's console: a rank's own error, the one that ended the run (its
+    traceback too for one not the framework's), as the launcher of spawned ranks writes it. Not an error every rank
+    raised alike (rank 0 logs it), nor a lost peer (rank 0's own line names it: this rank only waited on it)."""
+    if isinstance(e, FrameworkError) and (e.every_rank or isinstance(e, DistributedError)):
+        return
+    trace = "" if isinstance(e, FrameworkError) else "".join(traceback.format_exception(e))
+    append_log(run, f"{trace}error: rank {rank} of {world} failed: {typed_line(e)}\n")
 
 
 def _traceback(error_file: str) -> str | None:
@@ -280,21 +322,26 @@ def _traceback(error_file: str) -> str | None:
 
 def _ended(run: RunInfo, error: FrameworkError, trace: str = "") -> FrameworkError:
     """``error``, its line (after the rank's ``trace``) appended to the run's train.log, whose last line rank 0
-    wrote before the launcher stopped it ("terminated (SIGTERM)"); none where rank 0 never started one."""
-    try:
-        fd = files.open_nofollow(run.run_dir / "train.log", os.O_WRONLY | os.O_APPEND)
-    except (OSError, FrameworkError):   # (none, or a link in its place: rank 0 refused it)
-        return error
-    with contextlib.suppress(OSError), os.fdopen(fd, "a") as log:
-        log.write((f"{trace}\n" if trace else "") + f"error: {error}\n")
+    wrote before the launcher stopped it ("terminated (SIGTERM)")."""
+    append_log(run, (f"{trace}\n" if trace else "") + f"error: {error}\n")
     return error
 
 
-def _failed(ranks: list, store_dir: str) -> tuple[int | None, bool]:
-    """Wait for the ranks to end: the rank to name (None when all finished) and whether any had to be stopped. Once
-    one failed, the others have ``REPORT_GRACE_S`` to end with their own error (a rank that failed first may be one
-    whose peer went silent, one slow to exit), then are stopped; the rank to name is the first that failed, unless
-    its error was a lost peer and another's was not."""
+def append_log(run: RunInfo, text: str) -> None:
+    """Append ``text`` to the run's train.log; nothing where rank 0 never started one."""
+    try:
+        fd = files.open_nofollow(run.run_dir / "train.log", os.O_WRONLY | os.O_APPEND)
+    except (OSError, FrameworkError):   # (none, or a link in its place: rank 0 refused it)
+        return
+    with contextlib.suppress(OSError), os.fdopen(fd, "a") as log:
+        log.write(text)
+
+
+def _failed(ranks: list, store_dir: str) -> tuple[list[int], list[int]]:
+    """Wait for the ranks to end: those that failed, the one to name first (empty when all finished), and those
+    that had to be stopped. Once one failed, the others have ``REPORT_GRACE_S`` to end with their own error (a rank
+    that failed first may be one whose peer went silent, one slow to exit), then are stopped; the rank to name is
+    the first that failed, unless its error was a lost peer and another's was not."""
     pending = {p.sentinel: rank for rank, p in enumerate(ranks)}
     failed, deadline = [], None
     while pending and (ready := wait(list(pending), None if deadline is None
@@ -305,19 +352,30 @@ def _failed(ranks: list, store_dir: str) -> tuple[int | None, bool]:
                 failed.append(rank)
                 deadline = deadline or time.monotonic() + REPORT_GRACE_S
     if not failed:
-        return None, False
+        return [], []
     stopped = _end(ranks)
-    return min(failed, key=lambda rank: os.path.exists(peer_lost_path(store_dir, rank))), stopped   # (first of best)
+    return sorted(failed, key=lambda rank: os.path.exists(peer_lost_path(store_dir, rank))), stopped   # (stable)
 
 
-def _end(ranks: list) -> bool:
+def stalled_message(stalled: list[int], lost: list[int], nproc: int, timeout_s: float) -> str:
+    """One line for ranks the launcher had to stop after every rank that failed did so only on losing a peer:
+    those still running (stalled: in a loop, a hung read, a slow step) are what ended the run."""
+    def ranks(group: list[int]) -> str:
+        return f"rank{'s' if len(group) > 1 else ''} {', '.join(map(str, group))}"
+    it, was, its = ("they", "were", "their") if len(stalled) > 1 else ("it", "was", "its")
+    return (f"{ranks(stalled)} of {nproc} stalled: still running {REPORT_GRACE_S:g}s after {ranks(lost)} failed "
+            f"waiting for a peer (their lines are above), so {it} {was} stopped; if {its} step can take longer "
+            f"than dist.timeout_s={timeout_s:g}s, raise dist.timeout_s")
+
+
+def _end(ranks: list) -> list[int]:
     """Stop the ranks still running ``REPORT_GRACE_S`` after a rank failed, with one line naming them first:
     SIGTERM, and SIGKILL ``KILL_AFTER_S`` later (a rank in C++ runs no handler). They had their time to end on
     their own, so not ``STOP_GRACE_S`` more; a stopped rank (SIGSTOP) would act on nothing before SIGCONT:
-    SIGKILL at once. A Ctrl-C meanwhile skips ahead. No rank is left running. Whether there was one to stop."""
+    SIGKILL at once. A Ctrl-C meanwhile skips ahead. No rank is left running. The ranks it had to stop."""
     alive = [(rank, p) for rank, p in enumerate(ranks) if p.is_alive()]
     if not alive:
-        return False
+        return []
     stopped = {rank for rank, p in alive if process_state(p.pid) == "T"}
     names = [f"rank {r} (pid {p.pid}{', stopped by SIGSTOP: SIGKILL now' if r in stopped else ''})" for r, p in alive]
     termed = f"; SIGTERM, then SIGKILL after {KILL_AFTER_S:g}s" if len(stopped) < len(alive) else ""
@@ -329,7 +387,7 @@ def _end(ranks: list) -> bool:
     for p in ranks:
         p.kill()   # (nothing for a rank that ended)
     _join(ranks, None)
-    return True
+    return [rank for rank, _ in alive]
 
 
 def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:
@@ -386,7 +444,7 @@ def rank_env(rank: int, nproc: int) -> None:
 
 def _die_with(launcher: int) -> None:
     """End this rank as a Ctrl-C would once its ``launcher`` (parent) is gone (killed with -9 it cannot stop its
-    ranks); SIGKILL after the launcher's own grace, for a rank waiting in C++."""
+    ranks; ``interrupted_line`` says so); SIGKILL after the launcher's own grace, for a rank waiting in C++."""
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(1.0)
@@ -394,6 +452,15 @@ def _die_with(launcher: int) -> None:
         time.sleep(STOP_GRACE_S + KILL_AFTER_S)
         os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=watch, name="framework-launcher-watch", daemon=True).start()
+
+
+def interrupted_line(rank: int, e: KeyboardInterrupt, launcher: int) -> str:
+    """A spawned rank's line for its Ctrl-C: the group's (passed on by the launcher), or ``_die_with``'s once its
+    ``launcher`` is gone (killed with -9: nobody pressed Ctrl-C, and the rank is no longer its child)."""
+    if os.getppid() == launcher:
+        return f"rank {rank}: {str(e) or 'interrupted'}"
+    at = f" at step {e.step}" if isinstance(e, Interrupted) else ""
+    return f"rank {rank}: stopped{at}: its launcher (pid {launcher}) is gone (killed?)"
 
 
 def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Callable[[str], None] | None,
@@ -419,7 +486,9 @@ def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Call
                 os.close(os.open(peer_lost_path(store_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
         sys.exit(1)
     except KeyboardInterrupt as e:   # (torch's wrapper would exit 0, as if the rank had finished)
-        say(f"rank {rank}: {str(e) or 'interrupted'}")
+        say(line := interrupted_line(rank, e, launcher))
+        if rank == 0 and os.getppid() != launcher:   # (train.log's "interrupted at step N" was no Ctrl-C)
+            append_log(run, line + "\n")
         sys.exit(130)
     except SystemExit as e:   # SIGTERM: a line as for Ctrl-C, the exit status kept
         if (line := terminated_line(e)) is not None:

@@ -100,6 +100,7 @@ class Interrupted(KeyboardInterrupt):
 
     def __init__(self, step: int):
         super().__init__(f"interrupted at step {step}")
+        self.step = step
 
 
 class Terminated(SystemExit):

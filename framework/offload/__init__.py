@@ -1,9 +1,10 @@
 """Offload targets (conf/offload): none, cpu, nvme. Public beside them, for tools that measure what the targets
 use (bench/, recipes/): the IO engine (``AsyncIO``, its page-aligned buffers ``aligned_empty``), the swap file
-(``SwapFile``) and the pinned host arena (``HostStore``)."""
+(``SwapFile``) and the pinned host arena (``HostStore``); ``remove_stale`` removes the swap files of dead
+processes from a folder (the launcher's, after a rank was killed)."""
 from framework.offload._aio import AsyncIO, aligned_empty, verify_map
 from framework.offload._pipeline import PiecePipeline
 from framework.offload._store import HostStore
-from framework.offload._swapfile import SwapFile
+from framework.offload._swapfile import SwapFile, remove_stale
 
-__all__ = ["AsyncIO", "HostStore", "PiecePipeline", "SwapFile", "aligned_empty", "verify_map"]
+__all__ = ["AsyncIO", "HostStore", "PiecePipeline", "SwapFile", "aligned_empty", "remove_stale", "verify_map"]

@@ -660,6 +660,10 @@ def test_torchrun_one_ranks_unexpected_error_ends_the_sweep(tmp_path):
     ended = [line for line in errs[0].splitlines() if line.startswith("error: ")]   # its collective's line alone
     assert len(ended) == 1 and ended[0].startswith("error: rank 0/2: "), errs[0][-3000:]
     assert not any("of the sweep failed" in e for e in errs), errs   # no rank got to the sweep's end
+    # train.log (rank 0's console) holds rank 1's own error too, with its traceback, as the spawning launcher writes it
+    log = (tmp_path / str(attempt) / "0" / "sweep" / "0" / "train.log").read_text()
+    line = "error: rank 1 of 2 failed: RuntimeError: FRAMEWORK_FAULT: rank 1 raises at step:1\n"
+    assert line in log and log.index("Traceback (most recent call last):") < log.index(line), log[-3000:]
 
 
 def test_wandb_offline_multirun_groups_runs(forkrun, tmp_path):

@@ -144,7 +144,7 @@ def test_a_failed_ranks_peers_are_stopped_after_the_kill_grace_a_stopped_one_at_
             assert ready.wait(30)
         ranks[0].start()
         start = time.monotonic()
-        assert launch._failed(ranks, "/nonexistent") == (0, True)
+        assert launch._failed(ranks, "/nonexistent") == ([0], [1])
         took = time.monotonic() - start
     finally:
         for p in ranks[1:]:
@@ -169,8 +169,34 @@ def test_ranks_that_all_failed_by_themselves_are_not_said_stopped(capsys):
     ranks = [ctx.Process(target=os._exit, args=(1,)) for _ in range(2)]
     for p in ranks:
         p.start()
-    assert launch._failed(ranks, "/nonexistent") == (0, False)
+    assert launch._failed(ranks, "/nonexistent") == ([0, 1], [])
     assert "stopping" not in capsys.readouterr().err
+
+
+def _lost_a_peer(marker: str) -> None:   # (a rank whose collective timed out: a DistributedError's marker)
+    open(marker, "w").close()
+    os._exit(1)
+
+
+def test_a_rank_still_running_after_its_peers_lost_it_is_the_one_named(monkeypatch, capsys, tmp_path):
+    """Ranks 0 and 2 fail only on waiting for a peer (their collective timed out) while rank 1 is still in its
+    step: the launcher stops rank 1 and its last line names rank 1 as stalled, not a healthy rank that timed out."""
+    import multiprocessing
+
+    from framework.cli import launch
+    from framework.cli._rendezvous import peer_lost_path
+    monkeypatch.setattr(launch, "REPORT_GRACE_S", 1.0)   # (rank 2's own exit within it, on a loaded host too)
+    ctx = multiprocessing.get_context("fork")
+    ranks = [ctx.Process(target=_lost_a_peer, args=(peer_lost_path(str(tmp_path), 0),)),
+             ctx.Process(target=time.sleep, args=(60,)),
+             ctx.Process(target=_lost_a_peer, args=(peer_lost_path(str(tmp_path), 2),))]
+    for p in ranks:
+        p.start()
+    assert launch._failed(ranks, str(tmp_path)) == ([0, 2], [1])
+    assert ranks[1].exitcode == -signal.SIGTERM, capsys.readouterr().err
+    assert launch.stalled_message([1], [0, 2], 3, 10) == (
+        "rank 1 of 3 stalled: still running 1s after ranks 0, 2 failed waiting for a peer (their lines are above), "
+        "so it was stopped; if its step can take longer than dist.timeout_s=10s, raise dist.timeout_s")
 
 
 @pytest.mark.parametrize("spec,n,device,backend", [
@@ -348,3 +374,29 @@ def test_a_rendezvous_that_fails_is_one_line(monkeypatch, tmp_path):
     finally:
         signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 10 and not d.tdist.is_initialized()
+
+
+def test_a_ranks_line_says_its_launcher_is_gone_not_interrupted():
+    """A rank the launcher's kill -9 left behind ends as on Ctrl-C, but its line says why (nobody pressed Ctrl-C);
+    one whose launcher passed on the group's Ctrl-C keeps the Ctrl-C line."""
+    from framework.cli.launch import interrupted_line
+    from framework.core.errors import Interrupted
+    assert interrupted_line(1, Interrupted(4), os.getppid()) == "rank 1: interrupted at step 4"
+    gone = os.getppid() + 1   # (not this process's parent)
+    assert interrupted_line(1, Interrupted(4), gone) == f"rank 1: stopped at step 4: its launcher (pid {gone}) is gone (killed?)"
+    assert interrupted_line(0, KeyboardInterrupt(), gone) == f"rank 0: stopped: its launcher (pid {gone}) is gone (killed?)"
+
+
+def test_a_killed_ranks_swap_files_in_the_run_folder_are_removed_by_the_launcher(tmp_path, capsys):
+    """A rank killed by SIGKILL (out of memory) leaves its swap files in the run folder's nvme/, which no later
+    run uses (each has a folder of its own): the launcher removes them once every rank ended, in one line."""
+    from framework.cli.launch import remove_killed_swap
+    folder = tmp_path / "nvme"
+    folder.mkdir()
+    (folder / "rank00001.optim.swap").write_bytes(b"x" * 8192)
+    (folder / "rank00001.optim.swap.manifest.json").write_text("{}")
+    remove_killed_swap(folder, [1, 143])   # (ranks that ended on their own removed their own)
+    assert (folder / "rank00001.optim.swap").exists() and capsys.readouterr().err == ""
+    remove_killed_swap(folder, [143, -signal.SIGKILL])
+    assert not folder.exists()
+    assert capsys.readouterr().err.startswith(f"nvme: removed 1 swap file a killed rank left in {folder}, freeing ")
