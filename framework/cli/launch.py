@@ -266,7 +266,8 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
             raise
         remove_killed_swap(swap, [p.exitcode for p in ranks.processes])
         if failed and stopped and len(lost) == len(failed):   # each lost a peer: the one still running is to blame
-            raise _ended(run, FrameworkError(stalled_message(stopped, sorted(lost), cfg.dist.nproc, cfg.dist.timeout_s)))
+            stalled = stalled_message(stopped, sorted(lost), cfg.dist.nproc, cfg.dist.timeout_s)
+            raise _ended(run, FrameworkError(stalled))
         if failed:
             first = failed[0]
             trace = _traceback(ranks.error_files[first])

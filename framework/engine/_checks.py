@@ -92,4 +92,5 @@ def another_engine(what: str) -> FrameworkError:
     return FrameworkError(f"{what}: this state belongs to another engine, or is a copy of one (copy.deepcopy; none of "
                           f"its tensors is this engine's): pass this engine's state (engine.state, or what its "
                           f"train_step returned); to keep a state to return to, take sd = engine.state_dict(state) "
-                          f"and later state = engine.load_state_dict(engine.state, [sd]) (every rank's sd, at several ranks)")
+                          f"and later state = engine.load_state_dict(engine.state, [sd]) (every rank's sd, at several "
+                          f"ranks)")

@@ -166,8 +166,9 @@ def test_swap_corruption_mid_run_is_never_committed_and_resume_is_exact(pools, t
 # --- item 1: non-finite state is never saved -------------------------------------------------------
 
 NONFINITE = {   # fault -> (run options, error expected, steps kept)
-    "nan loss stops": ({"nan_loss": True, "fault_rank": 1}, "TrainingError: step 3: the loss is nan (non-finite "
-                                                             "from the micro batches of rank 1; rank 0 finite) ", [1, 2]),
+    "nan loss stops": ({"nan_loss": True, "fault_rank": 1},
+                       "TrainingError: step 3: the loss is nan (non-finite from the micro batches of rank 1; rank 0 "
+                       "finite) ", [1, 2]),
     "nan loss warns": ({"nan_loss": True, "extra": ["train.on_nonfinite=warn"]}, None, [2, 4]),
     "nan master stops": ({"poison": True}, "TrainingError: checkpoint: not saving step 3: the state holds "
                                            "non-finite values (NaN or inf) in rank 0: 'model.", [1, 2]),

@@ -383,8 +383,9 @@ def test_a_ranks_line_says_its_launcher_is_gone_not_interrupted():
     from framework.core.errors import Interrupted
     assert interrupted_line(1, Interrupted(4), os.getppid()) == "rank 1: interrupted at step 4"
     gone = os.getppid() + 1   # (not this process's parent)
-    assert interrupted_line(1, Interrupted(4), gone) == f"rank 1: stopped at step 4: its launcher (pid {gone}) is gone (killed?)"
-    assert interrupted_line(0, KeyboardInterrupt(), gone) == f"rank 0: stopped: its launcher (pid {gone}) is gone (killed?)"
+    said = f"its launcher (pid {gone}) is gone (killed?)"
+    assert interrupted_line(1, Interrupted(4), gone) == f"rank 1: stopped at step 4: {said}"
+    assert interrupted_line(0, KeyboardInterrupt(), gone) == f"rank 0: stopped: {said}"
 
 
 def test_a_killed_ranks_swap_files_in_the_run_folder_are_removed_by_the_launcher(tmp_path, capsys):
