@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from framework.cli import fail
+from framework.cli._signals import signals_unwind, terminated_line
 from framework.core.errors import FrameworkError
 from framework.core.utils import plain_text
 from framework.persist.export import export
@@ -30,9 +31,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="replace the model*.safetensors (and index) already in --to; without it a --to holding "
                         "weights or a config.json is refused (a config.json there is kept as it is)")
     args = p.parse_args(argv)
-    try:
-        paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size,
-                       overwrite=args.overwrite)
+    try:   # SIGTERM (Slurm, timeout) unwinds as Ctrl-C does: export removes its partial files, lock and made folders
+        with signals_unwind():
+            paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size,
+                           overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        return fail(f"export: interrupted; nothing of it left in {args.out} (an earlier export there stays whole)", 130)
+    except SystemExit as e:
+        if (line := terminated_line(e)) is None:
+            raise
+        return fail(f"export: {line}; nothing of it left in {args.out} (an earlier export there stays whole)",
+                    e.code)
     except FrameworkError as e:
         return fail(e, 1)
     except OSError as e:   # (export names every write error itself: this is a read of the checkpoint)

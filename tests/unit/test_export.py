@@ -77,6 +77,32 @@ def test_export_keeps_one_output_file_open_at_a_time(tmp_path, monkeypatch):
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 5 and most[0] == 1, most
 
 
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signalled_export_leaves_nothing_and_says_so_in_one_line(tmp_path, capsys, monkeypatch, signum):
+    """SIGTERM (Slurm, timeout) or Ctrl-C mid-write: one line, exit 143/130, no .tmp, lock or folder it made left."""
+    import signal
+
+    from framework.core import files
+    _checkpoint(tmp_path)
+    writes, write_at = [0], files.write_at
+
+    def signalled(fd, *a, **k):   # the signal arrives while the third value is written
+        writes[0] += 1
+        if writes[0] == 3:
+            os.kill(os.getpid(), getattr(signal, signum))
+        return write_at(fd, *a, **k)
+
+    monkeypatch.setattr(files, "write_at", signalled)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "made" / "out"
+    assert main([str(tmp_path / "ckpt"), "--to", str(out), "--max-shard-size", "20KB"]) == 128 + getattr(signal, signum)
+    err = capsys.readouterr().err
+    said = "terminated (SIGTERM)" if signum == "SIGTERM" else "interrupted"
+    assert err.startswith(f"error: export: {said}") and err.count("\n") == 1, err
+    assert writes[0] == 3 and sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_export_errors_are_one_line(tmp_path, capsys):
     assert main([str(tmp_path), "--to", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err.strip()
