@@ -419,7 +419,7 @@ def test_files_no_save_writes_are_ignored_not_damage(tmp_path, capsys):
     _, _, first, _ = _train(dist, ["checkpoint.keep_last=0"], str(tmp_path), resume="auto", steps=N)
     assert first[0] == N
     assert (f"checkpoint: {folder} holds '.DS_Store', '.train_state.json.swp', 'notes.txt', which no save writes: "
-            "ignored") in capsys.readouterr().out
+            "ignored") in capsys.readouterr().err
     (folder / "__1_0.distcp").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=f"{folder / '__1_0.distcp'} is not in manifest.json"):
         _train(dist, [], str(tmp_path / "b"), resume=str(folder), steps=N)
