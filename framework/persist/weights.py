@@ -42,16 +42,21 @@ class Target:
     tensor: torch.Tensor | None  # a whole tensor every rank holds (buffers, unstaged parameters); else None
 
 
-def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's persistent buffers by name (a shared one once), in module order."""
-    out, seen = {}, set()
-    for mod_name, sub in module.named_modules():
-        for b_name, buf in sub.named_buffers(recurse=False):   # (None buffers are not named)
+def _buffers_once(module: nn.Module) -> list[tuple[torch.Tensor, list[str]]]:
+    """Each persistent buffer once, with every name it is registered under (several: shared), in module order."""
+    out: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    # (every name, as state_dict lists them: a submodule or buffer registered twice is under both)
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        for b_name, buf in sub.named_buffers(recurse=False, remove_duplicate=False):   # (None buffers are not named)
             # (no public flag says whether a buffer is persistent, short of state_dict(), which a model may override)
-            if b_name not in sub._non_persistent_buffers_set and id(buf) not in seen:
-                seen.add(id(buf))
-                out[f"{mod_name}.{b_name}" if mod_name else b_name] = buf
-    return out
+            if b_name not in sub._non_persistent_buffers_set:
+                out.setdefault(id(buf), (buf, []))[1].append(f"{mod_name}.{b_name}" if mod_name else b_name)
+    return list(out.values())
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's persistent buffers by name (a shared one once, under its first name), in module order."""
+    return {names[0]: buf for buf, names in _buffers_once(module)}
 
 
 def _named_once(module: nn.Module) -> list[tuple[nn.Parameter, list[str]]]:
@@ -63,8 +68,9 @@ def _named_once(module: nn.Module) -> list[tuple[nn.Parameter, list[str]]]:
 
 
 def tied_names(module: nn.Module) -> dict[str, str]:
-    """``{alias: name}`` of the tied parameters: each later name with the first, under which it is saved once."""
-    return {alias: names[0] for _, names in _named_once(module) for alias in names[1:]}
+    """``{alias: name}`` of the tied parameters and shared persistent buffers: each later name with the first,
+    under which it is saved once (``state_dict`` holds every name: a fp32 state dict restores them)."""
+    return {alias: names[0] for _, names in [*_named_once(module), *_buffers_once(module)] for alias in names[1:]}
 
 
 def whole_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -84,7 +90,7 @@ def _targets(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor]
     # a parameter outside the layout (a frozen one) is whole on every rank
     tgts = [Target(a[0], tuple(a), layout.params[a[0]].shape, trained, None) if a[0] in layout.params
             else Target(a[0], tuple(a), tuple(p.shape), p.dtype, p) for p, a in _named_once(c.module)]
-    tgts += [Target(n, (n,), tuple(b.shape), b.dtype, b) for n, b in persistent_buffers(c.module).items()]
+    tgts += [Target(a[0], tuple(a), tuple(b.shape), b.dtype, b) for b, a in _buffers_once(c.module)]
     return layout, masters, tgts
 
 

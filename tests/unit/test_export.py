@@ -464,15 +464,17 @@ class _Tied(torch.nn.Module):
         self.emb = torch.nn.Linear(4, 4)
         self.head = torch.nn.Linear(4, 4, bias=False)
         self.head.weight = self.emb.weight
+        self.emb.register_buffer("scale", torch.ones(4))   # a buffer two modules share, as the weight
+        self.head.register_buffer("scale", self.emb.scale)
 
     def forward(self, x):
         return self.head(torch.tanh(self.emb(x)))
 
 
 def test_fp32_state_dict_names_a_tied_parameter_under_each_name(tmp_path):
-    """A checkpoint our save wrote records a tied parameter's other names: the fp32 state dict has it under
-    each (one tensor, as DeepSpeed's get_fp32_state_dict_from_zero_checkpoint), and the plain model loads it
-    with strict=True; the exported files hold it once (safetensors refuses shared tensors)."""
+    """A checkpoint our save wrote records a tied parameter's (and a shared buffer's) other names: the fp32 state
+    dict has it under each (one tensor, as DeepSpeed's get_fp32_state_dict_from_zero_checkpoint), and the plain
+    model loads it with strict=True; the exported files hold it once (safetensors refuses shared tensors)."""
     import framework
     from framework.engine.step import Batch
     from framework.persist.checkpoint import Checkpointer
@@ -489,9 +491,10 @@ def test_fp32_state_dict_names_a_tied_parameter_under_each_name(tmp_path):
         trained = {n: t.detach().clone() for n, t in (engine.consolidated_state_dict() or {}).items()}
     step = next((tmp_path / "checkpoints").glob("step-*"))
     sd = get_fp32_state_dict_from_checkpoint(step)
-    assert set(sd) == {"emb.weight", "emb.bias", "head.weight"} and sd["head.weight"] is sd["emb.weight"]
+    assert set(sd) == {"emb.weight", "emb.bias", "head.weight", "emb.scale", "head.scale"}
+    assert sd["head.weight"] is sd["emb.weight"] and sd["head.scale"] is sd["emb.scale"]
     plain = _Tied()
     plain.load_state_dict(sd, strict=True)
     assert torch.equal(plain.head.weight, trained["emb.weight"])
     assert main([str(step), "--to", str(tmp_path / "out")]) == 0
-    assert set(_read(tmp_path / "out")) == {"emb.weight", "emb.bias"}
+    assert set(_read(tmp_path / "out")) == {"emb.weight", "emb.bias", "emb.scale"}
