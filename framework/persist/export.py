@@ -8,9 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import itertools
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -21,7 +19,8 @@ from framework.core.utils import few
 from framework.persist import stepfolders
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import is_output, output_dir, plan_files, save_files
+from framework.persist.tensorfiles import output_dir, plan_files, save_files
+from framework.persist.weights import check_output
 
 def resolve(checkpoint) -> Path:
     """The DCP step folder of ``checkpoint``: itself; in a folder of our committed step folders the one its
@@ -98,48 +97,14 @@ class Checkpoint:
         return sd
 
 
-# Another model's weights (safetensors, Hugging Face's torch files): beside an export, a loader could take them in.
-_WEIGHTS = re.compile(r".*\.safetensors(\.index\.json)?|pytorch_model.*\.bin(\.index\.json)?")
-
-
-def check_output(out_dir: Path, overwrite: bool = False) -> None:
-    """Refuse an output folder holding other weights (an earlier export's are replaced with ``overwrite``) or a
-    ``config.json``, which export does not write (with ``overwrite``: kept, with a warning)."""
-    if stepfolders.committed_step(out_dir) is not None:   # (refused as such by create_files)
-        return
-    try:
-        names = sorted(p.name for p in out_dir.iterdir())
-    except OSError:   # (made, or refused as not writable, by create_files)
-        return
-    ours = [n for n in names if is_output(n)]
-    other = [n for n in names if _WEIGHTS.fullmatch(n) and not is_output(n)]
-    config = "config.json" in names
-    if other:
-        raise ConfigError(f"export: {out_dir} holds {few(other, show=str)}: weights the export would leave beside its "
-                          f"own; choose an empty folder (or remove them)")
-    if (ours or config) and not overwrite:
-        stays = " (its config.json stays as it is: export writes only the weights)" if config else ""
-        held = [*ours, "config.json"] if config else ours
-        raise ConfigError(f"export: {out_dir} already holds {few(held, 2, str)}: "
-                          f"choose an empty folder, or give --overwrite to replace the weights there{stays}")
-    if config:
-        print(f"warning: export: {out_dir / 'config.json'} stays as it is (export writes only the weights); check "
-              f"that it describes the exported model", file=sys.stderr, flush=True)
-
-
 def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
            overwrite: bool = False) -> list[Path]:
     """The checkpoint's weights as consolidated safetensors (``dtype``: default as stored); the paths. ``overwrite``:
     replace an earlier export there (``check_output``), which stays whole if this one fails."""
     out_dir = output_dir(out_dir, dtype, "export")
-    check_output(out_dir, overwrite)
+    check_output(out_dir, "export", overwrite)
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
-    # The folders this export makes, innermost first, removed again (each only while empty) if it fails; from the
-    # path as the kernel resolves its "..", so that a folder of the user's named through one is never taken for it.
-    target = Path(os.path.abspath(out_dir))
-    made = list(itertools.takewhile(lambda p: not os.path.lexists(p), (target, *target.parents)))
-
     # The freed heap memory goes back to the OS after each tensor: glibc keeps DCP's freed read buffers, and an
     # export's footprint would ratchet up (measured: 12-34 MB instead of about one 4 MiB tensor).
     trim = lambda: None   # noqa: E731 (not glibc: nothing to do)
@@ -153,15 +118,9 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
             del value
             trim()
 
-    try:   # (an OSError the writes do not name as theirs is a checkpoint read)
-        return save_files(out_dir, plans, "export", write, dtype, check=False)
-    except BaseException:   # an earlier export there stays whole (finish_files replaces it last)
-        for folder in made:
-            try:
-                folder.rmdir()   # (only an empty folder; a link is not followed)
-            except OSError:
-                break
-        raise
+    # (an OSError the writes do not name as theirs is a checkpoint read; on a failure an earlier export there stays
+    # whole, as finish_files replaces it last, and the folders the export made are removed)
+    return save_files(out_dir, plans, "export", write, dtype, check=False)
 
 
 def get_fp32_state_dict_from_checkpoint(checkpoint) -> dict[str, torch.Tensor]:
