@@ -4,7 +4,8 @@
     python -m framework.export outputs/.../checkpoints --to exported/ --dtype bf16 --max-shard-size 2GB
     python -m framework.export outputs/.../checkpoints --to exported/ --overwrite   # replace an earlier export
 
-CHECKPOINT is a checkpoint step folder or the checkpoint directory (its ``latest`` is followed). An output folder
+CHECKPOINT is a checkpoint step folder or the checkpoint directory (the step its ``latest`` names, a newer one
+there said; the newest committed step where ``latest`` names none). An output folder
 holding weights or a config.json (which export does not write) is refused: choose an empty one, or ``--overwrite``
 to replace an earlier export's files there. What the
 output holds, and ``get_fp32_state_dict_from_checkpoint`` for Python: ``framework.persist.export``.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from framework.cli import fail
+from framework.cli._signals import signals_unwind, terminated_line
 from framework.core.errors import FrameworkError
 from framework.core.utils import plain_text
 from framework.persist.export import export
@@ -22,7 +24,7 @@ from framework.precision import DTYPES
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m framework.export", description=plain_text(__doc__.split("\n\n")[0]))
-    p.add_argument("checkpoint", help="a checkpoint step folder, or the checkpoint directory (its 'latest')")
+    p.add_argument("checkpoint", help="a checkpoint step folder, or the checkpoint directory (the step its 'latest' names)")
     p.add_argument("--to", required=True, dest="out", help="output folder")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per output file: 5GB, 500MB, 2GiB, ...")
@@ -30,9 +32,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="replace the model*.safetensors (and index) already in --to; without it a --to holding "
                         "weights or a config.json is refused (a config.json there is kept as it is)")
     args = p.parse_args(argv)
-    try:
-        paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size,
-                       overwrite=args.overwrite)
+    try:   # SIGTERM (Slurm, timeout) unwinds as Ctrl-C does: export removes its partial files, lock and made folders
+        with signals_unwind():
+            paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size,
+                           overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        return fail(f"export: interrupted; nothing of it left in {args.out} (an earlier export there stays whole)", 130)
+    except SystemExit as e:
+        if (line := terminated_line(e)) is None:
+            raise
+        return fail(f"export: {line}; nothing of it left in {args.out} (an earlier export there stays whole)",
+                    e.code)
     except FrameworkError as e:
         return fail(e, 1)
     except OSError as e:   # (export names every write error itself: this is a read of the checkpoint)

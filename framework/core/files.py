@@ -140,13 +140,26 @@ def make_dir(path: os.PathLike | str, *, exist_ok: bool = True) -> None:
     os.chmod(path, PRIVATE_DIR)   # mkdir's mode is masked by the umask
 
 
-def make_dirs(path: os.PathLike | str) -> None:
-    """``mkdir -p`` making every folder 0700 (``Path.mkdir(parents=True)`` gives parents the umask's mode)."""
+def make_dirs(path: os.PathLike | str) -> list[Path]:
+    """``mkdir -p`` making every folder 0700 (``Path.mkdir(parents=True)`` gives parents the umask's mode); the
+    folders it made, innermost first (for ``remove_made`` after a failure)."""
     path = Path(path)
-    if not os.path.isdir(path):
-        if path.parent != path:
-            make_dirs(path.parent)
-        make_dir(path)
+    if os.path.isdir(path):
+        return []
+    made = make_dirs(path.parent) if path.parent != path else []
+    if not os.path.lexists(path):   # (one made meanwhile by another process is not ours to remove)
+        made.insert(0, path)
+    make_dir(path)
+    return made
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the folders ``make_dirs`` made, innermost first, each only while empty (a link is not followed)."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            break
 
 
 def lock(path: os.PathLike | str, busy: Callable[[str], str], undetected: str | None) -> int:

@@ -267,7 +267,7 @@ def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
         if step is not None:
             raise ConfigError(f"{what}: {out_dir} is in the committed checkpoint {step}: writing there would make it "
                               f"differ from its {stepfolders.MANIFEST}; choose a folder outside the checkpoint")
-        files.make_dirs(out_dir)
+        made = files.make_dirs(out_dir)   # removed again if the save fails (or is interrupted): nothing left
         try:   # (no note where locks are unsupported: a checkpoint's 16-bit copy would say it at every save)
             fd = files.lock(out_dir / LOCK, lambda holder: f"{what}: {out_dir} is being written by another save"
                             f"{holder}: wait for it to end or choose another output folder", None)
@@ -277,6 +277,10 @@ def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
             raise FrameworkError(f"{what}: cannot open {out_dir / LOCK} ({e.strerror}): another user's save holds "
                                  "or left it; remove it only if none of theirs is running, or choose another output "
                                  "folder") from None
+        except BaseException:
+            files.remove_made(made)
+            raise
+    done = False
     try:
         with _writing(out_dir, plans, what):
             remove_tmp(out_dir)   # an interrupted save's
@@ -289,11 +293,14 @@ def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
                     f.write(plan.header)
                     f.truncate(plan.size)
         yield
+        done = True
     finally:
         remove_tmp(out_dir)
         with contextlib.suppress(OSError):   # (removed while locked: the next save locks a file of its own)
             os.unlink(out_dir / LOCK)
         os.close(fd)
+        if not done:
+            files.remove_made(made)
 
 
 def remove_tmp(out_dir: Path) -> None:

@@ -13,6 +13,8 @@ import contextlib
 import copy
 import math
 import os
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +27,9 @@ from framework.core.errors import ConfigError
 from framework.models.hf import checkpoint_names, is_hf_model
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
-from framework.persist.stepfolders import check_weights16
-from framework.persist.tensorfiles import (WRITE_CHUNK, WeightsSource, Writer, nonfinite, open_weights, output_dir,
-                                           plan_files, save_files)
+from framework.persist.stepfolders import check_weights16, committed_step
+from framework.persist.tensorfiles import (WRITE_CHUNK, WeightsSource, Writer, is_output, nonfinite, open_weights,
+                                           output_dir, plan_files, save_files)
 from framework.core.utils import dtype_name, few
 
 
@@ -42,16 +44,21 @@ class Target:
     tensor: torch.Tensor | None  # a whole tensor every rank holds (buffers, unstaged parameters); else None
 
 
-def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's persistent buffers by name (a shared one once), in module order."""
-    out, seen = {}, set()
-    for mod_name, sub in module.named_modules():
-        for b_name, buf in sub.named_buffers(recurse=False):   # (None buffers are not named)
+def _buffers_once(module: nn.Module) -> list[tuple[torch.Tensor, list[str]]]:
+    """Each persistent buffer once, with every name it is registered under (several: shared), in module order."""
+    out: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    # (every name, as state_dict lists them: a submodule or buffer registered twice is under both)
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        for b_name, buf in sub.named_buffers(recurse=False, remove_duplicate=False):   # (None buffers are not named)
             # (no public flag says whether a buffer is persistent, short of state_dict(), which a model may override)
-            if b_name not in sub._non_persistent_buffers_set and id(buf) not in seen:
-                seen.add(id(buf))
-                out[f"{mod_name}.{b_name}" if mod_name else b_name] = buf
-    return out
+            if b_name not in sub._non_persistent_buffers_set:
+                out.setdefault(id(buf), (buf, []))[1].append(f"{mod_name}.{b_name}" if mod_name else b_name)
+    return list(out.values())
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's persistent buffers by name (a shared one once, under its first name), in module order."""
+    return {names[0]: buf for buf, names in _buffers_once(module)}
 
 
 def _named_once(module: nn.Module) -> list[tuple[nn.Parameter, list[str]]]:
@@ -63,8 +70,9 @@ def _named_once(module: nn.Module) -> list[tuple[nn.Parameter, list[str]]]:
 
 
 def tied_names(module: nn.Module) -> dict[str, str]:
-    """``{alias: name}`` of the tied parameters: each later name with the first, under which it is saved once."""
-    return {alias: names[0] for _, names in _named_once(module) for alias in names[1:]}
+    """``{alias: name}`` of the tied parameters and shared persistent buffers: each later name with the first,
+    under which it is saved once (``state_dict`` holds every name: a fp32 state dict restores them)."""
+    return {alias: names[0] for _, names in [*_named_once(module), *_buffers_once(module)] for alias in names[1:]}
 
 
 def whole_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -84,7 +92,7 @@ def _targets(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor]
     # a parameter outside the layout (a frozen one) is whole on every rank
     tgts = [Target(a[0], tuple(a), layout.params[a[0]].shape, trained, None) if a[0] in layout.params
             else Target(a[0], tuple(a), tuple(p.shape), p.dtype, p) for p, a in _named_once(c.module)]
-    tgts += [Target(n, (n,), tuple(b.shape), b.dtype, b) for n, b in persistent_buffers(c.module).items()]
+    tgts += [Target(a[0], tuple(a), tuple(b.shape), b.dtype, b) for b, a in _buffers_once(c.module)]
     return layout, masters, tgts
 
 
@@ -194,14 +202,55 @@ def _same_values(src: WeightsSource, a: str, b: str, t: Target) -> bool:
                for s in range(0, n, step))
 
 
+# Another model's weights (safetensors, Hugging Face's torch files): beside a save's, a loader could take them in.
+_WEIGHTS = re.compile(r".*\.safetensors(\.index\.json)?|pytorch_model.*\.bin(\.index\.json)?")
+
+
+def check_output(out_dir: Path, what: str, overwrite: bool = False, config: bool = False) -> None:
+    """Refuse an output folder holding other weights or, unless ``overwrite`` (``save_weights`` always replaces its
+    earlier files), an earlier save's or a ``config.json`` that ``what`` does not write (with ``overwrite``: kept,
+    with a warning; ``config``: ``what`` writes its own)."""
+    if committed_step(out_dir) is not None:   # (refused as such by create_files)
+        return
+    try:
+        names = sorted(p.name for p in out_dir.iterdir())
+    except OSError:   # (made, or refused as not writable, by create_files)
+        return
+    ours = [n for n in names if is_output(n)]
+    other = [n for n in names if _WEIGHTS.fullmatch(n) and not is_output(n)]
+    config = "config.json" in names and not config
+    if other:
+        raise ConfigError(f"{what}: {out_dir} holds {few(other, show=str)}: weights "
+                          f"{'the export' if what == 'export' else what} would leave beside its own; choose an empty "
+                          f"folder (or remove them)")
+    if (ours or config) and not overwrite:
+        stays = f" (its config.json stays as it is: {what} writes only the weights)" if config else ""
+        held = [*ours, "config.json"] if config else ours
+        raise ConfigError(f"{what}: {out_dir} already holds {few(held, 2, str)}: "
+                          f"choose an empty folder, or give --overwrite to replace the weights there{stays}")
+    if config:
+        print(f"warning: {what}: {out_dir / 'config.json'} stays as it is ({what} writes only the weights); check "
+              f"that it describes the {'exported' if what == 'export' else 'saved'} model", file=sys.stderr,
+              flush=True)
+
+
 def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                  max_shard_size: int | str = "5GB", check: bool = True) -> list[Path]:
     """The model's weights and persistent buffers as consolidated safetensors in ``out_dir`` (tied weights once; an
     index beyond ``max_shard_size``), the masters as ``dtype`` (default theirs; a 16-bit one gives the working
     parameters bit for bit). Collective; the paths. ``check``: warn of NaN or inf written (off where the caller
-    checks the same values itself: a checkpoint's state check)."""
+    checks the same values itself: a checkpoint's state check). Another model's weights in ``out_dir`` are refused,
+    its ``config.json`` kept with a warning (``check_output``); an earlier save's files are replaced."""
+    return _save_weights(engine, out_dir, dtype, max_shard_size, check, "save_weights", config=False)
+
+
+def _save_weights(engine, out_dir, dtype, max_shard_size, check, what: str, config: bool) -> list[Path]:
+    """``save_weights`` (``what``: the caller, named by the folder check); ``config``: the caller writes a
+    config.json (one already in ``out_dir`` is replaced, no warning)."""
     dist = engine.components.dist
     out_dir = output_dir(out_dir, dtype, "save_weights")
+    agree(dist, lambda: check_output(out_dir, what, overwrite=True, config=config) if dist.is_main else None,
+          f"{what}: output folder")
     # offload=nvme: read from the mapped swap file, checked. (``_targets`` picks the tensors by the stage's layout,
     # not by requires_grad: a module frozen after training, as before sampling, still saves the trained weights)
     with engine.mapped_state(engine.state, agreed="save_weights: swap file check", same_trainable=False) \
@@ -233,13 +282,14 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
                     max_shard_size: int | str = "5GB", check: bool = True) -> list[Path]:
     """``save_weights`` plus a Hugging Face model's config (and generation config), for ``from_pretrained``.
     Collective."""
-    paths = save_weights(engine, out_dir, dtype=dtype, max_shard_size=max_shard_size, check=check)
     module, dist = engine.components.module, engine.components.dist
     config = getattr(module, "config", None)
-    if not is_hf_model(module):   # (a subclass of a transformers model too; transformers is not imported)
-        return paths
-    from transformers import PretrainedConfig
-    if not isinstance(config, PretrainedConfig):
+    hf = False
+    if is_hf_model(module):   # (a subclass of a transformers model too; transformers is not imported otherwise)
+        from transformers import PretrainedConfig
+        hf = isinstance(config, PretrainedConfig)
+    paths = _save_weights(engine, out_dir, dtype, max_shard_size, check, "save_pretrained", config=hf)
+    if not hf:
         return paths
 
     def write_configs() -> None:

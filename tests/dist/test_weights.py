@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -405,7 +406,7 @@ def _resumed(dist, step):
     engine = framework.initialize(module, gpt_loss, cfg, dist)
     ckpt, out = Checkpointer(cfg, engine), io.StringIO()
     try:
-        with contextlib.redirect_stdout(out):
+        with contextlib.redirect_stderr(out):
             state = ckpt.resume(engine.state)
     finally:
         ckpt.close()
@@ -413,7 +414,7 @@ def _resumed(dist, step):
     return state.step, out.getvalue()
 
 
-def test_checkpoint_writes_16bit_weights_and_exports(pools, tmp_path):
+def test_checkpoint_writes_16bit_weights_and_exports(pools, tmp_path, capsys):
     """zero3, bf16, 2 ranks, checkpoints at steps 2 and 4: each step folder holds model_16bit/ (the
     working bf16 parameters, bitwise); python -m framework.export of the checkpoint gives the fp32
     masters bitwise, loadable by the plain model with load_state_dict(strict=True)."""
@@ -454,9 +455,21 @@ def test_checkpoint_writes_16bit_weights_and_exports(pools, tmp_path):
         verify(step)
     # an export and a resume do not read model_16bit/: they go on from the intact checkpoint, saying the copy is
     # damaged (a weights load from it is refused: check_weights16)
+    capsys.readouterr()
     assert main([str(step), "--to", str(tmp_path / "past_damage")]) == 0
     assert any((tmp_path / "past_damage").glob("*.safetensors"))
+    # the note on stderr: stdout lists only the paths written (for scripts); a removed copy is said missing
+    printed = capsys.readouterr()
+    assert printed.out == f"{tmp_path / 'past_damage' / 'model.safetensors'}\n", printed
+    assert "('model_16bit/model.safetensors' fails the manifest check)" in printed.err, printed
+    shutil.rmtree(tmp_path / "gone", ignore_errors=True)
+    shutil.copytree(step, tmp_path / "gone")
+    shutil.rmtree(tmp_path / "gone" / "model_16bit")
+    assert main([str(tmp_path / "gone"), "--to", str(tmp_path / "past_missing")]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.count("\n") == 1 and "(the 16-bit weights copy) is damaged ('model_16bit/" in printed.err
+    assert "missing): going on" in printed.err and "manifest check" not in printed.err, printed
     for rank, (step_at, said) in enumerate(pools(2).run(_resumed, str(step), timeout=240)):
         assert step_at == 4
-        assert ("(the 16-bit weights copy) is damaged ('model_16bit/model.safetensors' fail the manifest check): "
+        assert ("(the 16-bit weights copy) is damaged ('model_16bit/model.safetensors' fails the manifest check): "
                 "going on" in said) == (rank == 0), said

@@ -77,6 +77,32 @@ def test_export_keeps_one_output_file_open_at_a_time(tmp_path, monkeypatch):
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 5 and most[0] == 1, most
 
 
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signalled_export_leaves_nothing_and_says_so_in_one_line(tmp_path, capsys, monkeypatch, signum):
+    """SIGTERM (Slurm, timeout) or Ctrl-C mid-write: one line, exit 143/130, no .tmp, lock or folder it made left."""
+    import signal
+
+    from framework.core import files
+    _checkpoint(tmp_path)
+    writes, write_at = [0], files.write_at
+
+    def signalled(fd, *a, **k):   # the signal arrives while the third value is written
+        writes[0] += 1
+        if writes[0] == 3:
+            os.kill(os.getpid(), getattr(signal, signum))
+        return write_at(fd, *a, **k)
+
+    monkeypatch.setattr(files, "write_at", signalled)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "made" / "out"
+    assert main([str(tmp_path / "ckpt"), "--to", str(out), "--max-shard-size", "20KB"]) == 128 + getattr(signal, signum)
+    err = capsys.readouterr().err
+    said = "terminated (SIGTERM)" if signum == "SIGTERM" else "interrupted"
+    assert err.startswith(f"error: export: {said}") and err.count("\n") == 1, err
+    assert writes[0] == 3 and sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_export_errors_are_one_line(tmp_path, capsys):
     assert main([str(tmp_path), "--to", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err.strip()
@@ -398,7 +424,8 @@ def test_export_to_fp16_counts_the_values_that_overflow(tmp_path, capsys):
 
 
 def test_a_latest_link_to_the_newest_step_is_no_warning(tmp_path, capsys):
-    """``latest`` may be a symbolic link to the step folder: named by its target, it agrees with the newest."""
+    """``latest`` may be a symbolic link to the step folder: named by its target, it agrees with the newest; one
+    naming an older committed step exports that step (said), one naming none the newest."""
     from framework.persist.export import resolve
     ckpt = tmp_path / "ckpt"
     for step in (2, 3):
@@ -409,14 +436,20 @@ def test_a_latest_link_to_the_newest_step_is_no_warning(tmp_path, capsys):
         (ckpt / "latest").symlink_to(target)
         assert resolve(ckpt) == ckpt / "step-3" and capsys.readouterr().err == ""
     (ckpt / "latest").unlink()
-    (ckpt / "latest").symlink_to("step-2")
+    (ckpt / "latest").symlink_to("step-2")   # pointed at an older step to export it (DeepSpeed's habit): followed
+    assert resolve(ckpt) == ckpt / "step-2"
+    assert capsys.readouterr().err == (f"warning: export: {ckpt}/latest names step-2, exported; step-3 there is "
+                                       f"newer (give its folder, {ckpt / 'step-3'}, to export it)\n")
+    (ckpt / "latest").unlink()
+    (ckpt / "latest").write_text("step-9\n")   # no such committed step: the newest, said
     assert resolve(ckpt) == ckpt / "step-3"
-    assert "holds step-3, its newest committed checkpoint, but its latest names step-2" in capsys.readouterr().err
+    assert "latest names step-9, not a committed checkpoint there; exporting step-3" in capsys.readouterr().err
+    (ckpt / "latest").unlink()   # none: the newest, as resume=auto picks it
+    assert resolve(ckpt) == ckpt / "step-3" and capsys.readouterr().err == ""
     # step 4 saved again, its commit under way (or killed) after moving the committed step-4 aside: read there
     (ckpt / "step-4.old").mkdir()
     (ckpt / "step-4.old" / "manifest.json").write_text(json.dumps({"format": 1, "files": {}, "seq": 4}))
     (ckpt / "step-4.tmp").mkdir()   # (no manifest yet: the new save is not complete)
-    (ckpt / "latest").unlink()
     (ckpt / "latest").symlink_to("step-4")
     assert resolve(ckpt) == ckpt / "step-4.old" and capsys.readouterr().err == ""
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-2", "step-3", "step-4.old", "step-4.tmp"]
@@ -431,15 +464,17 @@ class _Tied(torch.nn.Module):
         self.emb = torch.nn.Linear(4, 4)
         self.head = torch.nn.Linear(4, 4, bias=False)
         self.head.weight = self.emb.weight
+        self.emb.register_buffer("scale", torch.ones(4))   # a buffer two modules share, as the weight
+        self.head.register_buffer("scale", self.emb.scale)
 
     def forward(self, x):
         return self.head(torch.tanh(self.emb(x)))
 
 
 def test_fp32_state_dict_names_a_tied_parameter_under_each_name(tmp_path):
-    """A checkpoint our save wrote records a tied parameter's other names: the fp32 state dict has it under
-    each (one tensor, as DeepSpeed's get_fp32_state_dict_from_zero_checkpoint), and the plain model loads it
-    with strict=True; the exported files hold it once (safetensors refuses shared tensors)."""
+    """A checkpoint our save wrote records a tied parameter's (and a shared buffer's) other names: the fp32 state
+    dict has it under each (one tensor, as DeepSpeed's get_fp32_state_dict_from_zero_checkpoint), and the plain
+    model loads it with strict=True; the exported files hold it once (safetensors refuses shared tensors)."""
     import framework
     from framework.engine.step import Batch
     from framework.persist.checkpoint import Checkpointer
@@ -456,9 +491,10 @@ def test_fp32_state_dict_names_a_tied_parameter_under_each_name(tmp_path):
         trained = {n: t.detach().clone() for n, t in (engine.consolidated_state_dict() or {}).items()}
     step = next((tmp_path / "checkpoints").glob("step-*"))
     sd = get_fp32_state_dict_from_checkpoint(step)
-    assert set(sd) == {"emb.weight", "emb.bias", "head.weight"} and sd["head.weight"] is sd["emb.weight"]
+    assert set(sd) == {"emb.weight", "emb.bias", "head.weight", "emb.scale", "head.scale"}
+    assert sd["head.weight"] is sd["emb.weight"] and sd["head.scale"] is sd["emb.scale"]
     plain = _Tied()
     plain.load_state_dict(sd, strict=True)
     assert torch.equal(plain.head.weight, trained["emb.weight"])
     assert main([str(step), "--to", str(tmp_path / "out")]) == 0
-    assert set(_read(tmp_path / "out")) == {"emb.weight", "emb.bias"}
+    assert set(_read(tmp_path / "out")) == {"emb.weight", "emb.bias", "emb.scale"}

@@ -344,8 +344,31 @@ def test_a_full_disk_names_the_folder_and_keeps_the_earlier_save(tmp_path):
     ckpt.close()
     assert os.listdir(tmp_path / "ckpt") == []
     with file_size_limit(4000), pytest.raises(FrameworkError, match="no room"):
-        save_on_model_save(engine, tmp_path / "end")
-    assert os.listdir(tmp_path / "end") == []
+        save_on_model_save(engine, tmp_path / "end" / "inner")
+    with file_size_limit(4000), pytest.raises(FrameworkError, match="no room"):
+        save_weights(engine, tmp_path / "fresh" / "inner")
+    assert not (tmp_path / "end").exists() and not (tmp_path / "fresh").exists()   # the folders it made: removed
+
+
+def test_a_folder_holding_another_models_files_is_refused_or_warned(tmp_path, capsys):
+    """As export: another model's weights beside the saved ones (a loader could take them) are refused, nothing
+    written; a config.json save_weights does not write is kept with a warning (save_pretrained replaces it)."""
+    from framework.core.errors import ConfigError
+    engine = _engine("+stage=zero2")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "pytorch_model.bin").write_bytes(b"theirs")
+    with pytest.raises(ConfigError, match=f"save_weights: {other} holds pytorch_model.bin: weights save_weights "
+                                          "would leave beside its own; choose an empty folder"):
+        save_weights(engine, other)
+    assert os.listdir(other) == ["pytorch_model.bin"]
+    (other / "pytorch_model.bin").unlink()
+    (other / "config.json").write_text('{"model_type": "llama"}')
+    capsys.readouterr()
+    save_weights(engine, other)
+    assert capsys.readouterr().err == (f"warning: save_weights: {other / 'config.json'} stays as it is (save_weights "
+                                       "writes only the weights); check that it describes the saved model\n")
+    assert sorted(os.listdir(other)) == ["config.json", "model.safetensors"]
 
 
 def test_a_save_into_a_folder_another_save_is_writing_is_refused(tmp_path):

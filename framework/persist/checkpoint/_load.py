@@ -11,7 +11,7 @@ import torch
 
 from framework.config.schema import get_key
 from framework.engine.state import initial_scalars
-from framework.core.errors import CheckpointError, ConfigError, UnsafePathError, on_every_rank
+from framework.core.errors import CheckpointError, ConfigError, UnsafePathError, on_every_rank, say
 from framework.core.registry import registry
 from framework.models.hf import architecture, without_dtype
 from framework.loggers import RUN_ONLY
@@ -207,7 +207,8 @@ def verify(folder: Path, group: Group | None = None, resume: bool = False) -> di
                          for n in unlisted if stepfolders.a_save_writes(n) and (sub or not n.startswith(copy16))]
             # (a name no save writes is never read: an editor's swap file or a user's notes are no damage)
             if other := [n for n in unlisted if not stepfolders.a_save_writes(n)]:
-                print(f"checkpoint: {folder} holds {few(other)}, which no save writes: ignored", flush=True)
+                # (stderr, as every warning: export prints the paths it wrote on stdout, for scripts to read)
+                say(f"checkpoint: {folder} holds {few(other)}, which no save writes: ignored")
     except (CheckpointError, UnsafePathError, OSError) as e:
         problems = [("", str(e))]
     except (KeyError, TypeError, ValueError) as e:   # an edited manifest entry: refused on every rank like a bad file
@@ -219,9 +220,13 @@ def verify(folder: Path, group: Group | None = None, resume: bool = False) -> di
     if bad:
         raise on_every_rank(CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(bad)))   # (all found it)
     if unread and rank == 0:
-        print(f"checkpoint: {folder / stepfolders.WEIGHTS16} (the 16-bit weights copy) is damaged ({few(unread)} "
-              "fail the manifest check): going on, as resumes and exports do not read it (later saves write their "
-              "own copy); load no weights from it", flush=True)
+        gone = [n for n in unread if not (folder / n).exists()]
+        changed = [n for n in unread if n not in gone]
+        what = "; ".join([*([f"{few(gone)} missing"] if gone else []),
+                          *([f"{few(changed)} {'fails' if len(changed) == 1 else 'fail'} the manifest check"]
+                            if changed else [])])
+        say(f"checkpoint: {folder / stepfolders.WEIGHTS16} (the 16-bit weights copy) is damaged ({what}): going on, "
+            "as resumes and exports do not read it (later saves write their own copy); load no weights from it")
     return manifest
 
 
