@@ -23,26 +23,20 @@ from framework.persist.tensorfiles import output_dir, plan_files, save_files
 from framework.persist.weights import check_output
 
 def resolve(checkpoint) -> Path:
-    """The DCP step folder of ``checkpoint``: itself; in a folder of our committed step folders the one its
-    ``latest`` names (a link, or a file naming it; said when a newer one is there: a save that failed to update it),
-    the newest, as ``checkpoint.resume=auto`` picks it, where ``latest`` names no committed one (said) or is absent;
-    one a commit moved aside read where it lies; else what its ``latest`` points at."""
+    """The DCP step folder of ``checkpoint``: itself; in a folder of our committed step folders the newest, as
+    ``checkpoint.resume=auto`` picks it (one a commit moved aside read where it lies; said when ``latest`` names
+    another: a save that failed to update it); else what its ``latest`` points at (a link, or a file naming it)."""
     path, seen = Path(checkpoint), set()
     found = [] if (path / ".metadata").is_file() else stepfolders.scan(path, around=True)[0]   # (renames nothing)
     if found:
         latest = path / "latest"   # (a link to the step folder, as allowed above: named by its target)
         named = (Path(os.readlink(latest)).name if latest.is_symlink()
                  else latest.read_text().strip() if latest.is_file() else None)
-        # (step-N.tmp or .old: step-N, its commit under way or interrupted)
-        chosen = next((p for p in found if p.name.split(".")[0] == named), None)
-        newest = found[0].name.split(".")[0]
-        if chosen is not None and chosen != found[0]:
-            print(f"warning: export: {path}/latest names {named}, exported; {newest} there is newer (give its "
-                  f"folder, {found[0]}, to export it)", file=sys.stderr, flush=True)
-        elif chosen is None and named is not None:
-            print(f"warning: export: {path}/latest names {named or 'nothing'}, not a committed checkpoint there; "
-                  f"exporting {found[0].name}, the newest", file=sys.stderr, flush=True)
-        return chosen or found[0]
+        step = found[0].name.split(".")[0]   # (step-N.tmp or .old: step-N, its commit under way or interrupted)
+        if named != step:
+            print(f"warning: export: {path} holds {step}, its newest committed checkpoint, but its latest "
+                  f"names {named or 'nothing'}; exporting {found[0].name}", file=sys.stderr, flush=True)
+        return found[0]
     while not (path / ".metadata").is_file():
         if path.resolve() in seen:   # a 'latest' pointing at its own folder, or round a loop
             raise ConfigError(f"export: {path}/latest points back at {path} (a loop); point it at a step folder "

@@ -425,10 +425,10 @@ def test_files_no_save_writes_are_ignored_not_damage(tmp_path, capsys):
         _train(dist, [], str(tmp_path / "b"), resume=str(folder), steps=N)
 
 
-def test_a_failure_after_the_commit_rename_is_a_warning_and_export_names_the_newer_step(tmp_path, capsys,
-                                                                                        monkeypatch):
+def test_a_failure_after_the_commit_rename_is_a_warning_and_export_takes_the_newest_step(tmp_path, capsys,
+                                                                                         monkeypatch):
     """Renamed, step-N is committed (resume=auto uses it): a full disk writing ``latest`` then is a warning, not
-    a failed save, and an export of the folder follows ``latest`` (as documented) and names step-N as newer."""
+    a failed save, and an export of the folder takes step-N, not the step ``latest`` still names."""
     from framework.persist import stepfolders
     from framework.persist.export import resolve
 
@@ -446,9 +446,9 @@ def test_a_failure_after_the_commit_rename_is_a_warning_and_export_names_the_new
     line = next(x for x in err.splitlines() if f"step-{N} committed" in x)
     assert line.endswith("; deleting the older checkpoints failed (Device or resource busy)"), line
     assert (tmp_path / "latest").read_text() == f"step-{K}"
-    assert resolve(tmp_path) == tmp_path / f"step-{K}"   # (latest followed, as documented; the newer one named)
-    assert f"warning: export: {tmp_path}/latest names step-{K}, exported; step-{N} there is newer (give its " \
-           f"folder, {tmp_path / f'step-{N}'}, to export it)" in capsys.readouterr().err
+    assert resolve(tmp_path) == tmp_path / f"step-{N}"
+    assert f"warning: export: {tmp_path} holds step-{N}, its newest committed checkpoint, but its latest names " \
+           f"step-{K}; exporting step-{N}" in capsys.readouterr().err
 
 
 def _apart(dist, root):
