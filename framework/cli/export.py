@@ -4,10 +4,10 @@
     python -m framework.export outputs/.../checkpoints --to exported/ --dtype bf16 --max-shard-size 2GB
     python -m framework.export outputs/.../checkpoints --to exported/ --overwrite   # replace an earlier export
 
-CHECKPOINT is a checkpoint step folder or the checkpoint directory (its ``latest`` is followed). An output folder
-holding weights or a config.json (which export does not write) is refused: choose an empty one, or ``--overwrite``
-to replace an earlier export's files there. What the
-output holds, and ``get_fp32_state_dict_from_checkpoint`` for Python: ``framework.persist.export``.
+CHECKPOINT is a checkpoint step folder or the checkpoint directory (its newest committed step, the one a resume
+loads). An output folder holding weights or a config.json (which export does not write) is refused: choose an empty
+one, or ``--overwrite`` to replace an earlier export's files there. What the output holds, and
+``get_fp32_state_dict_from_checkpoint`` for Python: ``framework.persist.export``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from framework.precision import DTYPES
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m framework.export", description=plain_text(__doc__.split("\n\n")[0]))
-    p.add_argument("checkpoint", help="a checkpoint step folder, or the checkpoint directory (its 'latest')")
+    p.add_argument("checkpoint",
+                   help="a checkpoint step folder, or the checkpoint directory (its newest committed step)")
     p.add_argument("--to", required=True, dest="out", help="output folder")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per output file: 5GB, 500MB, 2GiB, ...")
