@@ -639,3 +639,23 @@ def test_the_commands_without_hydra_say_what_to_install_and_estimate_runs(tmp_pa
     # (a command line's value is not blamed on the file, as with OmegaConf)
     assert "error: config: model.n_layer: Value '2.5' of type 'float' could not be converted to Int\n" in p.stderr
     assert out["wandb"] == "logger=wandb needs wandb, which is not installed: pip install wandb, or logger=console"
+
+
+def test_a_component_under_a_taken_name_or_with_another_build_signature_is_one_line(own_component):
+    """A second module defining a name the registry has (it silently replaced the built-in one for every run
+    choosing that name) and a build the engine cannot call (a TypeError traceback inside engine/build.py): one
+    line each when the registry is read, naming both modules / the call."""
+    from framework.core.registry import registry
+
+    clash = "from framework.optimizers import sgd\n\nCOMPONENTS = {'adamw': sgd.COMPONENT}\n"
+    own_component("optimizer", "zz_mine", clash, "")
+    with pytest.raises(framework.ConfigError) as e:
+        registry("optimizer")
+    assert str(e.value) == ("optimizer 'adamw' is defined by both framework.optimizers.adamw and "
+                            "framework.optimizers.zz_mine: rename one (and its YAML file conf/optimizer/adamw.yaml)")
+    own_component("optimizer", "sign", OWN_OPTIMIZER.format(fields="lr: float = 1e-3\n    decay_1d: bool = False")
+                  .replace("def build(cfg, decay_mask):", "def build(cfg):"), "")
+    with pytest.raises(framework.ConfigError) as e:
+        registry("optimizer")
+    assert str(e.value).startswith("optimizer 'sign' (framework.optimizers.sign): its build(cfg) cannot be called as "
+                                   "the framework calls it, build(cfg, decay_mask) (") and "\n" not in str(e.value)
