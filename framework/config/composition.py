@@ -94,8 +94,31 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
         # (Hydra raises a bare ValueError for a group choice that is not a name)
         primary = Path(config_dir or conf_dir()) / f"{name}.yaml"
         raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, primary)
-                                        or _no_launcher(str(e)) or " ".join(str(e).split()))) from None
+                                        or _no_launcher(str(e)) or _ambiguous(str(e)) or _no_option(str(e))
+                                        or " ".join(str(e).split()))) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
+
+
+def _no_option(message: str) -> str:
+    """Hydra's search path after a group option no folder has (a defaults list's ``override optimizer: adamx``):
+    the registry's line naming the closest, and where it was asked for."""
+    if (m := re.search(r"Could not find '(\w+)/([^']*)'", message)) is None or m[1] not in GROUPS:
+        return ""
+    try:
+        registry(m[1]).get(m[2])
+    except ConfigError as e:
+        return f"{str(e).removeprefix('config: ')} (chosen in a config file's defaults list)"
+    return ""
+
+
+def _ambiguous(message: str) -> str:
+    """Hydra's three-line advice for a comma-separated value without -m, naming the override as given (not the
+    ``++`` form the framework passes a value key as)."""
+    if (m := re.match(r"Ambiguous value for argument '(?:\+\+)?([^=']*)=(.*)'\n", message)) is None:
+        return ""
+    key, value = m.groups()
+    return (f"{key}={value} is several values: add -m (--multirun) to run one job each, or give a list as "
+            f"{key}=[{value}] or a string as {key}='{value}'")
 
 
 def _no_launcher(message: str) -> str:

@@ -633,11 +633,12 @@ def test_the_commands_without_hydra_say_what_to_install_and_estimate_runs(tmp_pa
     assert out["recipe"] == 2 and out["estimate"] == 0 and out["estimate_bad"] == 2, out
     # an error in the model YAML names the file, as with OmegaConf (tests/cli/test_estimate.py)
     assert out["estimate_bad"] == out["estimate_nobias"] == 2, out
-    assert f"error: estimate: {tmp_path / 'bad.yaml'} is not a GPT model config: model.n_layer: Value 'two'" in p.stderr
+    assert (f"error: estimate: {tmp_path / 'bad.yaml'} is not a GPT model config: model.n_layer takes an integer (5e8 "
+            "reads as 500000000), got 'two'") in p.stderr
     assert f"Missing mandatory value: model.bias (model={tmp_path / 'nobias.yaml'})" in p.stderr, p.stderr
     assert '"params": 607232,' in p.stdout, p.stdout[-2000:]   # gpt-nano's 804,096 less one layer (n_layer=3)
     # (a command line's value is not blamed on the file, as with OmegaConf)
-    assert "error: config: model.n_layer: Value '2.5' of type 'float' could not be converted to Int\n" in p.stderr
+    assert "error: config: model.n_layer takes an integer (5e8 reads as 500000000), got 2.5\n" in p.stderr
     assert out["wandb"] == "logger=wandb needs wandb, which is not installed: pip install wandb, or logger=console"
 
 
@@ -659,3 +660,15 @@ def test_a_component_under_a_taken_name_or_with_another_build_signature_is_one_l
         registry("optimizer")
     assert str(e.value).startswith("optimizer 'sign' (framework.optimizers.sign): its build(cfg) cannot be called as "
                                    "the framework calls it, build(cfg, decay_mask) (") and "\n" not in str(e.value)
+
+
+def test_a_field_of_ones_own_config_without_a_value_names_the_yaml_file_and_the_plus_override(own_component):
+    """A config field without a default that its YAML file leaves out: the line names both ways to give it (the
+    YAML file's key, or +key=V: without the +, Hydra refuses a key the file lacks), not OmegaConf's words."""
+    search = own_component("optimizer", "sign", OWN_OPTIMIZER.format(
+        fields="lr: float = 1e-3\n    decay_1d: bool = False\n    alpha: float"), "lr: 1.0e-2\n")
+    with pytest.raises(framework.ConfigError) as e:
+        framework.compose(["optimizer=sign", search])
+    assert str(e.value) == ("config: optimizer.alpha has no value (a missing mandatory value: SignConfig gives it no "
+                            "default); set alpha in its YAML file (optimizer/sign.yaml), or give +optimizer.alpha=VALUE")
+    assert framework.compose(["optimizer=sign", "+optimizer.alpha=1", search]).optimizer.alpha == 1
