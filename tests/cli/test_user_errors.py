@@ -672,3 +672,25 @@ def test_a_field_of_ones_own_config_without_a_value_names_the_yaml_file_and_the_
     assert str(e.value) == ("config: optimizer.alpha has no value (a missing mandatory value: SignConfig gives it no "
                             "default); set alpha in its YAML file (optimizer/sign.yaml), or give +optimizer.alpha=VALUE")
     assert framework.compose(["optimizer=sign", "+optimizer.alpha=1", search]).optimizer.alpha == 1
+
+
+def test_a_config_dirs_group_file_is_what_the_run_trains_and_hydra_records(forkrun, tmp_path):
+    """--config-dir with its own optimizer/adamw.yaml: the run trained with it while Hydra's app (conf/ first)
+    recorded conf/'s values in .hydra/config.yaml. Both now search the folder first."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from framework.core.paths import conf_dir
+
+    (tmp_path / "c" / "optimizer").mkdir(parents=True)
+    (tmp_path / "c" / "optimizer" / "adamw.yaml").write_text(
+        (conf_dir() / "optimizer" / "adamw.yaml").read_text().replace("lr: 1.0e-3", "lr: 5.0e-2"))
+    (tmp_path / "c" / "my.yaml").write_text("defaults: [train, _self_]\n")
+    p = forkrun.run("framework.train", ["--config-dir", str(tmp_path / "c"), "--config-name", "my", "train.steps=1",
+                                        "train.eval_every=0", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert f"note: config: {tmp_path / 'c' / 'optimizer' / 'adamw.yaml'} is used in place of" in p.stderr, p.stderr
+    recorded = OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml")
+    trained = json.loads((tmp_path / "run" / "summary.json").read_text())["config"]
+    assert recorded.optimizer.lr == trained["optimizer"]["lr"] == 5e-2, (recorded.optimizer, trained["optimizer"])

@@ -179,6 +179,28 @@ def test_a_defaults_list_naming_no_option_is_the_registrys_line(tmp_path):
                             "adamw, lion, sgd (chosen in a config file's defaults list)"), str(e.value)
 
 
+def test_a_config_dir_file_of_a_conf_name_is_used_with_a_note_or_refused_where_conf_hides_it(tmp_path):
+    """A --config-dir folder holding the primary config comes before conf/: its optimizer/adamw.yaml is used, with
+    a note naming both files. One without it (and a hydra.searchpath folder) comes after conf/, which hides the
+    file: refused in one line (it was silently ignored)."""
+    from framework.core.paths import conf_dir
+
+    (tmp_path / "optimizer").mkdir()
+    (tmp_path / "optimizer" / "adamw.yaml").write_text((conf_dir() / "optimizer" / "adamw.yaml").read_text()
+                                                       .replace("lr: 1.0e-3", "lr: 5.0e-2"))
+    (tmp_path / "my.yaml").write_text("defaults: [train, _self_]\n")
+    mine, conf = tmp_path / "optimizer" / "adamw.yaml", conf_dir() / "optimizer" / "adamw.yaml"
+    cfg = compose([], config_dir=str(tmp_path), config_name="my")
+    assert cfg.optimizer.lr == 5e-2
+    assert f"note: config: {mine} is used in place of {conf} (a --config-dir folder holding the primary config " \
+           "comes before conf/)" in cfg.notices, cfg.notices
+    for overrides, where in (([], {"config_dir": str(tmp_path)}), ([f"hydra.searchpath=[file://{tmp_path}]"], {})):
+        with pytest.raises(ConfigError) as e:
+            compose(overrides, **where)
+        assert str(e.value).startswith(f"config: {mine} is hidden by {conf}, which comes first on the search path ("
+                                       ) and "\n" not in str(e.value), str(e.value)
+
+
 def test_hydra_refusing_a_group_value_is_one_line():
     from framework.config.composition import standalone_composer
 
