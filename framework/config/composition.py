@@ -100,7 +100,9 @@ def app_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
     """Compose inside a running Hydra app (its search path and --config-name set up)."""
     from hydra.core.hydra_config import HydraConfig
 
-    return _hydra_compose(HydraConfig.get().job.config_name, overrides)
+    hc = HydraConfig.get()   # (its search path's hydra.searchpath part is an override: given again)
+    return _hydra_compose(hc.job.config_name, [*overrides, *([f"hydra.searchpath=[{','.join(hc.searchpath)}]"]
+                                                            if hc.searchpath else [])])
 
 
 def parse_overrides(overrides: list[str]) -> list:
