@@ -32,7 +32,7 @@ from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, form
                                      zero2_rows, zero3_rows)
 from framework.cli import override_key, run_command
 from framework.config import compose
-from framework.config.plainconf import load_yaml, parse, set_key, typed
+from framework.config.plainconf import library_line, load_yaml, parse, set_key, typed
 from framework.core.errors import ConfigError, FrameworkError, typed_line
 from framework.core.registry import closest_hint, registry
 from framework.core.units import GiB, MiB
@@ -204,7 +204,8 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
 def _omega_error(e) -> str:
     """``model.key: message`` of an OmegaConf error on the model's node, on one line."""
     key = getattr(e, "full_key", None) or ""
-    return f"model.{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]
+    return library_line(f"model.{key}", str(e).splitlines()[0], getattr(e, "value", None)) if key else \
+        str(e).splitlines()[0]
 
 
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:

@@ -43,7 +43,7 @@ from framework.cli._signals import terminated_line
 from framework.cli.launch import RUN_LOCK, check_saves, launch
 from framework.comm.distributed import check_env, env_int
 from framework.config import (GROUPS, Config, app_composer, compose, compose_layers, parse_overrides,
-                              standalone_composer)
+                              search_order, standalone_composer)
 from framework.config.dsconfig import DS_FILE
 from framework.core import files
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line, say
@@ -354,12 +354,12 @@ def sweep_group(job_name: str, sweep_dir: str) -> str:
 
 
 def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None, failed: list[str],
-         fixed: frozenset[str], subdir: str | None, base: Path | None, passed: Passed) -> Callable[[], None]:
-    """The Hydra app running each job with its composed config (``base``, ``fixed``: as ``check_folder``, ``_jobs``);
-    a failed job of a sweep on Hydra's basic launcher is added to ``failed`` and the sweep goes on."""
+         fixed: frozenset[str], subdir: str | None, base: Path | None, passed: Passed, home: str) -> Callable[[], None]:
+    """The Hydra app running each job with its composed config (``base``, ``fixed``: as ``check_folder``, ``_jobs``;
+    ``home``: as ``search_order``); a failed job of a basic sweep is added to ``failed`` and the sweep goes on."""
     folders: dict[Path, int] = {}   # each run folder's job number
 
-    @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
+    @hydra.main(config_path=home, config_name="train", version_base="1.3")
     def job(task: DictConfig) -> float:
         hc = HydraConfig.get()
         overrides = passed.given(list(hc.overrides.task))
@@ -481,17 +481,17 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
             subdir = OmegaConf.select(cfg, "hydra.output_subdir")
         for overrides, cfg, config in composed:
             check_groups_chosen(overrides, cfg, config, chosen or {})
+        home, searched, merged = search_order(primary["config_dir"], primary["config_name"], sys.argv[1:])
     except FrameworkError as e:
         sys.exit(fail(e, 2))
     failed: list[str] = []
-    argv = list(sys.argv)
     # (none for Hydra's info flags, --cfg hydra shows the config as given, nor a sampling sweeper's jobs)
     passed = Passed.make(chosen or {}, exclude) if configs else Passed()
     if configs and env_int("RANK", 0) != 0:   # Hydra's own lines ("Launching 2 jobs locally"): rank 0's alone
         passed = replace(passed, hydra=(*passed.hydra, QUIET))
-    sys.argv[1:] = with_added(sys.argv[1:], [*passed.task, *passed.hydra])
+    argv, sys.argv[1:] = list(sys.argv), with_added(searched, [*merged, *passed.task, *passed.hydra])   # (restored)
     try:
-        _app(configs, on_point, failed, fixed, subdir, base, passed)()
+        _app(configs, on_point, failed, fixed, subdir, base, passed, home)()
     finally:
         sys.argv[:] = argv
     if failed:   # (the ranks of a torchrun sweep failed the same jobs: rank 0 says it for all)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import typing
 from types import MappingProxyType, SimpleNamespace
 from typing import Any, Mapping
@@ -80,6 +81,7 @@ def _nested_keys(schema: type, prefix: str = "") -> list[str]:
 
 def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) -> Any:
     node = _check_keys(node, schema, prefix, option)
+    _check_given(node, schema, prefix, option)
     if OmegaConf is None:
         return plainconf.typed(node, schema, prefix)
     try:
@@ -87,8 +89,28 @@ def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) 
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
         key = ".".join(map(plainconf.yaml_name, key.split(".")))   # as YAML spells the field
-        msg = str(e).splitlines()[0]
-        raise ConfigError(f"config: {prefix}{key}: {msg}" if key else f"config: {prefix.rstrip('.')}: {msg}") from None
+        if not key:
+            raise ConfigError(f"config: {prefix.rstrip('.')}: {str(e).splitlines()[0]}") from None
+        value = node   # (the value as given: OmegaConf's may be its node)
+        for part in str(e.full_key).split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        raise ConfigError("config: " + plainconf.library_line(prefix + key, str(e).splitlines()[0], value)) from None
+
+
+def _check_given(node: Mapping, schema: type, prefix: str, option: str | None) -> None:
+    """A field without a default that ``node`` leaves out (or gives as ``???``): one line naming both places to
+    give it (a key the YAML file lacks is added with + on Hydra's command line)."""
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[f.name]) and isinstance(node.get(f.name), Mapping):
+            _check_given(node[f.name], hints[f.name], f"{prefix}{plainconf.yaml_name(f.name)}.", None)
+        elif (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                and node.get(f.name, "???") == "???"):
+            name, key = plainconf.yaml_name(f.name), prefix + plainconf.yaml_name(f.name)
+            where = (f"{name} in its YAML file ({prefix.rstrip('.')}/{option}.yaml), or give +{key}=VALUE"
+                     if option else f"{key} in the config file or on the command line")
+            raise ConfigError(f"config: {key} has no value (a missing mandatory value: {schema.__name__} gives it no "
+                              f"default); set {where}")
 
 
 def root_value(key: str, value: Any) -> Any:
@@ -108,6 +130,9 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str], *, final: bo
         try:
             raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
         except OmegaConfBaseException as e:
+            if (m := re.search(r"Environment variable '([^']*)' not found", str(e))) and (key := e.full_key):
+                raise ConfigError(f"config: {key}: the environment variable {m.group(1)} is not set; set it, or give a "
+                                  f"default: ${{oc.env:{m.group(1)},VALUE}}") from None
             raise ConfigError(f"config: {' '.join(str(e).split())}") from None
     roots = list(ROOT_KEYS) + list(GROUPS)
     for key in raw:

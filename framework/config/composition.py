@@ -36,34 +36,73 @@ def have_hydra() -> bool:
 def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
                         config_name: str = "train") -> tuple[DictConfig, dict[str, str]]:
     """Compose conf/train.yaml outside a Hydra app; ``config_dir``/``config_name`` as ``--config-dir``/
-    ``--config-name`` (a recipe's), with conf/ kept on the search path so its groups resolve."""
+    ``--config-name`` (a recipe's), searched in ``search_order``'s order, as the training command's Hydra app is."""
     if not have_hydra():
         return plainconf.plain_composer(overrides, config_dir=config_dir, config_name=config_name)
-    primary, extra = str(conf_dir()), []
-    if config_dir is not None:
-        given = Path(config_dir).expanduser().resolve()
-        if not given.is_dir():
-            raise ConfigError(f"config: --config-dir {config_dir} is not a folder")
-        # Hydra finds the primary config only in the folder it is initialised with; the other folder
-        # joins any search path the overrides give (Hydra takes one hydra.searchpath value).
-        primary, other = (str(given), conf_dir()) if (given / f"{config_name}.yaml").is_file() else (primary, given)
-        paths, rest = [], []
-        for o in overrides:
-            key, _, value = o.lstrip("+").partition("=")
-            if key == "hydra.searchpath" and value.startswith("[") and value.endswith("]"):
-                paths += [x.strip() for x in value[1:-1].split(",") if x.strip()]
-            else:
-                rest.append(o)
-        overrides = rest
-        extra = [f"hydra.searchpath=[{','.join(dict.fromkeys(paths + [f'file://{other}']))}]"]
-    return _hydra_compose(config_name, overrides + extra, primary)
+    primary, overrides, merged = search_order(config_dir, config_name, overrides)
+    return _hydra_compose(config_name, overrides + merged, primary)
+
+
+def search_order(config_dir: str | None, config_name: str,
+                 overrides: list[str]) -> tuple[str, list[str], list[str]]:
+    """(the folder Hydra is initialised with, ``overrides`` less any ``hydra.searchpath``, the one
+    ``hydra.searchpath`` override giving the rest of the search path, if any), the
+    same for the composed config and the training command's Hydra app (its run folder, .hydra/config.yaml). A
+    ``--config-dir`` folder holding the primary config (``<config_name>.yaml``) comes first, then conf/ (Hydra
+    finds the primary config only in the folder it is initialised with); another comes after conf/. The folders
+    ``hydra.searchpath`` names come last (Hydra takes one value: the given ones are merged into it).
+    ``search_notes`` says which file is used where two folders hold one. ``overrides`` may be a whole command line."""
+    if config_dir is None:
+        return str(conf_dir()), list(overrides), []
+    given = Path(config_dir).expanduser().resolve()
+    if not given.is_dir():
+        raise ConfigError(f"config: --config-dir {config_dir} is not a folder")
+    primary, other = (given, conf_dir()) if (given / f"{config_name}.yaml").is_file() else (conf_dir(), given)
+    paths, rest = [], []
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if key == "hydra.searchpath" and value.startswith("[") and value.endswith("]"):
+            paths += [x.strip() for x in value[1:-1].split(",") if x.strip()]
+        else:
+            rest.append(o)
+    return str(primary), rest, [f"hydra.searchpath=[{','.join(dict.fromkeys([f'file://{other}', *paths]))}]"]
+
+
+def search_notes(cfg: Any, choices: Mapping[str, str]) -> tuple[str, ...]:
+    """The composed files (the primary config, each group's choice) that more than one folder of the search path
+    holds: a --config-dir file used in place of conf/'s is a note; a file hidden by an earlier folder's is refused
+    in one line (it would be silently ignored)."""
+    if isinstance(cfg, dict):
+        return ()   # (composed without Hydra: conf/ alone)
+    from omegaconf import OmegaConf
+
+    if OmegaConf.select(cfg, "hydra.runtime.config_sources") is None:
+        return ()
+    folders = list(dict.fromkeys(Path(s.path).resolve() for s in cfg.hydra.runtime.config_sources
+                                 if s.schema == "file"))
+    conf, notes = conf_dir().resolve(), []
+    for rel in (f"{cfg.hydra.job.config_name}.yaml", *(f"{g}/{n}.yaml" for g, n in choices.items())):
+        used, *hidden = [f for f in folders if (f / rel).is_file()] or [None]
+        if mine := [f for f in hidden if f != conf]:
+            raise ConfigError(
+                f"config: {mine[0] / rel} is hidden by {used / rel}, which comes first on the search path (a "
+                f"--config-dir folder comes before conf/ only where it holds the primary config, "
+                f"{cfg.hydra.job.config_name}.yaml; hydra.searchpath's folders come last); give its folder as "
+                "--config-dir with a config file of its own (defaults: [train, _self_]) named by --config-name, or "
+                "set its values as overrides")
+        if hidden:
+            notes.append(f"note: config: {used / rel} is used in place of {conf / rel} (a --config-dir folder "
+                         "holding the primary config comes before conf/)")
+    return tuple(notes)
 
 
 def app_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
     """Compose inside a running Hydra app (its search path and --config-name set up)."""
     from hydra.core.hydra_config import HydraConfig
 
-    return _hydra_compose(HydraConfig.get().job.config_name, overrides)
+    hc = HydraConfig.get()   # (its search path's hydra.searchpath part is an override: given again)
+    return _hydra_compose(hc.job.config_name, [*overrides, *([f"hydra.searchpath=[{','.join(hc.searchpath)}]"]
+                                                            if hc.searchpath else [])])
 
 
 def parse_overrides(overrides: list[str]) -> list:
@@ -94,8 +133,31 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
         # (Hydra raises a bare ValueError for a group choice that is not a name)
         primary = Path(config_dir or conf_dir()) / f"{name}.yaml"
         raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, primary)
-                                        or _no_launcher(str(e)) or " ".join(str(e).split()))) from None
+                                        or _no_launcher(str(e)) or _ambiguous(str(e)) or _no_option(str(e))
+                                        or " ".join(str(e).split()))) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
+
+
+def _no_option(message: str) -> str:
+    """Hydra's search path after a group option no folder has (a defaults list's ``override optimizer: adamx``):
+    the registry's line naming the closest, and where it was asked for."""
+    if (m := re.search(r"Could not find '(\w+)/([^']*)'", message)) is None or m[1] not in GROUPS:
+        return ""
+    try:
+        registry(m[1]).get(m[2])
+    except ConfigError as e:
+        return f"{str(e).removeprefix('config: ')} (chosen in a config file's defaults list)"
+    return ""
+
+
+def _ambiguous(message: str) -> str:
+    """Hydra's three-line advice for a comma-separated value without -m, naming the override as given (not the
+    ``++`` form the framework passes a value key as)."""
+    if (m := re.match(r"Ambiguous value for argument '(?:\+\+)?([^=']*)=(.*)'\n", message)) is None:
+        return ""
+    key, value = m.groups()
+    return (f"{key}={value} is several values: add -m (--multirun) to run one job each, or give a list as "
+            f"{key}=[{value}] or a string as {key}='{value}'")
 
 
 def _no_launcher(message: str) -> str:
@@ -158,7 +220,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         if config.ds_config is None:
             config = (validate(*(own := composer(list(cli.forced)))) if cli.kept != cli.forced
                       else refuse_inert(config))
-            return own[0], dataclasses.replace(config, sources=provenance(config, cli))
+            return own[0], dataclasses.replace(config, sources=provenance(config, cli),
+                                               notices=config.notices + search_notes(*own))
         source = config.ds_config   # named in a YAML config
     t = dsconfig.translate(dsconfig.load(source))
     # The run's config without the DeepSpeed values (Hugging Face's "training arguments"), with the file's
@@ -226,7 +289,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE if g in mine else dsconfig.YAML
                                           for g in t.choices},
                                        **{k: v for k, v in resolved.sources.items() if not cli.deletes(k)}})
-    notices = config.notices + tuple(t.notices(strict, resolved.inert, resolved.notes))
+    notices = config.notices + tuple(t.notices(strict, resolved.inert, resolved.notes)) + search_notes(cfg, choices)
     batch_world = world if isinstance(t.batch.get("train_batch_size"), int) else None
     return cfg, dataclasses.replace(config, ds_config=label, sources=sources, notices=notices,
                                     batch_world=batch_world)

@@ -372,8 +372,7 @@ def _convert(v: Any, hint: Any, key: str) -> Any:
         return typed(v, hint, f"{key}.") if dataclasses.is_dataclass(hint) else dict(v)
     if origin in (list, tuple) or hint in (list, tuple):
         if not isinstance(v, (list, tuple)):
-            raise ConfigError(f"config: {key}: Invalid value assigned: {type(v).__name__} is not a ListConfig, "
-                              f"list or tuple.")
+            raise ConfigError(f"config: {wrong_type(key, v, 'list')}")
         inner = args[0] if args else Any
         return [_convert(x, inner, f"{key}[{i}]") for i, x in enumerate(v)]
     if hint is bool:
@@ -398,5 +397,25 @@ def _convert(v: Any, hint: Any, key: str) -> Any:
     else:
         return v
     name = getattr(hint, "__name__", str(hint))
-    raise ConfigError(f"config: {key}: Value '{v}' of type '{type(v).__name__}' could not be converted to "
-                      f"{name.capitalize() if name in ('int', 'float', 'bool') else name}")
+    raise ConfigError(f"config: {wrong_type(key, v, name)}")
+
+
+# What a key of each type takes, as the one line of a value of another type says it (OmegaConf's words name its
+# own classes: "could not be converted to Int", "AnyNode is not a ListConfig").
+TAKES = {"int": "an integer (5e8 reads as 500000000)", "float": "a number (such as 3e-4)",
+         "bool": "true or false (also yes/no, on/off, 1/0)", "str": "a string", "list": "a list"}
+
+
+def library_line(key: str, message: str, v: Any) -> str:
+    """``key: message`` of OmegaConf's first line about ``key``, a value ``v`` of another type said as here."""
+    kind = re.search(r"could not be converted to (Int|Float|Bool)|(is not a ListConfig)", message)
+    if kind is None:
+        return f"{key}: {message}"
+    return wrong_type(key, v, "list" if kind[2] else {"Int": "int", "Float": "float", "Bool": "bool"}[kind[1]])
+
+
+def wrong_type(key: str, v: Any, kind: str) -> str:
+    """The line for ``v`` given to ``key`` of type ``kind`` (int, float, bool, str or list; another: its name)."""
+    got = f"'{v}'" if isinstance(v, str) else "null" if v is None else str(v).lower() if isinstance(v, bool) else v
+    fix = f"; give {key}=[{v}]" if kind == "list" and not isinstance(v, Mapping) else ""
+    return f"{key} takes {TAKES.get(kind, kind)}, got {got}{fix}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import pkgutil
 import re
 from dataclasses import dataclass, field
@@ -31,6 +32,19 @@ GROUPS: Mapping[str, str] = MappingProxyType({
     "offload": "framework.offload",
     "logger": "framework.loggers",
     "stage": "framework.stages",
+})
+
+# How the framework calls each group's ``build`` (docs/architecture.md): a component whose build cannot be called
+# so is refused when its registry is read, not with a TypeError inside the engine.
+BUILD_CALLS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "model": ("build(cfg, vocab_size=V)",),
+    "data": ("build(cfg, seed=S, context=C)",),
+    "optimizer": ("build(cfg, decay_mask)",),
+    "scheduler": ("build(cfg, base_lr=LR, total_steps=N)",),
+    "precision": ("build(cfg)",),
+    "offload": ("build(cfg, accelerator=A)", "build(cfg)"),
+    "logger": ("build(cfg, run=R)",),
+    "stage": ("build(cfg, dist=D, offload=O)",),
 })
 
 
@@ -103,6 +117,7 @@ def registry(group: str) -> Registry:
         raise ConfigError(f"unknown config group {group!r}{closest_hint(group, GROUPS)}")
     package = importlib.import_module(GROUPS[group])
     entries: dict[str, Component] = {}
+    defined_by: dict[str, str] = {}   # name -> the module defining it
     check = getattr(package, "check_entry", None)
     for info in pkgutil.iter_modules(package.__path__):
         if info.name.startswith("_") or info.name == "base":  # protocols, not components
@@ -110,10 +125,32 @@ def registry(group: str) -> Registry:
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         found = components_of(module, info.name)
         for name, component in found.items():
+            # (a second module's entry would silently replace the first for every run choosing that name)
+            if name in defined_by:
+                raise ConfigError(f"{group} {name!r} is defined by both {defined_by[name]} and {module.__name__}: "
+                                  f"rename one (and its YAML file conf/{group}/{name}.yaml)")
+            defined_by[name] = module.__name__
+            _check_build(group, module.__name__, name, component)
             if check is not None:
                 check(module.__name__, name, component)
         entries.update(found)
     return Registry(group, MappingProxyType(entries), getattr(package, "UNKNOWN_HINT", ""))
+
+
+def _check_build(group: str, module_name: str, name: str, component: Component) -> None:
+    """``component.build`` callable as the framework calls it (``BUILD_CALLS``): one line naming the call."""
+    try:
+        signature = inspect.signature(component.build)
+    except (TypeError, ValueError):   # (a builtin without one: left to the call)
+        return
+    for call in BUILD_CALLS.get(group, ()):
+        args = call[call.index("(") + 1:-1].split(", ")
+        try:
+            signature.bind(*(None for a in args if "=" not in a), **{a.split("=")[0]: None for a in args if "=" in a})
+        except TypeError as e:
+            raise ConfigError(f"{group} {name!r} ({module_name}): its build{signature} cannot be called as the "
+                              f"framework calls it, {call} ({e}); give it that signature (docs/architecture.md)"
+                              ) from None
 
 
 def components_of(module, name: str) -> dict[str, Component]:

@@ -90,8 +90,8 @@ def test_the_val_loss_does_not_depend_on_the_micro_batch_split(forkrun, tmp_path
     # every job is composed before the first runs: one bad value of a swept list refuses the sweep, and says so
     (["-m", "+stage=ddp", "offload=none,cpu"], "sweep job 1 (offload=cpu): config: offload=cpu is not supported "
                                                "with stage=ddp; valid: "),
-    (["-m", "optimizer.lr=1e-3,abc"], "sweep job 1 (optimizer.lr=abc): config: optimizer.lr: Value 'abc' of type "
-                                      "'str' could not be converted to Float; no job of the sweep ran"),
+    (["-m", "optimizer.lr=1e-3,abc"], "sweep job 1 (optimizer.lr=abc): config: optimizer.lr takes a number (such "
+                                      "as 3e-4), got 'abc'; no job of the sweep ran"),
     # a hydra.* typo: the closest of Hydra's keys (its own advice, +KEY, adds a key nothing reads)
     (["hydra.run.dri=X"], "unknown key 'hydra.run.dri' of Hydra's config (did you mean 'hydra.run.dir'?)"),
     (["+hydra.job.chdri=true", "train.steps=1"], "unknown key 'hydra.job.chdri' of Hydra's config (did you mean "

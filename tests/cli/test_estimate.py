@@ -441,10 +441,10 @@ def main_text(args, capsys) -> str:
 
 
 @pytest.mark.parametrize("text,override,needle", [
-    ("n_layer: 2.5", [], "is not a GPT model config: model.n_layer: Value '2.5' of type 'float' could not be "
-                         "converted to Integer"),
+    ("n_layer: 2.5", [], "is not a GPT model config: model.n_layer takes an integer (5e8 reads as "
+                         "500000000), got 2.5"),
     ("n_layer: 2\nfoo: 1", [], "is not a GPT model config: model.foo: Key 'foo' not in 'GPTConfig'"),
-    ("n_layer: 2", ["model.n_layer=2.5"], "config: model.n_layer: Value '2.5' of type 'float'"),
+    ("n_layer: 2", ["model.n_layer=2.5"], "config: model.n_layer takes an integer (5e8 reads as 500000000), got 2.5"),
     ("n_layer: 2", ["model.n_lyer=3"], "unknown key 'model.n_lyer' (did you mean 'model.n_layer'?)"),
     ("n_layer: 2", ["model.n_head=3"], "model.d_model (128) must be divisible by model.n_head (3)"),
 ])

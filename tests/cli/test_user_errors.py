@@ -633,9 +633,64 @@ def test_the_commands_without_hydra_say_what_to_install_and_estimate_runs(tmp_pa
     assert out["recipe"] == 2 and out["estimate"] == 0 and out["estimate_bad"] == 2, out
     # an error in the model YAML names the file, as with OmegaConf (tests/cli/test_estimate.py)
     assert out["estimate_bad"] == out["estimate_nobias"] == 2, out
-    assert f"error: estimate: {tmp_path / 'bad.yaml'} is not a GPT model config: model.n_layer: Value 'two'" in p.stderr
+    assert (f"error: estimate: {tmp_path / 'bad.yaml'} is not a GPT model config: model.n_layer takes an integer (5e8 "
+            "reads as 500000000), got 'two'") in p.stderr
     assert f"Missing mandatory value: model.bias (model={tmp_path / 'nobias.yaml'})" in p.stderr, p.stderr
     assert '"params": 607232,' in p.stdout, p.stdout[-2000:]   # gpt-nano's 804,096 less one layer (n_layer=3)
     # (a command line's value is not blamed on the file, as with OmegaConf)
-    assert "error: config: model.n_layer: Value '2.5' of type 'float' could not be converted to Int\n" in p.stderr
+    assert "error: config: model.n_layer takes an integer (5e8 reads as 500000000), got 2.5\n" in p.stderr
     assert out["wandb"] == "logger=wandb needs wandb, which is not installed: pip install wandb, or logger=console"
+
+
+def test_a_component_under_a_taken_name_or_with_another_build_signature_is_one_line(own_component):
+    """A second module defining a name the registry has (it silently replaced the built-in one for every run
+    choosing that name) and a build the engine cannot call (a TypeError traceback inside engine/build.py): one
+    line each when the registry is read, naming both modules / the call."""
+    from framework.core.registry import registry
+
+    clash = "from framework.optimizers import sgd\n\nCOMPONENTS = {'adamw': sgd.COMPONENT}\n"
+    own_component("optimizer", "zz_mine", clash, "")
+    with pytest.raises(framework.ConfigError) as e:
+        registry("optimizer")
+    assert str(e.value) == ("optimizer 'adamw' is defined by both framework.optimizers.adamw and "
+                            "framework.optimizers.zz_mine: rename one (and its YAML file conf/optimizer/adamw.yaml)")
+    own_component("optimizer", "sign", OWN_OPTIMIZER.format(fields="lr: float = 1e-3\n    decay_1d: bool = False")
+                  .replace("def build(cfg, decay_mask):", "def build(cfg):"), "")
+    with pytest.raises(framework.ConfigError) as e:
+        registry("optimizer")
+    assert str(e.value).startswith("optimizer 'sign' (framework.optimizers.sign): its build(cfg) cannot be called as "
+                                   "the framework calls it, build(cfg, decay_mask) (") and "\n" not in str(e.value)
+
+
+def test_a_field_of_ones_own_config_without_a_value_names_the_yaml_file_and_the_plus_override(own_component):
+    """A config field without a default that its YAML file leaves out: the line names both ways to give it (the
+    YAML file's key, or +key=V: without the +, Hydra refuses a key the file lacks), not OmegaConf's words."""
+    search = own_component("optimizer", "sign", OWN_OPTIMIZER.format(
+        fields="lr: float = 1e-3\n    decay_1d: bool = False\n    alpha: float"), "lr: 1.0e-2\n")
+    with pytest.raises(framework.ConfigError) as e:
+        framework.compose(["optimizer=sign", search])
+    assert str(e.value) == ("config: optimizer.alpha has no value (a missing mandatory value: SignConfig gives it no "
+                            "default); set alpha in its YAML file (optimizer/sign.yaml), or give +optimizer.alpha=VALUE")
+    assert framework.compose(["optimizer=sign", "+optimizer.alpha=1", search]).optimizer.alpha == 1
+
+
+def test_a_config_dirs_group_file_is_what_the_run_trains_and_hydra_records(forkrun, tmp_path):
+    """--config-dir with its own optimizer/adamw.yaml: the run trained with it while Hydra's app (conf/ first)
+    recorded conf/'s values in .hydra/config.yaml. Both now search the folder first."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from framework.core.paths import conf_dir
+
+    (tmp_path / "c" / "optimizer").mkdir(parents=True)
+    (tmp_path / "c" / "optimizer" / "adamw.yaml").write_text(
+        (conf_dir() / "optimizer" / "adamw.yaml").read_text().replace("lr: 1.0e-3", "lr: 5.0e-2"))
+    (tmp_path / "c" / "my.yaml").write_text("defaults: [train, _self_]\n")
+    p = forkrun.run("framework.train", ["--config-dir", str(tmp_path / "c"), "--config-name", "my", "train.steps=1",
+                                        "train.eval_every=0", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert f"note: config: {tmp_path / 'c' / 'optimizer' / 'adamw.yaml'} is used in place of" in p.stderr, p.stderr
+    recorded = OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml")
+    trained = json.loads((tmp_path / "run" / "summary.json").read_text())["config"]
+    assert recorded.optimizer.lr == trained["optimizer"]["lr"] == 5e-2, (recorded.optimizer, trained["optimizer"])

@@ -149,12 +149,56 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
     (["checkpoint.foo=1"], "unknown key 'checkpoint.foo'; valid keys under checkpoint: dir, every, keep_last, resume, "
                            "async, timeout_s"),
     (["checkpoint.async_=true"], "unknown key 'checkpoint.async_' (did you mean 'checkpoint.async'?)"),
+    # what the key takes and how to give it, in the framework's words (not OmegaConf's or Hydra's internals)
+    (["+stage=zero2", "stage.reduce_bucket_size=1.5"], "config: stage.reduce_bucket_size takes an integer (5e8 reads "
+                                                        "as 500000000), got 1.5"),
+    (["checkpoint.async=2"], "config: checkpoint.async takes true or false (also yes/no, on/off, 1/0), got 2"),
+    (["logger=wandb", "logger.tags=foo"], "config: logger.tags takes a list, got 'foo'; give logger.tags=[foo]"),
+    (["optimizer.lr=1e-3,2e-3"], "config: optimizer.lr=1e-3,2e-3 is several values: add -m (--multirun) to run one "
+                                 "job each, or give a list as optimizer.lr=[1e-3,2e-3] or a string as "
+                                 "optimizer.lr='1e-3,2e-3'"),
+    (["train.steps=${oc.env:NOPE_F30_X}"], "config: train.steps: the environment variable NOPE_F30_X is not set; set "
+                                           "it, or give a default: ${oc.env:NOPE_F30_X,VALUE}"),
+    (["~train.steps"], "config: train.steps has no value (a missing mandatory value: TrainLoopConfig gives it no "
+                       "default); set train.steps in the config file or on the command line"),
 ])
 def test_bad_config_is_one_clear_line(overrides, needle):
     with pytest.raises(ConfigError) as e:
         compose(overrides)
     msg = str(e.value)
     assert "\n" not in msg and needle in msg, msg
+
+
+def test_a_defaults_list_naming_no_option_is_the_registrys_line(tmp_path):
+    """Hydra's line for a config file's ``override optimizer: adamx`` is its whole search path: the registry's
+    did-you-mean instead, as for the command line's optimizer=adamx."""
+    (tmp_path / "my.yaml").write_text("defaults:\n  - train\n  - override optimizer: adamx\n  - _self_\n")
+    with pytest.raises(ConfigError) as e:
+        compose([], config_dir=str(tmp_path), config_name="my")
+    assert str(e.value) == ("config: unknown optimizer 'adamx' (did you mean 'adam'?); available: adagrad, adam, "
+                            "adamw, lion, sgd (chosen in a config file's defaults list)"), str(e.value)
+
+
+def test_a_config_dir_file_of_a_conf_name_is_used_with_a_note_or_refused_where_conf_hides_it(tmp_path):
+    """A --config-dir folder holding the primary config comes before conf/: its optimizer/adamw.yaml is used, with
+    a note naming both files. One without it (and a hydra.searchpath folder) comes after conf/, which hides the
+    file: refused in one line (it was silently ignored)."""
+    from framework.core.paths import conf_dir
+
+    (tmp_path / "optimizer").mkdir()
+    (tmp_path / "optimizer" / "adamw.yaml").write_text((conf_dir() / "optimizer" / "adamw.yaml").read_text()
+                                                       .replace("lr: 1.0e-3", "lr: 5.0e-2"))
+    (tmp_path / "my.yaml").write_text("defaults: [train, _self_]\n")
+    mine, conf = tmp_path / "optimizer" / "adamw.yaml", conf_dir() / "optimizer" / "adamw.yaml"
+    cfg = compose([], config_dir=str(tmp_path), config_name="my")
+    assert cfg.optimizer.lr == 5e-2
+    assert f"note: config: {mine} is used in place of {conf} (a --config-dir folder holding the primary config " \
+           "comes before conf/)" in cfg.notices, cfg.notices
+    for overrides, where in (([], {"config_dir": str(tmp_path)}), ([f"hydra.searchpath=[file://{tmp_path}]"], {})):
+        with pytest.raises(ConfigError) as e:
+            compose(overrides, **where)
+        assert str(e.value).startswith(f"config: {mine} is hidden by {conf}, which comes first on the search path ("
+                                       ) and "\n" not in str(e.value), str(e.value)
 
 
 def test_hydra_refusing_a_group_value_is_one_line():
