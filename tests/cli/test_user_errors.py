@@ -665,8 +665,8 @@ def test_a_component_under_a_taken_name_or_with_another_build_signature_is_one_l
 def test_a_field_of_ones_own_config_without_a_value_names_the_yaml_file_and_the_plus_override(own_component):
     """A config field without a default that its YAML file leaves out: the line names both ways to give it (the
     YAML file's key, or +key=V: without the +, Hydra refuses a key the file lacks), not OmegaConf's words."""
-    search = own_component("optimizer", "sign", OWN_OPTIMIZER.format(
-        fields="lr: float = 1e-3\n    decay_1d: bool = False\n    alpha: float"), "lr: 1.0e-2\n")
+    fields = "lr: float = 1e-3\n    decay_1d: bool = False\n    alpha: float"
+    search = own_component("optimizer", "sign", OWN_OPTIMIZER.format(fields=fields), "lr: 1.0e-2\n")
     with pytest.raises(framework.ConfigError) as e:
         framework.compose(["optimizer=sign", search])
     assert str(e.value) == ("config: optimizer.alpha has no value (a missing mandatory value: SignConfig gives it no "
