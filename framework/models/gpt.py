@@ -1,6 +1,6 @@
 """A nanoGPT-style GPT with einops: pre-LN ``Block``s (the unit ZeRO-3 gathers and checkpointing wraps), causal
 ``scaled_dot_product_attention``, learned positions, a 4x GELU MLP, optional biases, dropout and weight tying.
-The presets' values live in ``conf/model/<name>.yaml``, read into ``PRESETS``."""
+The presets live in ``conf/model/<name>.yaml`` (every ``gpt*.yaml`` there is one); ``preset(name)`` reads one."""
 from __future__ import annotations
 
 import dataclasses
@@ -174,9 +174,30 @@ def build(cfg: GPTConfig, vocab_size: int | None = None) -> GPT:
     return GPT(cfg if vocab_size in (None, cfg.vocab_size) else dataclasses.replace(cfg, vocab_size=vocab_size))
 
 
-# The presets' values, each file's header with its parameter count (position embeddings included).
-PRESETS: dict[str, GPTConfig] = {path.stem: GPTConfig(**yaml.safe_load(path.read_text()))
-                                 for path in sorted((conf_dir() / "model").glob("gpt*.yaml"))}
-COMPONENTS: dict[str, ModelComponent] = {name: ModelComponent(config=GPTConfig, build=build, loss=gpt_loss,
-                                                                hidden_size=lambda cfg: cfg.d_model)
-                                          for name in PRESETS}
+def preset(name: str) -> GPTConfig:
+    """The config ``conf/model/<name>.yaml`` holds, a bad file refused in one line naming it. Read when asked for,
+    never at import: a bad preset must not break the runs of every other model."""
+    path = conf_dir() / "model" / f"{name}.yaml"
+    try:
+        node = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read model preset {name!r}: {' '.join(str(e).split())}") from None
+    fields = [f.name for f in dataclasses.fields(GPTConfig)]
+    if not isinstance(node, dict):
+        raise ConfigError(f"{path}: model preset {name!r} is not a mapping of GPT keys ({', '.join(fields)})")
+    unknown = sorted(set(node) - set(fields))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r} in model preset {name!r}; its keys are "
+                          f"{', '.join(fields)}")
+    try:
+        return GPTConfig(**node)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except TypeError as e:   # a required key missing
+        raise ConfigError(f"{path}: model preset {name!r}: {e}") from None
+
+
+# Each preset by its file name alone (the values are the run's composed node): nothing read at import.
+COMPONENTS: dict[str, ModelComponent] = {path.stem: ModelComponent(config=GPTConfig, build=build, loss=gpt_loss,
+                                                                     hidden_size=lambda cfg: cfg.d_model)
+                                          for path in sorted((conf_dir() / "model").glob("gpt*.yaml"))}
