@@ -131,10 +131,14 @@ class GPT(nn.Module):
                 t.copy_(host)
 
     def forward(self, idx: Tensor) -> Tensor:
-        """Token ids [B, T] -> fp32 logits [B, T, vocab]."""
+        """Token ids [B, T] -> fp32 logits [B, T, vocab]. Ids outside [0, vocab_size) are refused on the host and
+        other non-CUDA devices; on CUDA they are not checked (reading them would make the host wait for the device
+        every step), and the embedding's device-side assert is what an out-of-range id gives there."""
         t = idx.shape[1]
         if t > self.cfg.context:
             raise ValueError(f"sequence length {t} exceeds the model context {self.cfg.context}")
+        if idx.numel() and idx.device.type not in ("cuda", "meta"):
+            self._check_ids(idx)
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         # Checkpointing only pays off when a backward pass will follow.
@@ -144,6 +148,14 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         logits = self.wte(x, unembed=True) if self.lm_head is None else self.lm_head(x)
         return logits.float()   # the loss's softmax over the vocabulary wants fp32
+
+    def _check_ids(self, idx: Tensor) -> None:
+        # host sync: not on CUDA (forward skips it there); on the host this reads memory already there
+        low, high = (int(v) for v in torch.aminmax(idx))
+        if low < 0 or high >= self.cfg.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {self.cfg.vocab_size}): give ids "
+                             f"below vocab_size, or build the model with a vocab_size above {high}")
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -117,6 +117,21 @@ def test_forward_shape_dtype_and_loss_at_init():
         model(torch.zeros(1, cfg.context + 1, dtype=torch.long))
 
 
+def test_token_ids_outside_the_vocabulary_are_one_line_on_the_host():
+    """Library use (the CLI's data sources check their own ids): not F.embedding's 'index out of range in self'."""
+    cfg = tiny()
+    model = GPT(cfg)
+    x = torch.zeros(2, 4, dtype=torch.long)
+    x[1, 2] = cfg.vocab_size + 20
+    with pytest.raises(ValueError, match=r"token id 70 is outside the model's vocabulary \[0, 50\)"):
+        model(x)
+    x[1, 2] = -1
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        model(x)
+    x[1, 2] = cfg.vocab_size - 1   # the last id is in
+    assert model(x).shape == (2, 4, cfg.vocab_size)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def test_init_parameter_on_any_device_gives_the_host_built_values(device):
