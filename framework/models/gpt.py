@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +162,11 @@ class GPT(nn.Module):
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` [B, T]; temperature 0 is greedy."""
+        # A negative temperature would favour the least likely tokens, silently; top_k 0 keeps no token.
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"generate: temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
+        if top_k is not None and not (isinstance(top_k, numbers.Integral) and top_k >= 1):
+            raise ValueError(f"generate: top_k must be a whole number >= 1 or None (no cut), got {top_k!r}")
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.cfg.context:])[:, -1, :]
             if temperature == 0.0:

@@ -233,3 +233,16 @@ def test_generate():
     greedy = model.generate(prompt, 5, temperature=0.0)
     assert torch.equal(greedy, model.generate(prompt, 5, temperature=0.0))
     assert not model.generate(prompt, 1).requires_grad
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"temperature": -1.0}, r"temperature must be a finite number >= 0 \(0 is greedy\), got -1.0"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"top_k": 0}, "top_k must be a whole number >= 1 or None"),
+    ({"top_k": 2.5}, "top_k must be a whole number >= 1 or None"),
+])
+def test_generate_refuses_bad_sampling_settings(kwargs, needle):
+    """A negative temperature would sample the least likely tokens, silently; top_k 0 failed inside torch."""
+    model = GPT(tiny()).eval()
+    with pytest.raises(ValueError, match=needle):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 2, **kwargs)
