@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
                    f"put it on PYTHONPATH as the module docstring shows\n")
 
     from framework.memory.tables import count_module, zero2_rows, zero3_rows
-    from framework.models.gpt import GPT, PRESETS
+    from framework.models.gpt import GPT, preset
 
     cases = rows = 0
     grid = itertools.product((2851e6, 1.417e9, 124_475_904, 7e9, 804_096), (32e6, 103_022_592, 65_536),
@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> None:
         cases += 1
     # _all_live: DeepSpeed counts a real model by data_ptr; ours counts the same model on meta by identity.
     for name in ("gpt-nano", "gpt-mini"):
-        real = GPT(PRESETS[name])
+        real = GPT(preset(name))
         with torch.device("meta"):
-            meta = GPT(PRESETS[name])
+            meta = GPT(preset(name))
         ds_p, ds_l = model_to_params(real)
         c = count_module(meta)
         assert (c.params, c.largest_layer) == (ds_p, ds_l), (name, c, ds_p, ds_l)

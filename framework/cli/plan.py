@@ -125,9 +125,9 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     names = sorted(n for n in registry("model").names() if n != "hf")
     if kind == "yaml":
         raise ConfigError(f"plan: model={own['model']}: plan takes a model's name ({', '.join(names)}); copy the "
-                          "file into conf/model/ as NAME.yaml and give model=NAME, or give a preset and model.* keys "
-                          "(model=gpt-mini model.n_layer=8); python -m framework.estimate predicts a model YAML's "
-                          "memory per rank")
+                          "file into conf/model/ as gpt-NAME.yaml (a GPT model there is a file named gpt*.yaml) and "
+                          "give model=gpt-NAME, or give a preset and model.* keys (model=gpt-mini model.n_layer=8); "
+                          "python -m framework.estimate predicts a model YAML's memory per rank")
     if own["model"] not in names:
         raise ConfigError(f"plan: unknown model {value!r}{closest_hint(path.stem, names)}; plan takes one "
                           f"of {', '.join(names)}")

@@ -1,5 +1,5 @@
-"""Model components (conf group ``model``): ``gpt.py`` registers the GPT presets (sizes in
-``conf/model/<name>.yaml``), ``hf.py`` registers ``hf`` (any Hugging Face causal LM from local files).
+"""Model components (conf group ``model``): ``gpt.py`` registers the GPT presets (each
+``conf/model/gpt*.yaml``, by its name), ``hf.py`` registers ``hf`` (any Hugging Face causal LM from local files).
 Another model is a module here defining ``COMPONENT = ModelComponent(config=..., build=..., loss=...)``
 (``_base.py``) whose config has a ``context`` field, plus its YAML file: ``check_entry`` refuses any other."""
 import dataclasses

@@ -1,10 +1,11 @@
 """A nanoGPT-style GPT with einops: pre-LN ``Block``s (the unit ZeRO-3 gathers and checkpointing wraps), causal
 ``scaled_dot_product_attention``, learned positions, a 4x GELU MLP, optional biases, dropout and weight tying.
-The presets' values live in ``conf/model/<name>.yaml``, read into ``PRESETS``."""
+The presets live in ``conf/model/<name>.yaml`` (every ``gpt*.yaml`` there is one); ``preset(name)`` reads one."""
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -131,10 +132,14 @@ class GPT(nn.Module):
                 t.copy_(host)
 
     def forward(self, idx: Tensor) -> Tensor:
-        """Token ids [B, T] -> fp32 logits [B, T, vocab]."""
+        """Token ids [B, T] -> fp32 logits [B, T, vocab]. Ids outside [0, vocab_size) are refused on the host and
+        other non-CUDA devices; on CUDA they are not checked (reading them would make the host wait for the device
+        every step), and the embedding's device-side assert is what an out-of-range id gives there."""
         t = idx.shape[1]
         if t > self.cfg.context:
             raise ValueError(f"sequence length {t} exceeds the model context {self.cfg.context}")
+        if idx.numel() and idx.device.type not in ("cuda", "meta"):
+            self._check_ids(idx)
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         # Checkpointing only pays off when a backward pass will follow.
@@ -145,10 +150,23 @@ class GPT(nn.Module):
         logits = self.wte(x, unembed=True) if self.lm_head is None else self.lm_head(x)
         return logits.float()   # the loss's softmax over the vocabulary wants fp32
 
+    def _check_ids(self, idx: Tensor) -> None:
+        # host sync: not on CUDA (forward skips it there); on the host this reads memory already there
+        low, high = (int(v) for v in torch.aminmax(idx))
+        if low < 0 or high >= self.cfg.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {self.cfg.vocab_size}): give ids "
+                             f"below vocab_size, or build the model with a vocab_size above {high}")
+
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` [B, T]; temperature 0 is greedy."""
+        # A negative temperature would favour the least likely tokens, silently; top_k 0 keeps no token.
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"generate: temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
+        if top_k is not None and not (isinstance(top_k, numbers.Integral) and top_k >= 1):
+            raise ValueError(f"generate: top_k must be a whole number >= 1 or None (no cut), got {top_k!r}")
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.cfg.context:])[:, -1, :]
             if temperature == 0.0:
@@ -174,9 +192,30 @@ def build(cfg: GPTConfig, vocab_size: int | None = None) -> GPT:
     return GPT(cfg if vocab_size in (None, cfg.vocab_size) else dataclasses.replace(cfg, vocab_size=vocab_size))
 
 
-# The presets' values, each file's header with its parameter count (position embeddings included).
-PRESETS: dict[str, GPTConfig] = {path.stem: GPTConfig(**yaml.safe_load(path.read_text()))
-                                 for path in sorted((conf_dir() / "model").glob("gpt*.yaml"))}
-COMPONENTS: dict[str, ModelComponent] = {name: ModelComponent(config=GPTConfig, build=build, loss=gpt_loss,
-                                                                hidden_size=lambda cfg: cfg.d_model)
-                                          for name in PRESETS}
+def preset(name: str) -> GPTConfig:
+    """The config ``conf/model/<name>.yaml`` holds, a bad file refused in one line naming it. Read when asked for,
+    never at import: a bad preset must not break the runs of every other model."""
+    path = conf_dir() / "model" / f"{name}.yaml"
+    try:
+        node = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read model preset {name!r}: {' '.join(str(e).split())}") from None
+    fields = [f.name for f in dataclasses.fields(GPTConfig)]
+    if not isinstance(node, dict):
+        raise ConfigError(f"{path}: model preset {name!r} is not a mapping of GPT keys ({', '.join(fields)})")
+    unknown = sorted(set(node) - set(fields))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r} in model preset {name!r}; its keys are "
+                          f"{', '.join(fields)}")
+    try:
+        return GPTConfig(**node)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except TypeError as e:   # a required key missing
+        raise ConfigError(f"{path}: model preset {name!r}: {e}") from None
+
+
+# Each preset by its file name alone (the values are the run's composed node): nothing read at import.
+COMPONENTS: dict[str, ModelComponent] = {path.stem: ModelComponent(config=GPTConfig, build=build, loss=gpt_loss,
+                                                                     hidden_size=lambda cfg: cfg.d_model)
+                                          for path in sorted((conf_dir() / "model").glob("gpt*.yaml"))}

@@ -18,7 +18,7 @@ from framework.memory.tables import NVMeKeys, count_module, nvme_rows, parse_cou
 from framework.config import compose
 from framework.core.errors import ConfigError
 from framework.cli.estimate import main
-from framework.models.gpt import GPT, PRESETS
+from framework.models.gpt import COMPONENTS, GPT, preset
 from framework.models.hf import HFConfig
 from framework.models.hf import build as hf_build
 from tests._helpers import count_params
@@ -136,7 +136,8 @@ def test_nvme_rows_take_the_composed_precision(capsys):
 
 
 def test_our_gpt_presets_count_on_meta():
-    for name, cfg in PRESETS.items():
+    for name in COMPONENTS:
+        cfg = preset(name)
         with torch.device("meta"):
             model = GPT(cfg)
         c = count_module(model)
@@ -424,13 +425,13 @@ def test_a_model_the_meta_trace_cannot_run_is_one_line(capsys):
 def test_model_yaml_path(capsys):
     assert main([f"model={ROOT / 'conf' / 'model' / 'gpt-nano.yaml'}", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["params"] == count_params(PRESETS["gpt-nano"])   # the YAML's own vocab_size (no data= given)
+    assert out["params"] == count_params(preset("gpt-nano"))   # the YAML's own vocab_size (no data= given)
     assert out["prediction"]["items"]["params"]["device"] > 0
     # model.* overrides apply over the file, as over a preset's YAML (not to a default model thrown away)
     assert main([f"model={ROOT / 'conf' / 'model' / 'gpt-nano.yaml'}", "model.n_layer=8", "model.context=128",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["params"] == count_params(dataclasses.replace(PRESETS["gpt-nano"], n_layer=8, context=128))
+    assert out["params"] == count_params(dataclasses.replace(preset("gpt-nano"), n_layer=8, context=128))
     assert "context=128" in main_text([f"model={ROOT / 'conf' / 'model' / 'gpt-nano.yaml'}", "model.context=128"],
                                       capsys)
 
@@ -557,8 +558,8 @@ def test_preset_counts_with_its_own_vocabulary(capsys, tmp_path, monkeypatch):
     assert "model with 354M total params, 51M largest layer params; vocab 50304 (from model)" in out, out
     assert main(["model=gpt-mini", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["params"] == count_params(PRESETS["gpt-mini"]) and out["vocab"] == {"size": 256, "from": "model"}
-    at_64 = count_params(dataclasses_replace_vocab(PRESETS["gpt-mini"], 64))
+    assert out["params"] == count_params(preset("gpt-mini")) and out["vocab"] == {"size": 256, "from": "model"}
+    at_64 = count_params(dataclasses_replace_vocab(preset("gpt-mini"), 64))
     assert out["prediction"]["params"] == at_64, out["prediction"]["notes"]
     assert "model built at vocab 64 (from data=synthetic), as training builds it" in out["prediction"]["notes"]
     assert main(["model=gpt-mini", "data=synthetic", "--json"]) == 0
@@ -568,7 +569,7 @@ def test_preset_counts_with_its_own_vocabulary(capsys, tmp_path, monkeypatch):
     # data that is not here: the vocabulary its config states (data=tokens' data.vocab_size), as training builds it
     assert main(["model=gpt-mini", "data=tokens", "data.path=/nonexistent.bin", "+stage=zero2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    at_50304 = count_params(dataclasses_replace_vocab(PRESETS["gpt-mini"], 50304))
+    at_50304 = count_params(dataclasses_replace_vocab(preset("gpt-mini"), 50304))
     assert out["vocab"] == {"size": 50304, "from": "data=tokens"} and out["prediction"]["params"] == at_50304
     # model=hf keeps its config.json's vocabulary (96 here), whatever the data's (synthetic: 64): so do both counts
     pytest.importorskip("transformers")

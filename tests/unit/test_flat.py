@@ -124,15 +124,15 @@ def test_a_gather_unit_that_matches_no_module_is_an_error():
     """stage.gather_unit names module classes; one the model does not have is refused, naming the closest
     class it has. The default ([Block], our GPT's layer) does nothing on a model without one."""
     from framework.core.errors import ConfigError
-    from framework.models.gpt import GPT, PRESETS
+    from framework.models.gpt import GPT, preset
     from framework.stages import plan_units
 
     with torch.device("meta"):
-        gpt = GPT(PRESETS["gpt-nano"])
+        gpt = GPT(preset("gpt-nano"))
     with pytest.raises(ConfigError, match=r"^stage.gather_unit: 'Blok' matches no module of the model "
                                           r"\(did you mean 'Block'\?\)"):
         plan_units(gpt, ["Block", "Blok"], True, 0)
-    assert len(plan_units(gpt, ["Block"], True, 0)[0]) > PRESETS["gpt-nano"].n_layer
+    assert len(plan_units(gpt, ["Block"], True, 0)[0]) > preset("gpt-nano").n_layer
     seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     assert [u.name for u in plan_units(seq, ["Block"], True, 0)[0]] == ["<root>", "0", "1"]   # the default
     assert [u.name for u in plan_units(seq, ["Linear"], True, 0)[0]] == ["<root>", "0", "1"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.core.errors import ConfigError
-from framework.models.gpt import COMPONENTS, GPT, PRESETS, Block, GPTConfig, build, gpt_loss
+from framework.models.gpt import COMPONENTS, GPT, Block, GPTConfig, build, gpt_loss, preset
 from framework.core.registry import registry
 from framework.stages import param_count
 from tests._helpers import count_params
@@ -39,20 +40,20 @@ def batch(cfg: GPTConfig, b: int = 3, t: int | None = None, seed: int = 0):
             torch.randint(0, cfg.vocab_size, (b, t), generator=g))
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(COMPONENTS))
 def test_preset_yaml_has_every_field_and_states_its_size(name):
     text = (CONF / f"{name}.yaml").read_text()
     node = OmegaConf.to_container(OmegaConf.create(text))
     assert set(node) == {f.name for f in dataclasses.fields(GPTConfig)}
-    # PRESETS is read with PyYAML, a run's config with OmegaConf: both must read the same values.
-    assert GPTConfig(**node) == PRESETS[name]
+    # preset() reads with PyYAML, a run's config with OmegaConf: both must read the same values.
+    assert GPTConfig(**node) == preset(name)
     # The header a user reads is the size the model has.
-    assert text.startswith(f"# {name}: {count_params(PRESETS[name]):,} parameters at this vocab_size")
+    assert text.startswith(f"# {name}: {count_params(preset(name)):,} parameters at this vocab_size")
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(COMPONENTS))
 def test_preset_param_counts(name):
-    cfg = PRESETS[name]
+    cfg = preset(name)
     assert count_params(cfg) == EXPECTED_PARAMS[name]
     with torch.device("meta"):          # no memory, even for the 1.4 B model
         model = build(cfg)
@@ -60,15 +61,35 @@ def test_preset_param_counts(name):
 
 
 def test_registry_lists_presets():
-    assert set(PRESETS) == set(EXPECTED_PARAMS)   # every preset YAML was found and read
-    assert set(registry("model").names()) >= set(PRESETS)
+    assert set(COMPONENTS) == set(EXPECTED_PARAMS)   # every preset YAML was found
+    assert set(registry("model").names()) >= set(COMPONENTS)
     assert all(c.config is GPTConfig for c in COMPONENTS.values())
 
 
+def test_a_bad_preset_file_breaks_only_its_own_name(tmp_path, monkeypatch):
+    """A nanoGPT-style file dropped into conf/model/ must not stop the runs of every other model: the module
+    reads no preset at import, and reading the bad one is one line naming its file."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "gpt-nano.yaml").write_text((CONF / "gpt-nano.yaml").read_text())
+    bad = tmp_path / "model" / "gpt-bad.yaml"
+    bad.write_text("vocab_size: 65\nblock_size: 64\nn_layer: 2\nn_head: 2\nn_embd: 64\nbias: false\n")
+    monkeypatch.setattr("framework.core.paths.conf_dir", lambda: tmp_path)
+    spec = importlib.util.find_spec("framework.models.gpt")
+    fresh = importlib.util.module_from_spec(spec)   # a second copy: the imported module's classes stay as they are
+    spec.loader.exec_module(fresh)
+    assert sorted(fresh.COMPONENTS) == ["gpt-bad", "gpt-nano"]
+    assert fresh.preset("gpt-nano").d_model == 128
+    with pytest.raises(ConfigError, match=r"gpt-bad\.yaml: unknown key 'block_size' in model preset 'gpt-bad'"):
+        fresh.preset("gpt-bad")
+    bad.write_text("vocab_size: 65\ncontext: 64\nn_layer: 2\nn_head: 3\nd_model: 64\nbias: false\n")
+    with pytest.raises(ConfigError, match=r"gpt-bad\.yaml: model\.d_model \(64\) must be divisible"):
+        fresh.preset("gpt-bad")
+
+
 def test_headline_sizes():
-    assert count_params(dataclasses.replace(PRESETS["gpt-nano"], vocab_size=65)) / 1e6 == pytest.approx(0.80, abs=0.01)
-    assert round(count_params(PRESETS["gpt-1b"]) / 1e9, 3) == 1.417
-    assert round(count_params(PRESETS["gpt2-small"]) / 1e6) == 124
+    assert count_params(dataclasses.replace(preset("gpt-nano"), vocab_size=65)) / 1e6 == pytest.approx(0.80, abs=0.01)
+    assert round(count_params(preset("gpt-1b")) / 1e9, 3) == 1.417
+    assert round(count_params(preset("gpt2-small")) / 1e6) == 124
 
 
 def test_build_vocab_override():
@@ -94,6 +115,21 @@ def test_forward_shape_dtype_and_loss_at_init():
     assert gpt_loss(model, (x, y)).item() == pytest.approx(math.log(cfg.vocab_size), abs=0.1)
     with pytest.raises(ValueError, match="context"):
         model(torch.zeros(1, cfg.context + 1, dtype=torch.long))
+
+
+def test_token_ids_outside_the_vocabulary_are_one_line_on_the_host():
+    """Library use (the CLI's data sources check their own ids): not F.embedding's 'index out of range in self'."""
+    cfg = tiny()
+    model = GPT(cfg)
+    x = torch.zeros(2, 4, dtype=torch.long)
+    x[1, 2] = cfg.vocab_size + 20
+    with pytest.raises(ValueError, match=r"token id 70 is outside the model's vocabulary \[0, 50\)"):
+        model(x)
+    x[1, 2] = -1
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        model(x)
+    x[1, 2] = cfg.vocab_size - 1   # the last id is in
+    assert model(x).shape == (2, 4, cfg.vocab_size)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -197,3 +233,16 @@ def test_generate():
     greedy = model.generate(prompt, 5, temperature=0.0)
     assert torch.equal(greedy, model.generate(prompt, 5, temperature=0.0))
     assert not model.generate(prompt, 1).requires_grad
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"temperature": -1.0}, r"temperature must be a finite number >= 0 \(0 is greedy\), got -1.0"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"top_k": 0}, "top_k must be a whole number >= 1 or None"),
+    ({"top_k": 2.5}, "top_k must be a whole number >= 1 or None"),
+])
+def test_generate_refuses_bad_sampling_settings(kwargs, needle):
+    """A negative temperature would sample the least likely tokens, silently; top_k 0 failed inside torch."""
+    model = GPT(tiny()).eval()
+    with pytest.raises(ValueError, match=needle):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 2, **kwargs)
