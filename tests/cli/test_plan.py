@@ -258,7 +258,8 @@ def test_a_hugging_face_model_is_refused_on_one_line(capsys, tmp_path):
     assert main([f"model={yaml}", "gpu_mem=80G"]) == 2
     assert capsys.readouterr().err == (
         f"error: plan: model={yaml}: plan takes a model's name ({names}); copy the file into conf/model/ as "
-        "gpt-NAME.yaml (a GPT model there is a file named gpt*.yaml) and give model=gpt-NAME, or give a preset and model.* keys (model=gpt-mini model.n_layer=8); "
+        "gpt-NAME.yaml (a GPT model there is a file named gpt*.yaml) and give model=gpt-NAME, or give a preset and "
+        "model.* keys (model=gpt-mini model.n_layer=8); "
         "python -m framework.estimate predicts a model YAML's memory per rank\n")
     assert main(["model=gpt2", "gpu_mem=80G"]) == 2
     assert capsys.readouterr().err == f"error: plan: unknown model 'gpt2' (did you mean 'gpt2-small'?); plan takes one of {names}\n"
