@@ -389,8 +389,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         except Exception as e:
             basic_sweep = multirun and hc.runtime.choices.get("hydra/launcher") == "basic"
             if isinstance(e, FrameworkError):
-                # Rank 0 printed this folder and the files it writes there (its header) once it owned it: gone.
-                if _remove_made(made, subdir, bool(owned), e.every_rank) and owned:
+                # Rank 0's header (train.log, looked at before the removal: &) named this folder and its files: gone.
+                if (run.run_dir / "train.log").is_file() & _remove_made(made, subdir, bool(owned), e.every_rank):
                     say(f"note: run folder {run.run_dir} removed (the run was refused before training: none of "
                         f"its files were written)")
                 say(f"error: {e}")   # (under torchrun every rank prints its line)

@@ -694,3 +694,14 @@ def test_a_config_dirs_group_file_is_what_the_run_trains_and_hydra_records(forkr
     recorded = OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml")
     trained = json.loads((tmp_path / "run" / "summary.json").read_text())["config"]
     assert recorded.optimizer.lr == trained["optimizer"]["lr"] == 5e-2, (recorded.optimizer, trained["optimizer"])
+
+
+def test_a_run_refused_in_the_checkpoint_pre_flight_leaves_no_run_folder(forkrun, tmp_path):
+    """The run folder made (and locked) before the checkpoint checks goes with their refusal: no folder
+    holding only run.lock per attempt, and no note about a folder the run never named."""
+    p = forkrun.run("framework.train", ["train.steps=2", f"checkpoint.resume={tmp_path / 'nope' / 'step-3'}"],
+                    cwd=tmp_path)
+    assert p.returncode == 1 and p.stderr.splitlines() == [
+        f"error: checkpoint.resume={tmp_path / 'nope' / 'step-3'}: no checkpoint there (expected a step-<N> folder "
+        "with manifest.json, or a directory holding them); use checkpoint.resume=auto or off"], p.stderr
+    assert not list(tmp_path.iterdir())
