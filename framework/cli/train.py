@@ -192,7 +192,7 @@ def check_folder(cfg: DictConfig, key: str) -> Path | None:
     except OmegaConfBaseException as e:   # an interpolation only a running Hydra resolves: Hydra's to check
         check_missing_key(cfg, key, e)
         return None
-    base = nearest_existing(folder)
+    base = nearest_existing(folder, key)
     if not base.is_dir():
         raise ConfigError(f"{key}={folder}: {base} is not a folder; set {key} to a folder")
     try:
