@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from framework.core.errors import ConfigError
+from framework.core.paths import user_path
 from framework.core.units import size
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)           # no room on the file system: the disk, a quota
@@ -66,11 +67,14 @@ def available_ram() -> int | None:
 
 def nearest_existing(path: Path, key: str | None = None) -> Path:
     """``path`` or its nearest parent that exists (a folder about to be made lives there). With ``key`` (the
-    setting naming the folder): a name too long (``check_name``) or a link to nothing on the way is a ConfigError
-    (making the folder would fail on it)."""
+    setting naming the folder, which is made as given): a leading ``~``, a name too long (``check_name``) or a
+    link to nothing on the way is a ConfigError (a folder named ~, or a traceback making it)."""
     given, path = path, Path(path).absolute()   # not abspath: ".." after a link is the kernel's to resolve
     if key is not None:
         check_name(given, key)
+        if str(given).startswith("~"):   # (Path.absolute keeps it: a folder named ~ in the working folder)
+            raise ConfigError(f"{key}={given}: a leading ~ is not expanded there; write the home folder's path: "
+                              f"{key}={user_path(str(given))}")
     while not path.exists() and path.parent != path:
         if key is not None and path.is_symlink():
             raise ConfigError(f"{key}={given}: {path} is a link to a missing folder ({os.readlink(path)}); make "

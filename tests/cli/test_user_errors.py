@@ -705,3 +705,32 @@ def test_a_run_refused_in_the_checkpoint_pre_flight_leaves_no_run_folder(forkrun
         f"error: checkpoint.resume={tmp_path / 'nope' / 'step-3'}: no checkpoint there (expected a step-<N> folder "
         "with manifest.json, or a directory holding them); use checkpoint.resume=auto or off"], p.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_a_leading_tilde_is_the_home_folder_for_every_path_setting(tmp_path, monkeypatch, capsys):
+    """The shell leaves ``key=~/x`` and ``--to=~/x`` as typed: each path setting expands it (one helper), and
+    Hydra's run and sweep folders, which the framework does not make, are refused in one line naming the
+    expanded path (never a folder named ~ in the working folder)."""
+    from omegaconf import OmegaConf
+
+    from framework.cli import export
+    from framework.cli.train import check_folder
+    from framework.config import dsconfig, search_order
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 2}')
+    assert dsconfig.load("~/ds.json") == {"train_micro_batch_size_per_gpu": 2}
+    cfg = framework.compose(["+stage=zero3", "offload=nvme", "offload.nvme_path='~/swap'"])
+    assert cfg.offload.nvme_path == str(tmp_path / "swap")
+    (tmp_path / "cfgs").mkdir()
+    _, rest, _ = search_order("~/cfgs", "mine", ["--config-dir=~/cfgs", "-cd", "~/cfgs", "a=~/b"])
+    assert rest == [f"--config-dir={tmp_path / 'cfgs'}", "-cd", str(tmp_path / "cfgs"), "a=~/b"]   # (Hydra's read)
+    for key in ("hydra.run.dir", "hydra.sweep.dir"):
+        with pytest.raises(framework.ConfigError) as e:
+            check_folder(OmegaConf.create({"hydra": {"run": {"dir": "~/r"}, "sweep": {"dir": "~/r"}}}), key)
+        assert str(e.value) == (f"{key}=~/r: a leading ~ is not expanded there; write the home folder's path: "
+                                f"{key}={tmp_path / 'r'}")
+    assert export.main(["~/ck", "--to=~/out"]) == 1
+    assert capsys.readouterr().err == f"error: export: {tmp_path / 'ck'} does not exist\n"
+    assert sorted(os.listdir(tmp_path)) == ["cfgs", "ds.json"]
