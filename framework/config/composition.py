@@ -120,9 +120,27 @@ def parse_overrides(overrides: list[str]) -> list:
     try:
         return OverridesParser.create().parse_overrides(list(overrides))
     except OverrideParseException as e:
-        why = [line for line in str(e).splitlines() if line and not line.startswith(("Error parsing", "See "))]
-        raise ConfigError(f"cannot parse override {e.override!r}: {'; '.join(why)} (overrides are key=value; "
-                          "the syntax: https://hydra.cc/docs/advanced/override_grammar/basic)") from None
+        why = [line for line in str(e).splitlines() if line.strip() not in ("", "^")   # (a caret under the override)
+               and not line.startswith(("Error parsing", "See "))]
+        raise ConfigError(f"cannot parse override {e.override!r}: {_unquoted(str(e), e.override) or '; '.join(why)} "
+                          "(overrides are key=value; the syntax: https://hydra.cc/docs/advanced/override_grammar/basic)"
+                          ) from None
+
+
+def _unquoted(error: str, override: str) -> str | None:
+    """Where the lexer stopped at a character an unquoted value may not hold (a path's ~, é, ☃: Hydra's caret
+    points at it), the fix: the value quoted."""
+    lines = error.splitlines()
+    head = "LexerNoViableAltException: "
+    if len(lines) < 2 or not lines[0].startswith(head) or "^" not in lines[1]:
+        return None
+    at = lines[1].index("^") - len(head)
+    key, eq, value = override.partition("=")
+    if not eq or not len(key) < at < len(override):
+        return None
+    quote = "'" if "'" not in value else '"'
+    return (f"an unquoted value may not hold {override[at]!r}; quote the value (inside the shell's quotes): "
+            f"{key}={quote}{value}{quote}")
 
 
 def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = None) -> tuple[DictConfig, dict]:

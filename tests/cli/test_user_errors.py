@@ -167,6 +167,11 @@ SYNTAX = "(overrides are key=value; the syntax: https://hydra.cc/docs/advanced/o
 @pytest.mark.parametrize("override,why", [
     ("train.steps", "missing EQUAL at '<EOF>'"),
     ("optimizer.lr=[1,", "no viable alternative at input '[1,'"),
+    # the lexer's caret (a line of its own) named as the character to quote
+    ("checkpoint.dir=~/ck", "an unquoted value may not hold '~'; quote the value (inside the shell's quotes): "
+                            "checkpoint.dir='~/ck'"),
+    ("hydra.run.dir=/r/it's ü", "an unquoted value may not hold \"'\"; quote the value (inside the shell's quotes): "
+                                "hydra.run.dir=\"/r/it's ü\""),
 ])
 def test_override_syntax_mistake(override, why):
     from framework.cli.train import _jobs
