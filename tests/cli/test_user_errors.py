@@ -193,6 +193,19 @@ def test_recipe_misspelt_action(capsys):
                                        "prepare, check (or none: run), then key=value overrides\n")
 
 
+def test_recipe_prepare_reads_data_path_as_train_does(tmp_path, capsys):
+    """Hydra's quoting (a path with a non-ASCII letter must be quoted for train) is read by prepare too."""
+    from framework.cli import recipe
+
+    src = tmp_path / "sp ace ü" / "in.txt"
+    src.parent.mkdir()
+    src.write_text("to be or not to be\n" * 20)
+    out = tmp_path / "tok.bin"
+    assert recipe.main(["shakespeare_char_cpu", "prepare", f"data.path='{src}'", "--out", str(out)]) == 0, \
+        capsys.readouterr().err
+    assert out.is_file()
+
+
 def test_a_stage_key_without_a_stage():
     """Hydra's run composes the command line as given, with the DeepSpeed file's group choices that
     all jobs share: a stage's key needs the stage chosen there."""
