@@ -752,3 +752,13 @@ def test_a_leading_tilde_is_the_home_folder_for_every_path_setting(tmp_path, mon
     assert export.main(["~/ck", "--to=~/out"]) == 1
     assert capsys.readouterr().err == f"error: export: {tmp_path / 'ck'} does not exist\n"
     assert sorted(os.listdir(tmp_path)) == ["cfgs", "ds.json"]
+
+
+def test_a_file_where_hydras_record_goes_is_one_line_before_the_run(forkrun, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".hydra").write_text("x")
+    p = forkrun.run("framework.train", ["train.steps=2", "hydra.run.dir=run"], cwd=tmp_path)
+    assert p.returncode == 1 and p.stderr.splitlines() == [
+        f"error: cannot write Hydra's record of the job (hydra.output_subdir=.hydra) in {tmp_path / 'run' / '.hydra'}: "
+        "it is not a folder; move it away, or give this run a folder of its own: hydra.run.dir=PATH"], p.stderr
+    assert os.listdir(tmp_path / "run") == [".hydra"] and not p.stdout
