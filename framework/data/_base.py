@@ -55,6 +55,8 @@ def resolve_path(path: str) -> Path:
     for c in candidates:
         if c.is_file():
             return c.resolve()
+    if folder := next((c for c in candidates if c.is_dir()), None):
+        raise DataError(f"data.path={path}: {folder} is a folder; point data.path at the file in it to train on")
     looked = ", ".join(str(c) for c in candidates)
     raise DataError(f"data file {path!r} not found (looked at {looked}); "
                     "point data.path at an existing file, e.g. data.path=/abs/path/to/file")

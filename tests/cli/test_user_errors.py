@@ -63,6 +63,19 @@ def test_unreadable_text_data():
                                                                  "permissions or point data.path at a readable file")
 
 
+def test_a_data_path_that_is_a_folder_says_so(tmp_path, monkeypatch):
+    from framework.core.errors import DataError
+    from framework.data import resolve_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    for given in (str(tmp_path / "d"), "d"):
+        with pytest.raises(DataError) as e:
+            resolve_path(given)
+        assert str(e.value) == f"data.path={given}: {tmp_path / 'd'} is a folder; point data.path at the file in it " \
+                               "to train on"
+
+
 def test_run_folder_that_cannot_be_made(tmp_path):
     from omegaconf import OmegaConf
 
