@@ -407,9 +407,9 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                     raise
             if not _sweep_goes_on(e):
                 sys.exit(1)   # (a re-raised error Hydra would catch, and go on with the next job)
-            # (a job refused before it trained left no folder: named by its swept overrides)
             mine = " ".join(o for o, p in zip(overrides, parse_overrides(overrides)) if p.key_or_group in swept)
-            failed.append(f"job {hc.job.num} ({run.run_dir if run.run_dir.is_dir() else mine + ', no folder'})")
+            gone = f"{mine}, no folder" if mine else "no folder"   # (refused before it trained: named by what it swept)
+            failed.append(f"job {hc.job.num} ({run.run_dir if run.run_dir.is_dir() else gone})")
             return math.nan
         except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
             say(str(e) or "interrupted")

@@ -736,6 +736,12 @@ def test_a_run_refused_in_the_checkpoint_pre_flight_leaves_no_run_folder(forkrun
         f"error: checkpoint.resume={tmp_path / 'nope' / 'step-3'}: no checkpoint there (expected a step-<N> folder "
         "with manifest.json, or a directory holding them); use checkpoint.resume=auto or off"], p.stderr
     assert not list(tmp_path.iterdir())
+    # a sweep's job: its folder gone too, and the job named without a stray comma where nothing was swept
+    p = forkrun.run("framework.train", ["-m", "train.steps=2", "checkpoint.resume=nope", "hydra.sweep.dir=s"],
+                    cwd=tmp_path)
+    assert p.returncode == 1 and p.stderr.splitlines()[-1] == ("error: 1 job of the sweep failed (its error is "
+                                                               "above): job 0 (no folder)"), p.stderr
+    assert os.listdir(tmp_path / "s") == ["multirun.yaml"]
 
 
 def test_a_leading_tilde_is_the_home_folder_for_every_path_setting(tmp_path, monkeypatch, capsys):
