@@ -773,11 +773,20 @@ def test_a_leading_tilde_is_the_home_folder_for_every_path_setting(tmp_path, mon
     assert sorted(os.listdir(tmp_path)) == ["cfgs", "ds.json"]
 
 
-def test_a_file_where_hydras_record_goes_is_one_line_before_the_run(forkrun, tmp_path):
+def test_a_file_where_hydras_record_goes_is_one_line_before_the_run(tmp_path):
+    """Looked at as the job starts (``record_job``, before the run is launched), not when it is written."""
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from framework.cli._hydra import Passed, record_job
+
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / ".hydra").write_text("x")
-    p = forkrun.run("framework.train", ["train.steps=2", "hydra.run.dir=run"], cwd=tmp_path)
-    assert p.returncode == 1 and p.stderr.splitlines() == [
-        f"error: cannot write Hydra's record of the job (hydra.output_subdir=.hydra) in {tmp_path / 'run' / '.hydra'}: "
-        "it is not a folder; move it away, or give this run a folder of its own: hydra.run.dir=PATH"], p.stderr
-    assert os.listdir(tmp_path / "run") == [".hydra"] and not p.stdout
+    for mode, key in ((RunMode.RUN, "hydra.run.dir"), (RunMode.MULTIRUN, "hydra.sweep.dir")):
+        hc = OmegaConf.create({"mode": mode, "runtime": {"output_dir": str(tmp_path / "run")}})
+        with pytest.raises(framework.ConfigError) as e:
+            record_job(OmegaConf.create({}), hc, ".hydra", Passed())
+        assert str(e.value) == (f"cannot write Hydra's record of the job (hydra.output_subdir=.hydra) in "
+                                f"{tmp_path / 'run' / '.hydra'}: it is not a folder; move it away, or give this run a "
+                                f"folder of its own: {key}=PATH")
+    assert os.listdir(tmp_path / "run") == [".hydra"]
