@@ -7,10 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import choice_override
 from framework.core import files
+from framework.core.errors import ConfigError
+from framework.core.room import nearest_existing
 
 # Hydra would write its record of a job (hydra.output_subdir) before the job runs, over a live run's record
 # or into a folder the job is refused a moment later: so it writes none, and the job writes it (``record_job``)
@@ -46,6 +49,11 @@ def record_job(task: DictConfig, hc: DictConfig, subdir: str | None, passed: Pas
     Hydra's config.yaml lacks a DeepSpeed file's layer: with one, a first comment line says where the run's is."""
     if subdir is None:
         return None
+    # a file in its place (.hydra): one line now, not a traceback once the model is built and the run has begun
+    if not (base := nearest_existing(Path(hc.runtime.output_dir) / subdir)).is_dir():
+        key = "hydra.sweep.dir" if hc.mode == RunMode.MULTIRUN else "hydra.run.dir"
+        raise ConfigError(f"cannot write Hydra's record of the job (hydra.output_subdir={subdir}) in {base}: it is "
+                          f"not a folder; move it away, or give this run a folder of its own: {key}=PATH")
     hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir, passed)
     records = (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task))
     head = {"config.yaml": f"# Hydra's YAML layer, without the DeepSpeed file's values ({ds_config}): the run's "

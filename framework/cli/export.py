@@ -16,6 +16,7 @@ import argparse
 from framework.cli import fail
 from framework.cli._signals import signals_unwind, terminated_line
 from framework.core.errors import FrameworkError
+from framework.core.paths import user_path
 from framework.core.utils import plain_text
 from framework.persist.export import export
 from framework.precision import DTYPES
@@ -23,9 +24,9 @@ from framework.precision import DTYPES
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m framework.export", description=plain_text(__doc__.split("\n\n")[0]))
-    p.add_argument("checkpoint",
+    p.add_argument("checkpoint", type=user_path,
                    help="a checkpoint step folder, or the checkpoint directory (its newest committed step)")
-    p.add_argument("--to", required=True, dest="out", help="output folder")
+    p.add_argument("--to", required=True, dest="out", type=user_path, help="output folder")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per output file: 5GB, 500MB, 2GiB, ...")
     p.add_argument("--overwrite", action="store_true",

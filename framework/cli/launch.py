@@ -49,7 +49,7 @@ from framework.cli.loop import train
 def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = None,
            on_owned: Callable[[Path], None] | None = None, on_ready: Callable[[Path], None] | None = None) -> dict:
     """Train and return rank 0's summary. ``on_point``: every rank's loop (fault tests); ``on_owned(run folder)``:
-    once its lock is held and the checks passed; ``on_ready``: rank 0's loop (picklable)."""
+    once its lock is held; ``on_ready``: rank 0's loop (picklable)."""
     os.environ.update(slurm_task_env())
     try:   # (the same config and launcher variables on every rank: all raise alike)
         check_launch_env(cfg)
@@ -61,12 +61,12 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     with signals_unwind(), contextlib.ExitStack() as held:
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
             held.callback(os.close, own_run_folder(run))
+            if on_owned is not None:   # (a refusal below removes the folder it made, run.lock and all)
+                on_owned(run.run_dir)
             check_records(run.run_dir, "hydra.sweep.dir" if run.group else "hydra.run.dir")
             cfg = preflight(cfg, run.run_dir, run.job, run.sweep_dir,
                             own=lambda root: held.callback(os.close, own_checkpoint_dir(root)), naming=run.naming)
             restart_notice(cfg, run)
-            if on_owned is not None:
-                on_owned(run.run_dir)
             return cfg
 
         if env_int("WORLD_SIZE", 1) > 1:  # torchrun (or another launcher) made the ranks

@@ -37,6 +37,7 @@ from framework.cli.report import load_jobs
 from framework.config import compose
 from framework.config.dsconfig import DS_FILE
 from framework.core.errors import ConfigError, FrameworkError
+from framework.core.paths import user_path
 from framework.core.registry import closest_hint, registry
 from framework.core.room import nearest_existing
 from framework.core.units import GB, GiB, MiB
@@ -223,7 +224,7 @@ def _disk_dir(cfg, base: list[str]) -> Path:
     ``offload.nvme_path`` when given, else the working directory."""
     given = [o.partition("=")[2].strip() for o in base if o.partition("=")[0].lstrip("+") == "offload.nvme_path"]
     path = given[-1] if given else getattr(cfg.offload, "nvme_path", None)
-    return Path(os.getcwd()) if path in (None, "", "null") else nearest_existing(Path(path).expanduser().absolute())
+    return Path(os.getcwd()) if path in (None, "", "null") else nearest_existing(Path(user_path(path)).absolute())
 
 
 def _given_setup(overrides: list[str]) -> tuple[list[str], list[str], dict[str, str]]:

@@ -29,12 +29,12 @@ import yaml
 from framework.comm.distributed import gpu_count
 from framework.core import files
 from framework.core.errors import ConfigError, DataError, FrameworkError
-from framework.core.paths import PACKAGE_DIR, REPO_ROOT
+from framework.core.paths import PACKAGE_DIR, REPO_ROOT, user_path
 from framework.core.registry import closest_hint
 from framework.core.utils import plain_text
 from framework.cli import fail, hydra_missing, override_key, report
 from framework.cli.checks import RecipeError, evaluate, validate_checks
-from framework.config import compose
+from framework.config import compose, parse_overrides
 from framework.config.schema import get_key
 from framework.data import resolve_path
 from framework.data.text import prepare_chars
@@ -72,7 +72,7 @@ class Recipe:
 
 def find(name: str) -> Recipe:
     """A recipe by name (``recipes/<name>``) or by folder path."""
-    d = next((d for d in (Path(name).expanduser(), RECIPES_DIR / name) if (d / "recipe.yaml").is_file()), None)
+    d = next((d for d in (Path(user_path(name)), RECIPES_DIR / name) if (d / "recipe.yaml").is_file()), None)
     if d is None:
         raise RecipeError(f"no recipe '{name}'{closest_hint(name, available())}; available: {', '.join(available()) or 'none'} "
                           f"(or give a folder with recipe.yaml, config.yaml and expected.json)")
@@ -143,8 +143,10 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
     # (data.path without "=FILE", or deleted with ~, names no text either)
     if rest := [o for o in overrides if override_key(o) != "data.path" or o.startswith("~") or not o.partition("=")[2]]:
         raise RecipeError(f"prepare takes only data.path=FILE (the text to encode), got {' '.join(rest)}")
-    source = overrides[-1].split("=", 1)[1] if overrides else spec.get("source")
-    out = Path(out if out is not None else compose_jobs(recipe, list(recipe.spec["runs"][0]))[0].data.path).expanduser()
+    # (read as train reads it: quotes around a path with spaces, escapes)
+    source = str(parse_overrides(overrides[-1:])[0].value()) if overrides else spec.get("source")
+    out = Path(user_path(str(out if out is not None
+                             else compose_jobs(recipe, list(recipe.spec["runs"][0]))[0].data.path)))
     meta = prepare_chars(source, out)
     want = recipe.expected.get("data") or {}
     print(f"wrote {out} ({meta['train_tokens'] + meta['val_tokens']:,} tokens, vocab {meta['vocab_size']}: "

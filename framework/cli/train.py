@@ -192,7 +192,7 @@ def check_folder(cfg: DictConfig, key: str) -> Path | None:
     except OmegaConfBaseException as e:   # an interpolation only a running Hydra resolves: Hydra's to check
         check_missing_key(cfg, key, e)
         return None
-    base = nearest_existing(folder)
+    base = nearest_existing(folder, key)
     if not base.is_dir():
         raise ConfigError(f"{key}={folder}: {base} is not a folder; set {key} to a folder")
     try:
@@ -389,8 +389,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         except Exception as e:
             basic_sweep = multirun and hc.runtime.choices.get("hydra/launcher") == "basic"
             if isinstance(e, FrameworkError):
-                # Rank 0 printed this folder and the files it writes there (its header) once it owned it: gone.
-                if _remove_made(made, subdir, bool(owned), e.every_rank) and owned:
+                # Rank 0's header (train.log, looked at before the removal: &) named this folder and its files: gone.
+                if (run.run_dir / "train.log").is_file() & _remove_made(made, subdir, bool(owned), e.every_rank):
                     say(f"note: run folder {run.run_dir} removed (the run was refused before training: none of "
                         f"its files were written)")
                 say(f"error: {e}")   # (under torchrun every rank prints its line)
@@ -407,9 +407,9 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                     raise
             if not _sweep_goes_on(e):
                 sys.exit(1)   # (a re-raised error Hydra would catch, and go on with the next job)
-            # (a job refused before it trained left no folder: named by its swept overrides)
             mine = " ".join(o for o, p in zip(overrides, parse_overrides(overrides)) if p.key_or_group in swept)
-            failed.append(f"job {hc.job.num} ({run.run_dir if run.run_dir.is_dir() else mine + ', no folder'})")
+            gone = f"{mine}, no folder" if mine else "no folder"   # (refused before it trained: named by what it swept)
+            failed.append(f"job {hc.job.num} ({run.run_dir if run.run_dir.is_dir() else gone})")
             return math.nan
         except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
             say(str(e) or "interrupted")

@@ -14,7 +14,7 @@ from framework.config import dsconfig, plainconf
 from framework.config.checks import refuse_inert, root_value, validate
 from framework.config.schema import Config, flat
 from framework.core.errors import ConfigError
-from framework.core.paths import conf_dir
+from framework.core.paths import conf_dir, user_path
 from framework.core.registry import GROUPS, registry
 from framework.core.utils import under
 
@@ -43,6 +43,9 @@ def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
     return _hydra_compose(config_name, overrides + merged, primary)
 
 
+CONFIG_DIR = ("--config-dir", "-cd")   # (its value: the next word, or after "=")
+
+
 def search_order(config_dir: str | None, config_name: str,
                  overrides: list[str]) -> tuple[str, list[str], list[str]]:
     """(the folder Hydra is initialised with, ``overrides`` less any ``hydra.searchpath``, the one
@@ -51,18 +54,21 @@ def search_order(config_dir: str | None, config_name: str,
     ``--config-dir`` folder holding the primary config (``<config_name>.yaml``) comes first, then conf/ (Hydra
     finds the primary config only in the folder it is initialised with); another comes after conf/. The folders
     ``hydra.searchpath`` names come last (Hydra takes one value: the given ones are merged into it).
-    ``search_notes`` says which file is used where two folders hold one. ``overrides`` may be a whole command line."""
+    ``search_notes`` says which file is used where two folders hold one. ``overrides`` may be a whole command line
+    (its --config-dir value then becomes the folder found: Hydra's own read would keep a leading ~)."""
     if config_dir is None:
         return str(conf_dir()), list(overrides), []
-    given = Path(config_dir).expanduser().resolve()
+    given = Path(user_path(config_dir)).resolve()
     if not given.is_dir():
         raise ConfigError(f"config: --config-dir {config_dir} is not a folder")
     primary, other = (given, conf_dir()) if (given / f"{config_name}.yaml").is_file() else (conf_dir(), given)
     paths, rest = [], []
     for o in overrides:
-        key, _, value = o.lstrip("+").partition("=")
+        key, eq, value = o.lstrip("+").partition("=")
         if key == "hydra.searchpath" and value.startswith("[") and value.endswith("]"):
             paths += [x.strip() for x in value[1:-1].split(",") if x.strip()]
+        elif (key in CONFIG_DIR and eq) or (rest and rest[-1] in CONFIG_DIR):   # (Hydra's own read keeps a ~)
+            rest.append(f"{key}={given}" if eq else str(given))
         else:
             rest.append(o)
     return str(primary), rest, [f"hydra.searchpath=[{','.join(dict.fromkeys([f'file://{other}', *paths]))}]"]
@@ -114,9 +120,27 @@ def parse_overrides(overrides: list[str]) -> list:
     try:
         return OverridesParser.create().parse_overrides(list(overrides))
     except OverrideParseException as e:
-        why = [line for line in str(e).splitlines() if line and not line.startswith(("Error parsing", "See "))]
-        raise ConfigError(f"cannot parse override {e.override!r}: {'; '.join(why)} (overrides are key=value; "
-                          "the syntax: https://hydra.cc/docs/advanced/override_grammar/basic)") from None
+        why = [line for line in str(e).splitlines() if line.strip() not in ("", "^")   # (a caret under the override)
+               and not line.startswith(("Error parsing", "See "))]
+        raise ConfigError(f"cannot parse override {e.override!r}: {_unquoted(str(e), e.override) or '; '.join(why)} "
+                          "(overrides are key=value; the syntax: https://hydra.cc/docs/advanced/override_grammar/basic)"
+                          ) from None
+
+
+def _unquoted(error: str, override: str) -> str | None:
+    """Where the lexer stopped at a character an unquoted value may not hold (a path's ~, é, ☃: Hydra's caret
+    points at it), the fix: the value quoted."""
+    lines = error.splitlines()
+    head = "LexerNoViableAltException: "
+    if len(lines) < 2 or not lines[0].startswith(head) or "^" not in lines[1]:
+        return None
+    at = lines[1].index("^") - len(head)
+    key, eq, value = override.partition("=")
+    if not eq or not len(key) < at < len(override):
+        return None
+    quote = "'" if "'" not in value else '"'
+    return (f"an unquoted value may not hold {override[at]!r}; quote the value (inside the shell's quotes): "
+            f"{key}={quote}{value}{quote}")
 
 
 def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = None) -> tuple[DictConfig, dict]:

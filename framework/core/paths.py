@@ -15,6 +15,13 @@ def _find(top_level: str) -> Path:
     return candidate if candidate.is_dir() else PACKAGE_DIR / f"_{top_level}"
 
 
+def user_path(path: str) -> str:
+    """``path`` with a leading ``~`` (``~user``) made the home folder, as every path setting reads it: a shell leaves
+    ``key=~/x`` and ``--to=~/x`` as they are (it expands ``~`` only at a word's start or after ``NAME=``), and a
+    folder named ``~`` made in the working folder would be a hazard (``rm -rf ~`` to tidy it)."""
+    return os.path.expanduser(path)
+
+
 def conf_dir() -> Path:
     return _find("conf")
 

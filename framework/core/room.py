@@ -15,10 +15,13 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from framework.core.errors import ConfigError
+from framework.core.paths import user_path
 from framework.core.units import size
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)           # no room on the file system: the disk, a quota
 FULL = (*DISK_FULL, errno.EFBIG)                   # no room: also a file size limit
+NAME_MAX, PATH_MAX = 255, 4096                     # bytes (Linux's; PATH_MAX counts the final NUL)
 
 @dataclass(frozen=True)
 class Claim:
@@ -62,12 +65,36 @@ def available_ram() -> int | None:
         return None
 
 
-def nearest_existing(path: Path) -> Path:
-    """``path`` or its nearest parent that exists (a folder about to be made lives there)."""
-    path = Path(path).absolute()   # not abspath: ".." after a link is the kernel's to resolve
+def nearest_existing(path: Path, key: str | None = None) -> Path:
+    """``path`` or its nearest parent that exists (a folder about to be made lives there). With ``key`` (the
+    setting naming the folder, which is made as given): a leading ``~``, a name too long (``check_name``) or a
+    link to nothing on the way is a ConfigError (a folder named ~, or a traceback making it)."""
+    given, path = path, Path(path).absolute()   # not abspath: ".." after a link is the kernel's to resolve
+    if key is not None:
+        check_name(given, key)
+        if str(given).startswith("~"):   # (Path.absolute keeps it: a folder named ~ in the working folder)
+            raise ConfigError(f"{key}={given}: a leading ~ is not expanded there; write the home folder's path: "
+                              f"{key}={user_path(str(given))}")
     while not path.exists() and path.parent != path:
+        if key is not None and path.is_symlink():
+            raise ConfigError(f"{key}={given}: {path} is a link to a missing folder ({os.readlink(path)}); make "
+                              f"that folder or set {key} to another")
         path = path.parent
     return path
+
+
+def check_name(path: str | os.PathLike, key: str) -> None:
+    """One line where ``path`` is a name the kernel refuses (ENAMETOOLONG, a traceback wherever it is first used):
+    a part of it over NAME_MAX bytes, or all of it (made absolute) over PATH_MAX."""
+    whole = os.fsencode(os.path.abspath(path))
+    part = max(whole.split(b"/"), key=len)
+    if len(part) > NAME_MAX:
+        why = f"its part {part[:16].decode(errors='ignore')}... is {len(part)} bytes, over the {NAME_MAX} a file name may have"
+    elif len(whole) >= PATH_MAX:
+        why = f"it is {len(whole)} bytes long (made absolute), over the {PATH_MAX - 1} a path may have"
+    else:
+        return
+    raise ConfigError(f"{key}={path}: {why}; set {key} to a shorter path")
 
 
 @dataclass(frozen=True)

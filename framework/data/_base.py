@@ -15,7 +15,7 @@ from torch import Tensor
 
 from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError
-from framework.core.paths import REPO_ROOT
+from framework.core.paths import REPO_ROOT, user_path
 
 TRAIN_STREAM, VAL_STREAM, CHAIN_STREAM = 0, 1, 2   # independent random streams
 _MASK64 = (1 << 64) - 1
@@ -50,11 +50,13 @@ def rank_rows(*, micro_batch: int, grad_accum: int, rank: int, world: int) -> Te
 
 def resolve_path(path: str) -> Path:
     """A data file (``data.path``): absolute, or relative to the working directory, else to the repo root."""
-    p = Path(path).expanduser()
+    p = Path(user_path(path))
     candidates = [p] if p.is_absolute() else list(dict.fromkeys([Path.cwd() / p, REPO_ROOT / p]))
     for c in candidates:
         if c.is_file():
             return c.resolve()
+    if folder := next((c for c in candidates if c.is_dir()), None):
+        raise DataError(f"data.path={path}: {folder} is a folder; point data.path at the file in it to train on")
     looked = ", ".join(str(c) for c in candidates)
     raise DataError(f"data file {path!r} not found (looked at {looked}); "
                     "point data.path at an existing file, e.g. data.path=/abs/path/to/file")

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from framework.core.errors import ConfigError, FrameworkError, one_line
-from framework.core.paths import WEIGHTS_READ, weights_file
+from framework.core.paths import WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 
 
@@ -76,7 +76,7 @@ def _raw_config(cfg: HFConfig, key: str | None = None) -> tuple[str, Path, dict]
     """(key, file, contents) of the config.json named by ``model.config`` or ``model.pretrained`` (or ``key``)."""
     own, where = ("model.pretrained", cfg.pretrained) if cfg.pretrained is not None else ("model.config", cfg.config)
     key = key or own
-    path = Path(where).expanduser()
+    path = Path(user_path(where))
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         # Never let transformers read a missing path as a Hub repository id.
@@ -99,7 +99,7 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
     ``model.pretrained`` folder without weights, and what ``_checked_config`` finds in the config (nothing is
     built; the data's vocabulary where its config states one, as synthetic data does)."""
     _raw_config(cfg)
-    if cfg.pretrained is not None and weights_file(Path(cfg.pretrained).expanduser()) is None:
+    if cfg.pretrained is not None and weights_file(Path(user_path(cfg.pretrained))) is None:
         raise ConfigError(f"model.pretrained={cfg.pretrained}: the folder holds no weights (none of "
                           f"{WEIGHTS_READ}); give a save_pretrained folder with its weights, or "
                           f"model.config={cfg.pretrained} to train a new model from its config.json")
@@ -113,7 +113,7 @@ def notes(cfg: HFConfig, run: Any) -> list[str]:
     bfloat16) in an fp32 run: say it trains in fp32."""
     key, file, raw = _raw_config(cfg)
     out = []
-    folder = Path(cfg.config).expanduser() if cfg.config is not None else None
+    folder = Path(user_path(cfg.config)) if cfg.config is not None else None
     if folder is not None and folder.is_dir() and (found := weights_file(folder)) is not None:
         out.append(f"note: model.config={cfg.config} holds weights ({found.name}) that are not loaded: model.config "
                    f"builds a new model; use model.pretrained={cfg.config} to start from them")

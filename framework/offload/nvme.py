@@ -13,7 +13,9 @@ from typing import Any, Mapping
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError
 from framework.core.files import SMALLEST_TILE
+from framework.core.paths import user_path
 from framework.core.registry import Component
+from framework.core.room import check_name
 from framework.offload._aio import MAX_BLOCK_SIZE, MAX_THREADS
 from framework.offload._disk import DiskPlacement, NVMePlacement
 from framework.offload._diskshards import DiskShards
@@ -86,7 +88,10 @@ def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVM
         if getattr(a, key) != default:
             raise ConfigError(f"config: offload.aio.{key}={str(not default).lower()} has no effect here ({why}); "
                               f"remove it or set {str(default).lower()}")
-    return replace(cfg, params=params)
+    path = user_path(cfg.nvme_path) if cfg.nvme_path is not None else None
+    if path is not None:   # (else a traceback after the run's header, the first time the folder is listed)
+        check_name(path, "offload.nvme_path")
+    return replace(cfg, params=params, nvme_path=path)
 
 
 def _refuse_empty_path(cfg: NVMeOffloadConfig) -> None:   # else the swap files go, unnamed, to the working directory

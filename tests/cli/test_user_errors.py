@@ -63,6 +63,19 @@ def test_unreadable_text_data():
                                                                  "permissions or point data.path at a readable file")
 
 
+def test_a_data_path_that_is_a_folder_says_so(tmp_path, monkeypatch):
+    from framework.core.errors import DataError
+    from framework.data import resolve_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    for given in (str(tmp_path / "d"), "d"):
+        with pytest.raises(DataError) as e:
+            resolve_path(given)
+        assert str(e.value) == f"data.path={given}: {tmp_path / 'd'} is a folder; point data.path at the file in it " \
+                               "to train on"
+
+
 def test_run_folder_that_cannot_be_made(tmp_path):
     from omegaconf import OmegaConf
 
@@ -167,6 +180,11 @@ SYNTAX = "(overrides are key=value; the syntax: https://hydra.cc/docs/advanced/o
 @pytest.mark.parametrize("override,why", [
     ("train.steps", "missing EQUAL at '<EOF>'"),
     ("optimizer.lr=[1,", "no viable alternative at input '[1,'"),
+    # the lexer's caret (a line of its own) named as the character to quote
+    ("checkpoint.dir=~/ck", "an unquoted value may not hold '~'; quote the value (inside the shell's quotes): "
+                            "checkpoint.dir='~/ck'"),
+    ("hydra.run.dir=/r/it's ü", "an unquoted value may not hold \"'\"; quote the value (inside the shell's quotes): "
+                                "hydra.run.dir=\"/r/it's ü\""),
 ])
 def test_override_syntax_mistake(override, why):
     from framework.cli.train import _jobs
@@ -186,6 +204,19 @@ def test_recipe_misspelt_action(capsys):
     assert recipe.main(["shakespeare_char_cpu", "prepar", "data.path=README.md"]) == 2
     assert capsys.readouterr().err == ("error: unknown action 'prepar' (did you mean 'prepare'?): give one of run, "
                                        "prepare, check (or none: run), then key=value overrides\n")
+
+
+def test_recipe_prepare_reads_data_path_as_train_does(tmp_path, capsys):
+    """Hydra's quoting (a path with a non-ASCII letter must be quoted for train) is read by prepare too."""
+    from framework.cli import recipe
+
+    src = tmp_path / "sp ace ü" / "in.txt"
+    src.parent.mkdir()
+    src.write_text("to be or not to be\n" * 20)
+    out = tmp_path / "tok.bin"
+    assert recipe.main(["shakespeare_char_cpu", "prepare", f"data.path='{src}'", "--out", str(out)]) == 0, \
+        capsys.readouterr().err
+    assert out.is_file()
 
 
 def test_a_stage_key_without_a_stage():
@@ -694,3 +725,68 @@ def test_a_config_dirs_group_file_is_what_the_run_trains_and_hydra_records(forkr
     recorded = OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml")
     trained = json.loads((tmp_path / "run" / "summary.json").read_text())["config"]
     assert recorded.optimizer.lr == trained["optimizer"]["lr"] == 5e-2, (recorded.optimizer, trained["optimizer"])
+
+
+def test_a_run_refused_in_the_checkpoint_pre_flight_leaves_no_run_folder(forkrun, tmp_path):
+    """The run folder made (and locked) before the checkpoint checks goes with their refusal: no folder
+    holding only run.lock per attempt, and no note about a folder the run never named."""
+    p = forkrun.run("framework.train", ["train.steps=2", f"checkpoint.resume={tmp_path / 'nope' / 'step-3'}"],
+                    cwd=tmp_path)
+    assert p.returncode == 1 and p.stderr.splitlines() == [
+        f"error: checkpoint.resume={tmp_path / 'nope' / 'step-3'}: no checkpoint there (expected a step-<N> folder "
+        "with manifest.json, or a directory holding them); use checkpoint.resume=auto or off"], p.stderr
+    assert not list(tmp_path.iterdir())
+    # a sweep's job: its folder gone too, and the job named without a stray comma where nothing was swept
+    p = forkrun.run("framework.train", ["-m", "train.steps=2", "checkpoint.resume=nope", "hydra.sweep.dir=s"],
+                    cwd=tmp_path)
+    assert p.returncode == 1 and p.stderr.splitlines()[-1] == ("error: 1 job of the sweep failed (its error is "
+                                                               "above): job 0 (no folder)"), p.stderr
+    assert os.listdir(tmp_path / "s") == ["multirun.yaml"]
+
+
+def test_a_leading_tilde_is_the_home_folder_for_every_path_setting(tmp_path, monkeypatch, capsys):
+    """The shell leaves ``key=~/x`` and ``--to=~/x`` as typed: each path setting expands it (one helper), and
+    Hydra's run and sweep folders, which the framework does not make, are refused in one line naming the
+    expanded path (never a folder named ~ in the working folder)."""
+    from omegaconf import OmegaConf
+
+    from framework.cli import export
+    from framework.cli.train import check_folder
+    from framework.config import dsconfig, search_order
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 2}')
+    assert dsconfig.load("~/ds.json") == {"train_micro_batch_size_per_gpu": 2}
+    cfg = framework.compose(["+stage=zero3", "offload=nvme", "offload.nvme_path='~/swap'"])
+    assert cfg.offload.nvme_path == str(tmp_path / "swap")
+    (tmp_path / "cfgs").mkdir()
+    _, rest, _ = search_order("~/cfgs", "mine", ["--config-dir=~/cfgs", "-cd", "~/cfgs", "a=~/b"])
+    assert rest == [f"--config-dir={tmp_path / 'cfgs'}", "-cd", str(tmp_path / "cfgs"), "a=~/b"]   # (Hydra's read)
+    for key in ("hydra.run.dir", "hydra.sweep.dir"):
+        with pytest.raises(framework.ConfigError) as e:
+            check_folder(OmegaConf.create({"hydra": {"run": {"dir": "~/r"}, "sweep": {"dir": "~/r"}}}), key)
+        assert str(e.value) == (f"{key}=~/r: a leading ~ is not expanded there; write the home folder's path: "
+                                f"{key}={tmp_path / 'r'}")
+    assert export.main(["~/ck", "--to=~/out"]) == 1
+    assert capsys.readouterr().err == f"error: export: {tmp_path / 'ck'} does not exist\n"
+    assert sorted(os.listdir(tmp_path)) == ["cfgs", "ds.json"]
+
+
+def test_a_file_where_hydras_record_goes_is_one_line_before_the_run(tmp_path):
+    """Looked at as the job starts (``record_job``, before the run is launched), not when it is written."""
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from framework.cli._hydra import Passed, record_job
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".hydra").write_text("x")
+    for mode, key in ((RunMode.RUN, "hydra.run.dir"), (RunMode.MULTIRUN, "hydra.sweep.dir")):
+        hc = OmegaConf.create({"mode": mode, "runtime": {"output_dir": str(tmp_path / "run")}})
+        with pytest.raises(framework.ConfigError) as e:
+            record_job(OmegaConf.create({}), hc, ".hydra", Passed())
+        assert str(e.value) == (f"cannot write Hydra's record of the job (hydra.output_subdir=.hydra) in "
+                                f"{tmp_path / 'run' / '.hydra'}: it is not a folder; move it away, or give this run a "
+                                f"folder of its own: {key}=PATH")
+    assert os.listdir(tmp_path / "run") == [".hydra"]

@@ -17,7 +17,7 @@ import torch
 from framework import ConfigError, compose
 from framework.core.errors import CheckpointError, DistributedError, FrameworkError, SwapIOError, UnsafePathError
 from framework.core.files import create_new, make_dir, make_dirs, open_append, read_into, write_at, write_atomic
-from framework.core.room import Claim, shortfalls
+from framework.core.room import Claim, check_name, nearest_existing, shortfalls
 
 
 # --- planted links --------------------------------------------------------------------------------
@@ -295,6 +295,29 @@ def test_room_is_summed_over_the_ranks_sharing_a_file_system(tmp_path):
                                                         "file system, need 12.00 MiB")
     assert shortfalls(same[:1] + other) == []
     assert Claim.of(tmp_path / "not" / "yet", 5).free > 0   # a folder about to be made: its parent's room
+
+
+def test_a_folder_to_make_through_a_dangling_link_or_with_too_long_a_name_is_one_line(tmp_path):
+    """The run folder's check: a link to nothing (Hydra's makedirs: FileExistsError) and a name the kernel refuses
+    (ENAMETOOLONG from pathlib) are one line naming the setting; a 255-byte part and an existing link are fine."""
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for folder in (tmp_path / "dangling", tmp_path / "dangling" / "sub"):
+        with pytest.raises(ConfigError) as e:
+            nearest_existing(folder, "hydra.run.dir")
+        assert str(e.value) == (f"hydra.run.dir={folder}: {tmp_path / 'dangling'} is a link to a missing folder "
+                                f"({tmp_path / 'nowhere'}); make that folder or set hydra.run.dir to another")
+    assert nearest_existing(tmp_path / "dangling") == tmp_path   # (no key: the room where it would be made)
+    (tmp_path / "nowhere").mkdir()
+    assert nearest_existing(tmp_path / "dangling" / "sub", "k") == tmp_path / "dangling"
+    part, deep = "ü" * 128, "/".join(["d" * 200] * 21)   # 256 bytes; over 4095 bytes in all
+    with pytest.raises(ConfigError) as e:
+        nearest_existing(tmp_path / part / "x", "offload.nvme_path")
+    assert str(e.value) == (f"offload.nvme_path={tmp_path / part / 'x'}: its part {'ü' * 8}... is 256 bytes, over "
+                            "the 255 a file name may have; set offload.nvme_path to a shorter path")
+    with pytest.raises(ConfigError, match=r"^k=.*: it is \d+ bytes long \(made absolute\), over the 4095 a path may "
+                                          "have; set k to a shorter path$"):
+        check_name(tmp_path / deep, "k")
+    assert nearest_existing(tmp_path / ("b" * 255) / "x", "k") == tmp_path
 
 
 def test_free_note_says_the_free_space_or_what_is_given_where_it_cannot_be_asked(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Mapping
 
 from framework.core.errors import ConfigError
+from framework.core.paths import user_path
 from framework.config.dsconfig._keys import AUTO, COMMAND_LINE, DEFAULT, DS_FILE, YAML
 from framework.config.dsconfig._resolve import RunFacts, resolve
 from framework.config.dsconfig._translate import translate
@@ -29,7 +30,7 @@ def load(source: str | Path | Mapping) -> dict:
         return _plain(source, "")   # a deep, plain copy
     if not str(source).strip():
         raise ConfigError("ds_config: an empty path; give a DeepSpeed JSON file (or null for none)")
-    path = Path(source)
+    path = Path(user_path(str(source)))
     if os.path.exists(path) and not os.path.isfile(path):
         what = "a directory" if path.is_dir() else "not a regular file"
         raise ConfigError(f"ds_config: {path} is {what}; give a DeepSpeed JSON file")

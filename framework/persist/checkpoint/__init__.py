@@ -24,6 +24,7 @@ from typing import Callable
 
 from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank, say
+from framework.core.paths import user_path
 from framework.core.registry import closest_hint
 from framework.core.utils import counted, few
 from framework.persist import stepfolders
@@ -199,7 +200,7 @@ def checkpoint_root(cfg, run_dir: Path | None, job: str | None = None) -> Path:
     c = cfg.checkpoint
     if c.dir is None:
         return (Path(run_dir) if run_dir is not None else Path.cwd()).resolve() / "checkpoints"
-    root = Path(c.dir).expanduser().resolve()
+    root = Path(user_path(c.dir)).resolve()
     if not job:
         return root
     name = job.replace("/", "_")   # readable, and short enough for any file system
@@ -399,7 +400,7 @@ def candidates(resume: str, root: Path, sweep_dir: Path | None = None, owned: Pa
             return [], [f"resume=latest: no checkpoint in {root} or in the run folders under "
                         f"{', '.join(t + '/' for t in _RUN_TREES)}{others}; starting from step 0"]
         return _scan(folder.parent, mine(folder.parent))   # that run's folder: a damaged newest one falls back
-    path = Path(resume).expanduser()
+    path = Path(user_path(resume))
     if not os.path.lexists(path) and stepfolders.step_of(path) >= 0:
         # a save of that step killed (or under way) inside its commit moved it aside: put back, or read where it lies
         if mine(path.parent):
