@@ -89,7 +89,8 @@ def check_name(path: str | os.PathLike, key: str) -> None:
     whole = os.fsencode(os.path.abspath(path))
     part = max(whole.split(b"/"), key=len)
     if len(part) > NAME_MAX:
-        why = f"its part {part[:16].decode(errors='ignore')}... is {len(part)} bytes, over the {NAME_MAX} a file name may have"
+        why = (f"its part {part[:16].decode(errors='ignore')}... is {len(part)} bytes, over the {NAME_MAX} a file "
+               f"name may have")
     elif len(whole) >= PATH_MAX:
         why = f"it is {len(whole)} bytes long (made absolute), over the {PATH_MAX - 1} a path may have"
     else:
