@@ -5,10 +5,13 @@ folders of runs killed with -9, never a live run's.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
 import time
+
+from framework.core.errors import DistributedError, FrameworkError
 
 PREFIX = "framework-rdzv-"
 LOCK = "owner.lock"
@@ -24,6 +27,36 @@ def ready_path(store_dir: str, rank: int) -> str:
 def peer_lost_path(store_dir: str, rank: int) -> str:
     """Made by a rank whose error was a lost peer (a DistributedError): the launcher names another's first."""
     return os.path.join(store_dir, f"peer-lost-{rank}")
+
+
+def alike_path(store_dir: str, rank: int) -> str:
+    """Holds the message of the error a rank raised alike on every rank (``every_rank``)."""
+    return os.path.join(store_dir, f"alike-{rank}")
+
+
+def mark_error(store_dir: str, rank: int, e: FrameworkError) -> None:
+    """For the launcher, which reads the marks once every rank ended: a lost peer (a DistributedError), which it
+    names after another rank's error, or the message of an error raised alike on every rank, which it gives once."""
+    lost = isinstance(e, DistributedError)
+    if lost or e.every_rank:
+        with contextlib.suppress(OSError):
+            fd = os.open((peer_lost_path if lost else alike_path)(store_dir, rank),
+                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("" if lost else str(e))
+
+
+def raised_alike(store_dir: str, nproc: int) -> str | None:
+    """The message every one of the ``nproc`` ranks marked as its error raised alike; None unless all marked the
+    same (one that failed otherwise, was killed before it wrote its mark, or another text: each rank's own)."""
+    texts = set()
+    for rank in range(nproc):
+        try:
+            with open(alike_path(store_dir, rank), encoding="utf-8") as f:
+                texts.add(f.read())
+        except (OSError, ValueError):   # (none; cut short mid-character)
+            return None
+    return texts.pop() if len(texts) == 1 and "" not in texts else None
 
 
 def hold(path: str, create: bool = False) -> int:

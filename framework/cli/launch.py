@@ -41,7 +41,8 @@ from framework.offload import remove_stale
 from framework.core.errors import (ConfigError, DistributedError, FrameworkError, Interrupted, on_every_rank, say,
                                    typed_line)
 from framework.loggers import RunInfo, check_records
-from framework.cli._rendezvous import LOCK, PREFIX, hold, peer_lost_path, ready_path, remove_dead
+from framework.cli._rendezvous import (LOCK, PREFIX, hold, mark_error, peer_lost_path, raised_alike, ready_path,
+                                      remove_dead)
 from framework.cli._signals import INTERRUPT, signals_unwind, terminated_line
 from framework.cli.loop import train
 
@@ -268,6 +269,8 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         if failed and stopped and len(lost) == len(failed):   # each lost a peer: the one still running is to blame
             stalled = stalled_message(stopped, sorted(lost), cfg.dist.nproc, cfg.dist.timeout_s)
             raise _ended(run, FrameworkError(stalled))
+        if failed and (alike := raised_alike(store_dir, cfg.dist.nproc)):   # (rank 0's train.log ends with it)
+            raise FrameworkError(alike)   # once, not as rank K's exit: each rank raised it
         if failed:
             first = failed[0]
             trace = _traceback(ranks.error_files[first])
@@ -482,9 +485,7 @@ def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Call
             dist.barrier("shutdown barrier")
     except FrameworkError as e:
         say(error_line(rank, e))
-        if isinstance(e, DistributedError):   # (the launcher names another rank's error first)
-            with contextlib.suppress(OSError):
-                os.close(os.open(peer_lost_path(store_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+        mark_error(store_dir, rank, e)
         sys.exit(1)
     except KeyboardInterrupt as e:   # (torch's wrapper would exit 0, as if the rank had finished)
         say(line := interrupted_line(rank, e, launcher))

@@ -239,9 +239,11 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     # composed without ~key deletions of values, which may name a key only the file's choices have.
     own = None
     if source is None:
-        own = composer(list(cli.kept))
+        own, refusal = _as_given(composer, list(cli.kept), cli)
         config = validate(*own, final=False)   # (final where it names no DeepSpeed file and deletes no key)
         if config.ds_config is None:
+            if refusal is not None:   # (with a DeepSpeed file: where its group choices are composed too)
+                raise refusal
             config = (validate(*(own := composer(list(cli.forced)))) if cli.kept != cli.forced
                       else refuse_inert(config))
             return own[0], dataclasses.replace(config, sources=provenance(config, cli),
@@ -259,7 +261,10 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         if run_stage is not None:
             del mine["stage"]
     choice_overrides = [choice_override(g, n) for g, n in mine.items()]
-    cfg, choices = composer(choice_overrides + list(cli.forced))
+    (cfg, choices), refusal = _as_given(composer, choice_overrides + list(cli.forced), cli)
+    if refusal is not None:
+        validate(cfg, choices, final=False)   # (an unknown key: its line)
+        raise refusal
     label = str(source) if isinstance(source, (str, Path)) else "<dict>"
     if ds_config is not None:   # the argument, in the tree as a file named there is (ds_config_strict needs one)
         _set_key(cfg, "ds_config", label)
@@ -319,6 +324,38 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
                                     batch_world=batch_world)
 
 
+def _as_given(composer: Composer, overrides: list[str],
+              cli: "CommandLine") -> tuple[tuple[Any, dict[str, str]], ConfigError | None]:
+    """``overrides`` composed, and None or the refusal Hydra's app would give later in its multi-line words: it
+    composes the command line's plain ``key=value`` as given (not forced), and refuses one whose key the YAML
+    files lack. Here one line, for a field of the schema its YAML file leaves out, naming ``+key=VALUE``; the
+    caller validates first, so another key gets ``validate``'s line naming the closest."""
+    try:
+        composed, key = composer([o[2:] if o in cli.plain else o for o in overrides]), None
+        if isinstance(composed[0], dict) and cli.plain:   # (without Hydra: plainconf sets any key, as ++ does)
+            base = composer([o for o in overrides if o not in cli.plain])[0]
+            key = next((k for o in overrides if o in cli.plain and not _in(base, k := o[2:].partition("=")[0])), None)
+    except ConfigError as e:
+        composed, key = None, str(e).partition("config: Could not override '")[2].partition("'")[0]
+        if not any(o[2:].partition("=")[0] == key for o in cli.plain):
+            raise
+    composed = composed or composer(overrides)
+    if key is None or key.split(".")[0] in set(GROUPS) - set(composed[1]):   # (check_groups_chosen's: no choice)
+        return composed, None
+    line = next(o[2:] for o in cli.plain if o[2:].partition("=")[0] == key)
+    return composed, ConfigError(
+        f"config: {line}: {key} is a field of its config but not in its YAML file, so Hydra adds it only with +: "
+        f"give +{line} (or set it in the YAML file)")
+
+
+def _in(tree: Mapping, key: str) -> bool:
+    """Whether the composed ``tree`` holds the dotted ``key``."""
+    *path, last = key.split(".")
+    for part in path:
+        tree = tree.get(part) if isinstance(tree, Mapping) else None
+    return isinstance(tree, Mapping) and last in tree
+
+
 def _from_file(message: str, ds_keys: Mapping[str, str], choice_keys: Mapping[str, str]) -> str:
     """``message`` with "(from ds_config's KEY and ...)" on its first line, the file's keys behind those of
     ``ds_keys`` (our dotted keys) and ``choice_keys`` (groups the file chose, named as ``group=``) it names, in
@@ -363,6 +400,7 @@ class CommandLine:
     # key spans lines and names no suggestion; forced in, ``validate`` refuses it in one line naming the closest.
     forced: tuple[str, ...]
     kept: tuple[str, ...]     # forced less its deletions of values (~group.key; a group's ~group and ~ds_config stay)
+    plain: frozenset[str] = frozenset()   # forced's lines that were plain (given without ++)
 
     def deletes(self, key: str) -> bool:
         """``~key``, or ``~`` of a node above it."""
@@ -409,7 +447,7 @@ class CommandLine:
             else:
                 keys.add(key)
         return CommandLine(frozenset(keys), choices, ds_config, strict, frozenset(named), frozenset(deleted),
-                           tuple(forced), tuple(kept))
+                           tuple(forced), tuple(kept), frozenset(f for f, o in zip(forced, overrides) if f != o))
 
 
 def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | None = None) -> dict[str, str]:

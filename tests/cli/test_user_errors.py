@@ -703,6 +703,26 @@ def test_a_field_of_ones_own_config_without_a_value_names_the_yaml_file_and_the_
     assert str(e.value) == ("config: optimizer.alpha has no value (a missing mandatory value: SignConfig gives it no "
                             "default); set alpha in its YAML file (optimizer/sign.yaml), or give +optimizer.alpha=VALUE")
     assert framework.compose(["optimizer=sign", "+optimizer.alpha=1", search]).optimizer.alpha == 1
+    # Without the + (a field the YAML file leaves out, default or not): one line naming +key, not accepted here to
+    # fail later in Hydra's app with its multi-line refusal; so is it without Hydra (plainconf refuses it as Hydra).
+    for given, line in (([], "optimizer.alpha=1"), (["+optimizer.alpha=1"], "optimizer.decay_1d=true")):
+        with pytest.raises(framework.ConfigError) as e:
+            framework.compose(["optimizer=sign", *given, line, search])
+        assert str(e.value) == (f"config: {line}: {line.partition('=')[0]} is a field of its config but not in its "
+                                f"YAML file, so Hydra adds it only with +: give +{line} (or set it in the YAML file)")
+    from framework.config import compose_layers, plainconf
+
+    def without_hydra(overrides):   # (plainconf: conf/ alone; adamw.yaml as if it left bias_correction out)
+        tree, choices = plainconf.plain_composer([o for o in overrides if "bias_correction" not in o])
+        del tree["optimizer"]["bias_correction"]
+        for o in overrides:
+            if "bias_correction" in o:
+                plainconf.set_key(tree, plainconf.parse(o))
+        return tree, choices
+
+    with pytest.raises(framework.ConfigError, match=r"^config: optimizer.bias_correction=false: .* give \+optim"):
+        compose_layers(["optimizer.bias_correction=false"], composer=without_hydra)
+    assert not compose_layers(["+optimizer.bias_correction=false"], composer=without_hydra)[1].optimizer.bias_correction
 
 
 def test_a_config_dirs_group_file_is_what_the_run_trains_and_hydra_records(forkrun, tmp_path):

@@ -159,17 +159,32 @@ def test_a_failed_ranks_peers_are_stopped_after_the_kill_grace_a_stopped_one_at_
     assert capsys.readouterr().err == f"stopping rank 1 (pid {ranks[1].pid}{how}\n"
 
 
-def test_ranks_that_all_failed_by_themselves_are_not_said_stopped(capsys):
+def _raised(store_dir: str, rank: int, text: str, alike: bool) -> None:   # (a rank's FrameworkError, as _worker's)
+    from framework.cli._rendezvous import mark_error
+    from framework.core.errors import TrainingError, on_every_rank
+    mark_error(store_dir, rank, on_every_rank(TrainingError(text), alike))
+    os._exit(1)
+
+
+def test_ranks_that_all_failed_by_themselves_are_not_said_stopped(capsys, tmp_path):
     """Every rank ended with its own error (a non-finite loss raised on every rank): none is signalled, and the
-    launcher's line must not say the others were stopped."""
+    launcher's line must not say the others were stopped. The error all raised alike is the launcher's last line,
+    once, not "rank 1 of 2 exited with code 1" blaming whichever exited first; not where a rank's own differs."""
     import multiprocessing
 
     from framework.cli import launch
+    from framework.cli._rendezvous import raised_alike
     ctx = multiprocessing.get_context("fork")
-    ranks = [ctx.Process(target=os._exit, args=(1,)) for _ in range(2)]
-    for p in ranks:
-        p.start()
-    assert launch._failed(ranks, "/nonexistent") == ([0, 1], [])
+    nan = "step 2: the loss is nan (non-finite from the micro batches of rank 1; rank 0 finite)"
+    for i, (texts, alike, says) in enumerate((([nan, nan], True, nan), ([nan, nan], False, None),
+                                              ([nan, "rank 1's own"], True, None))):
+        store = tmp_path / str(i)
+        store.mkdir()
+        ranks = [ctx.Process(target=_raised, args=(str(store), r, text, alike)) for r, text in enumerate(texts)]
+        for p in ranks:
+            p.start()
+        assert launch._failed(ranks, str(store)) == ([0, 1], [])
+        assert raised_alike(str(store), 2) == says and raised_alike(str(store), 3) is None   # (rank 2 marked none)
     assert "stopping" not in capsys.readouterr().err
 
 
