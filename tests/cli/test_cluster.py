@@ -515,7 +515,8 @@ def test_ranks_start_with_sigint_ignored_and_the_launcher_keeps_its_handler(monk
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(RuntimeError, match="started"):
-            launch._spawn(SimpleNamespace(dist=SimpleNamespace(nproc=2)), None, None)
+            cfg = SimpleNamespace(dist=SimpleNamespace(nproc=2), choices={"offload": "none"})
+            launch._spawn(cfg, None, None)
         assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, before)
