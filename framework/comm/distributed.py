@@ -479,21 +479,25 @@ def disconnect() -> None:
         tdist.destroy_process_group()
 
 
-def agree(dist, fn: Callable[[], object], what: str):
+def agree(dist, fn: Callable[[], object], what: str, shared: Callable[[object], object] | None = None):
     """``fn()`` on every rank, outcomes exchanged under ``what`` (``dist``: a ``Dist`` or the checkpoint's group):
-    a failed rank raises its error, the others one naming it, rather than wait in the next collective."""
+    a failed rank raises its error, the others one naming it, rather than wait in the next collective. ``shared``:
+    return (the result, every rank's ``shared(result)``, from the same collective: all compare the same values)."""
     mine: BaseException | None = None
     try:
         result = fn()
+        share = None if shared is None else shared(result)
     except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
-        mine = e
+        mine, share = e, None
     # (each failure: its line, and whether a sweep's ranks may all go on after it)
-    errs = dist.all_gather_object(None if mine is None else (f"rank {dist.rank}: {first_line(mine)}", isinstance(
-        mine, FrameworkError) and not isinstance(mine, DistributedError)), what=what)
-    failed = [e for e in errs if e]
+    entry = None if mine is None else (f"rank {dist.rank}: {first_line(mine)}", isinstance(
+        mine, FrameworkError) and not isinstance(mine, DistributedError))
+    got = dist.all_gather_object(entry if shared is None else (entry, share), what=what)
+    got = [(e, None) for e in got] if shared is None else got
+    failed = [e for e, _ in got if e]
     every = all(ok for _, ok in failed)
     if mine is not None:
         raise on_every_rank(mine, every)
     if failed:
         raise on_every_rank(FrameworkError(f"{what} failed on another rank: {failed[0][0]}"), every)
-    return result
+    return result if shared is None else (result, [v for _, v in got])

@@ -56,7 +56,10 @@ def make_private(root: str) -> tuple[str, int]:
     closes it or dies: ``sweep_private`` in another run leaves it alone."""
     while True:
         path = tempfile.mkdtemp(prefix=PRIVATE, dir=root)   # 0700
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue   # another run's sweep removed it before it was opened (still unlocked): make another
         fcntl.flock(fd, fcntl.LOCK_EX)   # (waits for a sweep that found it unlocked and is removing it)
         with suppress(OSError):
             named, held = os.lstat(path), os.fstat(fd)

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from framework.comm.distributed import agree
-from framework.core.errors import FrameworkError
+from framework.core.errors import FrameworkError, on_every_rank
 from framework.engine.state import FORMAT, TrainState, optimizer_leaves, with_scalars
 from framework.precision import Policy, PrecisionState
 from framework.stages import PieceSpec, check_shape, cover
@@ -165,17 +165,24 @@ def check_ranks(saved: Sequence[dict]) -> int:
     how = "pass every rank's state dict (engine.state_dict on each rank), the same list on every rank"
     order = lambda v: (repr(type(v)), v if isinstance(v, int) else repr(v))  # noqa: E731 - (ints in number order)
     worlds = sorted({sd.get("world") for sd in saved}, key=order)
+    odd = [w for w in worlds if type(w) is not int or w < 1]   # (bool is an int, not a world size)
+    if odd:
+        raise FrameworkError(f"load_state_dict: a state dict with world {odd[0]!r} is not a state dict of "
+                             f"engine.state_dict: {how}")
     if len(worlds) > 1:
         raise FrameworkError(f"load_state_dict: the state dicts are of runs of {few(worlds)} ranks: {how}")
     world, ranks = worlds[0], sorted((sd.get("rank") for sd in saved), key=order)
-    if isinstance(world, int) and ranks == list(range(world)):
+    if ranks == list(range(world)):
         return world
-    missing = sorted(set(range(world)) - set(ranks)) if isinstance(world, int) else []
+    outside = sorted({r for r in ranks if type(r) is not int or not 0 <= r < world}, key=order)
+    missing = sorted(set(range(world)) - set(ranks))
     twice = sorted({r for r in ranks if ranks.count(r) > 1}, key=order)
-    why = "; ".join([*([f"{counted(len(missing), 'rank')} missing ({few(missing)})"] if missing else []),
-                     *([f"rank {few(twice)} given more than once"] if twice else [])]) or "not its ranks"
+    why = "; ".join([*([f"rank {few(outside)} is not a rank of a {world}-rank run" if len(outside) == 1 else
+                        f"ranks {few(outside)} are not ranks of a {world}-rank run"] if outside else []),
+                     *([f"{counted(len(missing), 'rank')} missing ({few(missing)})"] if missing else []),
+                     *([f"rank {few(twice)} given more than once"] if twice else [])])
     raise FrameworkError(f"load_state_dict: got the state dicts of ranks {ranks} of a {world}-rank run ({why}): "
-                         f"{how} (all {world})")
+                         f"{how}" + (f" (the dicts of all {world} ranks)" if world > 1 else ""))
 
 
 def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequence[dict], *, policy: Policy,
@@ -191,7 +198,15 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
         rank, world = dist.rank, dist.world
     flats, per, scalars = pieces(state, specs)
     check = partial(_checked, per, scalars, specs, saved, names, rank, world, whole)
-    first, saved_world, kept, plans = check() if dist is None else agree(dist, check, "load_state_dict")
+    if dist is None:
+        first, saved_world, kept, plans = check()
+    else:   # each rank checked only the list it was given: they must all have been given the same one
+        (first, saved_world, kept, plans), given = agree(dist, check, "load_state_dict", shared=lambda out: (
+            out[0]["step"], out[0]["data"], out[1], len(saved)))
+        other = next((r for r, g in enumerate(given) if g != given[0]), None)
+        if other is not None:
+            raise on_every_rank(FrameworkError(f"load_state_dict: rank {other} was given {_list(*given[other])}, "
+                                               f"rank 0 {_list(*given[0])}: pass the same list on every rank"))
     for plan, flat in zip(plans, flats):
         if not plan:
             continue
@@ -219,6 +234,10 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
                   f"generators are derived from (seed, step, rank), so its draws (dropout) are not those of an "
                   f"uninterrupted run", flush=True)
     return with_saved_scalars(state, first, rng, first["optimizer"]["scalars"], policy)
+
+
+def _list(step, data, world, n) -> str:
+    return f"the {counted(n, 'state dict')} of step {step} (data position {data}) of a {world}-rank run"
 
 
 def _checked(per, scalars, specs, saved, names, rank, world, whole):

@@ -154,13 +154,15 @@ def test_state_reloads_under_another_layout(pools, case):
 
 def _refused_loads(dist):
     """Loads every rank refuses alike, before writing anything, then the full list: each rank passing only its own
-    state dict, and a list whose gap only rank 1 needs (checked on rank 1 alone, agreed by all)."""
+    state dict, a list whose gap only rank 1 needs (checked on rank 1 alone, agreed by all), and each rank a full
+    list of another step (each valid alone)."""
     engine, data = _engine(dist, ["+stage=zero2"])
     state, _ = _steps(dist, engine, data, engine.state, 1)
     saved = dist.all_gather_object(engine.state_dict(state), what="saved states")
     gap = [{**sd, "params": dict(list(sd["params"].items())[1:])} if sd["rank"] == 1 else sd for sd in saved]
+    mixed = [{**sd, "step": sd["step"] + dist.rank} for sd in saved]
     lines = []
-    for wrong in ([saved[dist.rank]], gap):
+    for wrong in ([saved[dist.rank]], gap, mixed):
         with pytest.raises(framework.FrameworkError) as e:
             engine.load_state_dict(state, wrong)
         lines.append(str(e.value))
@@ -173,12 +175,15 @@ def _refused_loads(dist):
 def test_a_load_not_of_every_rank_is_refused_on_every_rank(pools):
     results = pools(2).run(_refused_loads, timeout=60)
     assert [step for _, step in results] == [2, 2]   # the full list loaded after, and trained on
-    (own0, gap0), (own1, gap1) = [lines for lines, _ in results]
-    how = "pass every rank's state dict (engine.state_dict on each rank), the same list on every rank (all 2)"
+    (own0, gap0, mixed0), (own1, gap1, mixed1) = [lines for lines, _ in results]
+    how = "pass every rank's state dict (engine.state_dict on each rank), the same list on every rank (the dicts of all 2 ranks)"
     assert own0 == f"load_state_dict: got the state dicts of ranks [0] of a 2-rank run (1 rank missing (1)): {how}"
     assert own1 == f"load_state_dict: got the state dicts of ranks [1] of a 2-rank run (1 rank missing (0)): {how}"
     assert gap1.startswith("load_state_dict: parameter ") and "are in no saved fragment of the 2 saved ranks" in gap1
     assert gap0 == f"load_state_dict failed on another rank: rank 1: {gap1}"
+    assert mixed0 == mixed1 == ("load_state_dict: rank 1 was given the 2 state dicts of step 2 (data position 1) of "
+                                "a 2-rank run, rank 0 the 2 state dicts of step 1 (data position 1) of a 2-rank run: "
+                                "pass the same list on every rank")
 
 
 def test_load_into_another_model_fails_with_one_line():

@@ -367,3 +367,28 @@ def test_a_run_without_nvme_path_removes_the_private_folders_of_dead_runs(tmp_pa
         os.close(held)
         live.close()
     assert not os.path.exists(mine)
+
+
+def test_a_private_folder_swept_before_it_is_opened_is_made_again(tmp_path, monkeypatch):
+    """Another run's start-up sweep may remove a new private folder between its making and its opening (still
+    unlocked): another is made, no traceback."""
+    import os
+    import tempfile
+    import types
+
+    from framework.offload import _swapfolder
+
+    made = []
+
+    def mkdtemp(**kw):
+        made.append(tempfile.mkdtemp(**kw))
+        if len(made) == 1:
+            _swapfolder.sweep_private(str(tmp_path))   # another run's sweep, right after the first is made
+        return made[-1]
+
+    monkeypatch.setattr(_swapfolder, "tempfile", types.SimpleNamespace(mkdtemp=mkdtemp))
+    path, fd = _swapfolder.make_private(str(tmp_path))
+    try:
+        assert path == made[1] and not os.path.exists(made[0]) and os.listdir(tmp_path) == [os.path.basename(path)]
+    finally:
+        os.close(fd)

@@ -233,13 +233,25 @@ def test_errors_are_one_line_and_leave_the_state_alone():
 
     # not every rank of one run, each once (each rank passing [its own], or one rank's twice): the generators and
     # buffers would be some rank's, silently
-    how = r"pass every rank's state dict \(engine.state_dict on each rank\), the same list on every rank \(all 2\)$"
+    how = r"pass every rank's state dict \(engine.state_dict on each rank\), the same list on every rank \(the dicts of all 2 ranks\)$"
     with pytest.raises(FrameworkError, match=r"^load_state_dict: got the state dicts of ranks \[1\] of a 2-rank run "
                                              r"\(1 rank missing \(0\)\): " + how):
         _unchanged_after(lambda: load(saved[1:]), state)
     with pytest.raises(FrameworkError, match=r"ranks \[0, 0\] of a 2-rank run \(1 rank missing \(1\); rank 0 "
                                              r"given more than once\): " + how):
         _unchanged_after(lambda: load([saved[0], saved[0]]), state)
+    with pytest.raises(FrameworkError, match=r"ranks \[0, 2\] of a 2-rank run \(rank 2 is not a rank of a 2-rank "
+                                             r"run; 1 rank missing \(1\)\): " + how):
+        _unchanged_after(lambda: load([saved[0], {**saved[1], "rank": 2}]), state)   # an edited or mixed dict
+    one = saved_by(make_state(1, None, seed=0))
+    with pytest.raises(FrameworkError, match=r"^load_state_dict: got the state dicts of ranks \[1\] of a 1-rank run "
+                                             r"\(rank 1 is not a rank of a 1-rank run; 1 rank missing \(0\)\): pass "
+                                             r"every rank's state dict \(engine.state_dict on each rank\), the same "
+                                             r"list on every rank$"):
+        _unchanged_after(lambda: load([{**one[0], "rank": 1}]), state)
+    with pytest.raises(FrameworkError, match=r"^load_state_dict: a state dict with world None is not a state dict of "
+                                             r"engine.state_dict: pass"):
+        _unchanged_after(lambda: load([{k: v for k, v in sd.items() if k != "world"} for sd in saved]), state)
     with pytest.raises(FrameworkError, match=r"^load_state_dict: the state dicts are of runs of 1, 2 ranks: pass"):
         _unchanged_after(lambda: load([*saved, *saved_by(make_state(1, None, seed=0))]), state)
     gap = [{**sd, "params": {n: {**e, "fragments": e["fragments"][:-1] if n == "e" else e["fragments"]}

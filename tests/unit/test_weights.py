@@ -275,6 +275,18 @@ def test_tied_copies_must_hold_the_same_values(tmp_path):
     save_file({"emb.weight": w, "head.weight": w.clone()}, tmp_path / "nan.safetensors")
     with pytest.raises(ConfigError, match=r"^load_weights: non-finite values \(NaN or inf\) in 'emb.weight'"):
         load_weights(engine, tmp_path / "nan.safetensors")
+    # a buffer two modules share: one buffer, not a tied parameter (no tie_word_embeddings setting applies)
+    shared = _Tied()
+    shared.emb.register_buffer("scale", torch.ones(4))
+    shared.head.register_buffer("scale", shared.emb.scale)
+    engine = framework.initialize(shared, lambda m, b: m(b).square().mean(), framework.compose(["logger=none"]),
+                                  connect("gloo"))
+    save_file({"emb.weight": w.nan_to_num(), "emb.scale": torch.ones(4), "head.scale": torch.full((4,), 2.0)},
+              tmp_path / "buffers.safetensors")
+    with pytest.raises(ConfigError, match=r"holds different values under emb.scale and head.scale, which this model "
+                                          r"holds as one buffer \(shared by two modules\); keep one of them in the "
+                                          r"file$"):
+        load_weights(engine, tmp_path / "buffers.safetensors")
 
 
 def test_weights_inside_a_checkpoint_are_checked_against_its_manifest(tmp_path):
