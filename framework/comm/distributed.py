@@ -183,10 +183,8 @@ def env_int(name: str, default: int | None) -> int | None:
 
 
 def run_world(nproc: int) -> int:
-    """The ranks a run has: an external launcher's WORLD_SIZE (torchrun, a Slurm task) above 1, else ``nproc``
-    (dist.nproc's spawned ranks)."""
-    world = env_int("WORLD_SIZE", 1)
-    return world if world > 1 else nproc
+    """The ranks a run has: an external launcher's WORLD_SIZE above 1 (torchrun, a Slurm task), else dist.nproc's."""
+    return world if (world := env_int("WORLD_SIZE", 1)) > 1 else nproc
 
 
 def _launcher_int(name: str, text: str) -> int:
@@ -490,11 +488,10 @@ def agree(dist, fn: Callable[[], object], what: str, shared: Callable[[object], 
     except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
         mine, share = e, None
     # (each failure: its line, and whether a sweep's ranks may all go on after it)
-    entry = None if mine is None else (f"rank {dist.rank}: {first_line(mine)}", isinstance(
-        mine, FrameworkError) and not isinstance(mine, DistributedError))
+    entry = mine and (f"rank {dist.rank}: {first_line(mine)}", isinstance(mine, FrameworkError)
+                      and not isinstance(mine, DistributedError))
     got = dist.all_gather_object(entry if shared is None else (entry, share), what=what)
-    got = [(e, None) for e in got] if shared is None else got
-    failed = [e for e, _ in got if e]
+    failed = [e for e, _ in (got if shared else [(e, None) for e in got]) if e]
     every = all(ok for _, ok in failed)
     if mine is not None:
         raise on_every_rank(mine, every)

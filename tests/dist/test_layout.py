@@ -176,7 +176,8 @@ def test_a_load_not_of_every_rank_is_refused_on_every_rank(pools):
     results = pools(2).run(_refused_loads, timeout=60)
     assert [step for _, step in results] == [2, 2]   # the full list loaded after, and trained on
     (own0, gap0, mixed0), (own1, gap1, mixed1) = [lines for lines, _ in results]
-    how = "pass every rank's state dict (engine.state_dict on each rank), the same list on every rank (the dicts of all 2 ranks)"
+    how = ("pass every rank's state dict (engine.state_dict on each rank), the same list on every rank (the dicts of "
+           "all 2 ranks)")
     assert own0 == f"load_state_dict: got the state dicts of ranks [0] of a 2-rank run (1 rank missing (1)): {how}"
     assert own1 == f"load_state_dict: got the state dicts of ranks [1] of a 2-rank run (1 rank missing (0)): {how}"
     assert gap1.startswith("load_state_dict: parameter ") and "are in no saved fragment of the 2 saved ranks" in gap1

@@ -233,7 +233,8 @@ def test_errors_are_one_line_and_leave_the_state_alone():
 
     # not every rank of one run, each once (each rank passing [its own], or one rank's twice): the generators and
     # buffers would be some rank's, silently
-    how = r"pass every rank's state dict \(engine.state_dict on each rank\), the same list on every rank \(the dicts of all 2 ranks\)$"
+    how = (r"pass every rank's state dict \(engine.state_dict on each rank\), the same list on every rank \(the dicts "
+           r"of all 2 ranks\)$")
     with pytest.raises(FrameworkError, match=r"^load_state_dict: got the state dicts of ranks \[1\] of a 2-rank run "
                                              r"\(1 rank missing \(0\)\): " + how):
         _unchanged_after(lambda: load(saved[1:]), state)
