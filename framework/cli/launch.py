@@ -38,12 +38,12 @@ from framework.core import files
 from framework.core.units import GiB
 from framework.core.utils import counted
 from framework.offload import remove_stale
-from framework.core.errors import (ConfigError, DistributedError, FrameworkError, Interrupted, on_every_rank, say,
+from framework.core.errors import (ConfigError, DistributedError, FrameworkError, on_every_rank, say,
                                    typed_line)
 from framework.loggers import RunInfo, check_records
 from framework.cli._rendezvous import (LOCK, PREFIX, hold, mark_error, peer_lost_path, raised_alike, ready_path,
                                       remove_dead)
-from framework.cli._signals import INTERRUPT, signals_unwind, terminated_line
+from framework.cli._signals import INTERRUPT, interrupted_line, signals_unwind, terminated_line
 from framework.cli.loop import train
 
 
@@ -458,15 +458,6 @@ def _die_with(launcher: int) -> None:
     threading.Thread(target=watch, name="framework-launcher-watch", daemon=True).start()
 
 
-def interrupted_line(rank: int, e: KeyboardInterrupt, launcher: int) -> str:
-    """A spawned rank's line for its Ctrl-C: the group's (passed on by the launcher), or ``_die_with``'s once its
-    ``launcher`` is gone (killed with -9: nobody pressed Ctrl-C, and the rank is no longer its child)."""
-    if os.getppid() == launcher:
-        return f"rank {rank}: {str(e) or 'interrupted'}"
-    at = f" at step {e.step}" if isinstance(e, Interrupted) else ""
-    return f"rank {rank}: stopped{at}: its launcher (pid {launcher}) is gone (killed?)"
-
-
 def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Callable[[str], None] | None,
             on_ready: Callable[[Path], None] | None, launcher: int) -> None:
     _die_with(launcher)
@@ -489,7 +480,7 @@ def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Call
         sys.exit(1)
     except KeyboardInterrupt as e:   # (torch's wrapper would exit 0, as if the rank had finished)
         say(line := interrupted_line(rank, e, launcher))
-        if rank == 0 and os.getppid() != launcher:   # (train.log's "interrupted at step N" was no Ctrl-C)
+        if rank == 0 and line.endswith("(killed?)"):   # (train.log's "interrupted at step N" was no Ctrl-C)
             append_log(run, line + "\n")
         sys.exit(130)
     except SystemExit as e:   # SIGTERM: a line as for Ctrl-C, the exit status kept

@@ -403,6 +403,46 @@ def test_a_ranks_line_says_its_launcher_is_gone_not_interrupted():
     assert interrupted_line(0, KeyboardInterrupt(), gone) == f"rank 0: stopped: {said}"
 
 
+def _rank_of_a_killed_launcher() -> str:
+    """Fork a stand-in launcher with threads whose child (the rank) has torch spawn's pdeathsig (SIGINT), kill -9
+    the launcher, and return the rank's ``interrupted_line``."""
+    import ctypes
+    import threading
+    from framework.cli.launch import interrupted_line
+    r, w = os.pipe()
+    launcher = os.fork()
+    if launcher == 0:
+        for _ in range(8):
+            threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        if os.fork() == 0:
+            ctypes.CDLL(None).prctl(1, signal.SIGINT)   # PR_SET_PDEATHSIG, as torch's spawn sets it
+            parent, line = os.getppid(), "slept"
+            try:
+                os.write(w, b"r")
+                time.sleep(10)
+            except KeyboardInterrupt as e:
+                line = interrupted_line(0, e, parent)
+            os.write(w, line.encode())
+            os._exit(0)
+        time.sleep(60)
+        os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"r"
+        os.kill(launcher, signal.SIGKILL)
+        os.waitpid(launcher, 0)
+        return b"".join(iter(lambda: os.read(r, 200), b"")).decode()
+    finally:
+        os.close(r)
+
+
+def test_a_rank_whose_launcher_was_killed_says_so_not_interrupted():
+    """The launcher's main thread dies first: pdeathsig's SIGINT reaches the rank while its other threads still
+    exist, so the rank is still its child; the launcher (a zombie) is gone all the same."""
+    for _ in range(5):   # (each try raced the old check: about half said "interrupted")
+        assert _rank_of_a_killed_launcher().endswith("is gone (killed?)")
+
+
 def test_a_killed_ranks_swap_files_in_the_run_folder_are_removed_by_the_launcher(tmp_path, capsys):
     """A rank killed by SIGKILL (out of memory) leaves its swap files in the run folder's nvme/, which no later
     run uses (each has a folder of its own): the launcher removes them once every rank ended, in one line."""
