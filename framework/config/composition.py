@@ -5,6 +5,8 @@ import contextlib
 import dataclasses
 import functools
 import re
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from framework.comm.distributed import run_world
 from framework.config import dsconfig, plainconf
 from framework.config.checks import refuse_inert, root_value, validate
-from framework.config.schema import Config, flat
+from framework.config.schema import Config, RootSchema, flat
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir, user_path
 from framework.core.registry import GROUPS, registry
@@ -157,7 +159,7 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
         # (Hydra raises a bare ValueError for a group choice that is not a name)
         primary = Path(config_dir or conf_dir()) / f"{name}.yaml"
         raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, primary)
-                                        or _no_launcher(str(e)) or _ambiguous(str(e)) or _no_option(str(e))
+                                        or _no_launcher(str(e)) or _ambiguous(str(e), overrides, primary) or _no_option(str(e))
                                         or " ".join(str(e).split()))) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
 
@@ -174,14 +176,39 @@ def _no_option(message: str) -> str:
     return ""
 
 
-def _ambiguous(message: str) -> str:
+def _ambiguous(message: str, overrides: list[str], primary: Path) -> str:
     """Hydra's three-line advice for a comma-separated value without -m, naming the override as given (not the
-    ``++`` form the framework passes a value key as)."""
+    ``++`` form the framework passes a value key as); a list or a string is offered only where the key takes one
+    (a group takes one name)."""
     if (m := re.match(r"Ambiguous value for argument '(?:\+\+)?([^=']*)=(.*)'\n", message)) is None:
         return ""
     key, value = m.groups()
-    return (f"{key}={value} is several values: add -m (--multirun) to run one job each, or give a list as "
-            f"{key}=[{value}] or a string as {key}='{value}'")
+    kinds = _takes(key.lstrip("+"), overrides, primary)
+    other = [f"a list as {key}=[{value}]"] * ("list" in kinds) + [f"a string as {key}='{value}'"] * ("str" in kinds)
+    return (f"{key}={value} is several values: add -m (--multirun) to run one job each"
+            + (f", or give {' or '.join(other)}" if other else ""))
+
+
+def _takes(key: str, overrides: list[str], primary: Path) -> set[str]:
+    """What the schema field ``key`` takes of list and str (empty: neither, or not known: a group, a component
+    not chosen on the command line or in ``primary``'s defaults)."""
+    group, _, rest = key.partition(".")
+    schema: Any = RootSchema
+    if group in GROUPS:
+        chosen = [v for k, _, v in (o.lstrip("+").partition("=") for o in overrides) if k == group]
+        try:
+            schema, key = registry(group).get(chosen[-1] if chosen else plainconf.default_choice(primary, group)
+                                              or "").config, rest
+        except ConfigError:
+            return set()
+    for part in key.split(".") if key else ():
+        hints = typing.get_type_hints(schema) if dataclasses.is_dataclass(schema) else {}
+        schema = next((hints[f.name] for f in dataclasses.fields(schema) if plainconf.yaml_name(f.name) == part),
+                      None) if hints else None
+    union = typing.get_origin(schema) in (typing.Union, types.UnionType)
+    hints = typing.get_args(schema) if union else (schema,)   # (X | None: each)
+    return ({"list"} if any(typing.get_origin(h) in (list, tuple) or h in (list, tuple) for h in hints) else set()) | (
+        {"str"} if str in hints else set())
 
 
 def _no_launcher(message: str) -> str:

@@ -255,7 +255,7 @@ def given_twice(message: str, overrides: list[str], primary: Path) -> str:
         return ""
     group = m.group(1) or m.group(2)
     given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].removeprefix("/") == group]
-    default = _default_choice(primary, group)
+    default = default_choice(primary, group)
     chosen = f"already chosen in the defaults{f' ({group}: {default})' if default is not None else ''}"
     if len(given) == 1:
         return f"{group} is {chosen}: use {given[0].lstrip('+')}, without +"
@@ -266,7 +266,7 @@ def given_twice(message: str, overrides: list[str], primary: Path) -> str:
     return f"{twice}: give +{group}=NAME once"
 
 
-def _default_choice(primary: Path, group: str) -> str | None:
+def default_choice(primary: Path, group: str) -> str | None:
     """``group``'s choice in the defaults list of the config file ``primary`` (None: not there, or unreadable)."""
     try:
         defaults = load_yaml(primary).get("defaults") or []
