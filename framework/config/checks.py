@@ -91,10 +91,12 @@ def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) 
         key = ".".join(map(plainconf.yaml_name, key.split(".")))   # as YAML spells the field
         if not key:
             raise ConfigError(f"config: {prefix.rstrip('.')}: {str(e).splitlines()[0]}") from None
-        value = node   # (the value as given: OmegaConf's may be its node)
+        value, hint = node, schema   # (the value as given: OmegaConf's may be its node)
         for part in str(e.full_key).split("."):
             value = value.get(part) if isinstance(value, Mapping) else None
-        raise ConfigError("config: " + plainconf.library_line(prefix + key, str(e).splitlines()[0], value)) from None
+            hint = typing.get_type_hints(hint).get(part) if dataclasses.is_dataclass(hint) else None
+        raise ConfigError("config: " + plainconf.library_line(prefix + key, str(e).splitlines()[0], value, hint)
+                          ) from None
 
 
 def _check_given(node: Mapping, schema: type, prefix: str, option: str | None) -> None:

@@ -158,9 +158,10 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         # (Hydra raises a bare ValueError for a group choice that is not a name)
         primary = Path(config_dir or conf_dir()) / f"{name}.yaml"
-        raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, primary)
-                                        or _no_launcher(str(e)) or _ambiguous(str(e), overrides, primary) or _no_option(str(e))
-                                        or " ".join(str(e).split()))) from None
+        raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, primary) or _no_launcher(str(e))
+                                        or _ambiguous(str(e), overrides, primary) or _no_option(str(e))
+                                        or plainconf.merge_line(str(e), e.__cause__)   # (not the ++ form given)
+                                        or " ".join(str(e).replace("override ++", "override ").split()))) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
 
 

@@ -154,6 +154,11 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
                                                         "as 500000000), got 1.5"),
     (["checkpoint.async=2"], "config: checkpoint.async takes true or false (also yes/no, on/off, 1/0), got 2"),
     (["logger=wandb", "logger.tags=foo"], "config: logger.tags takes a list, got 'foo'; give logger.tags=[foo]"),
+    (["train.steps=null"], "config: train.steps takes an integer (5e8 reads as 500000000), got null$"),
+    (["logger=wandb", "logger.tags=null"], "config: logger.tags takes a list, got null; give logger.tags=[] for none$"),
+    (["checkpoint.dir=[a]"], "config: checkpoint.dir takes a string, got ['a']$"),
+    (["logger=wandb", "logger.tags={a: 1}"], "config: logger.tags takes a list, got {a: 1}$"),
+    (["train=[1]"], "config: train takes a mapping (or its keys one by one: train.NAME=VALUE), got [1]$"),
     # several values: a list or a string offered only where the key takes one (a group takes one name)
     (["optimizer.lr=1e-3,2e-3"], "config: optimizer.lr=1e-3,2e-3 is several values: add -m (--multirun) to run one "
                                  "job each$"),
