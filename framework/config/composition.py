@@ -77,9 +77,9 @@ def search_order(config_dir: str | None, config_name: str,
 
 
 def search_notes(cfg: Any, choices: Mapping[str, str]) -> tuple[str, ...]:
-    """The composed files (the primary config, each group's choice) that more than one folder of the search path
-    holds: a --config-dir file used in place of conf/'s is a note; a file hidden by an earlier folder's is refused
-    in one line (it would be silently ignored)."""
+    """The composed files (the primary config, the root configs its defaults list names, each group's choice) that
+    more than one folder of the search path holds: a --config-dir file used in place of conf/'s is a note; a file
+    hidden by an earlier folder's is refused in one line (it would be silently ignored)."""
     if isinstance(cfg, dict):
         return ()   # (composed without Hydra: conf/ alone)
     from omegaconf import OmegaConf
@@ -88,8 +88,13 @@ def search_notes(cfg: Any, choices: Mapping[str, str]) -> tuple[str, ...]:
         return ()
     folders = list(dict.fromkeys(Path(s.path).resolve() for s in cfg.hydra.runtime.config_sources
                                  if s.schema == "file"))
-    conf, notes = conf_dir().resolve(), []
-    for rel in (f"{cfg.hydra.job.config_name}.yaml", *(f"{g}/{n}.yaml" for g, n in choices.items())):
+    conf, notes, rels = conf_dir().resolve(), [], [f"{cfg.hydra.job.config_name}.yaml"]
+    for rel in rels:   # (Hydra keeps no choice for a root config a defaults list names: `train`)
+        with contextlib.suppress(Exception):   # (Hydra read it: only a note depends on it here)
+            defaults = plainconf.load_yaml(next(f / rel for f in folders if (f / rel).is_file())).get("defaults")
+            rels += [f"{d.lstrip('/')}.yaml" for d in defaults or [] if isinstance(d, str) and d != "_self_"
+                     and f"{d.lstrip('/')}.yaml" not in rels]
+    for rel in (*rels, *(f"{g}/{n}.yaml" for g, n in choices.items())):
         used, *hidden = [f for f in folders if (f / rel).is_file()] or [None]
         if mine := [f for f in hidden if f != conf]:
             raise ConfigError(
@@ -184,8 +189,8 @@ def _ambiguous(message: str, overrides: list[str], primary: Path) -> str:
     if (m := re.match(r"Ambiguous value for argument '(?:\+\+)?([^=']*)=(.*)'\n", message)) is None:
         return ""
     key, value = m.groups()
-    kinds = _takes(key.lstrip("+"), overrides, primary)
-    other = [f"a list as {key}=[{value}]"] * ("list" in kinds) + [f"a string as {key}='{value}'"] * ("str" in kinds)
+    other = [f"a list as {key}=[{value}]", f"a string as {key}='{value}'"]
+    other = [o for o, kind in zip(other, ("list", "str")) if kind in _takes(key.lstrip("+"), overrides, primary)]
     return (f"{key}={value} is several values: add -m (--multirun) to run one job each"
             + (f", or give {' or '.join(other)}" if other else ""))
 
@@ -206,8 +211,7 @@ def _takes(key: str, overrides: list[str], primary: Path) -> set[str]:
         hints = typing.get_type_hints(schema) if dataclasses.is_dataclass(schema) else {}
         schema = next((hints[f.name] for f in dataclasses.fields(schema) if plainconf.yaml_name(f.name) == part),
                       None) if hints else None
-    union = typing.get_origin(schema) in (typing.Union, types.UnionType)
-    hints = typing.get_args(schema) if union else (schema,)   # (X | None: each)
+    hints = typing.get_args(schema) if typing.get_origin(schema) in (typing.Union, types.UnionType) else (schema,)
     return ({"list"} if any(typing.get_origin(h) in (list, tuple) or h in (list, tuple) for h in hints) else set()) | (
         {"str"} if str in hints else set())
 

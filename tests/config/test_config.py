@@ -210,6 +210,16 @@ def test_a_config_dir_file_of_a_conf_name_is_used_with_a_note_or_refused_where_c
             compose(overrides, **where)
         assert str(e.value).startswith(f"config: {mine} is hidden by {conf}, which comes first on the search path ("
                                        ) and "\n" not in str(e.value), str(e.value)
+    # a root config the primary's defaults list pulls in (train), where Hydra records no choice: the same
+    for d in ("t", "o"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / ("my.yaml" if d == "t" else "other.yaml")).write_text("defaults: [train, _self_]\n")
+    mine, conf = tmp_path / "t" / "train.yaml", conf_dir() / "train.yaml"
+    mine.write_text(conf.read_text().replace("  steps: 300", "  steps: 2", 1))
+    cfg = compose([], config_dir=str(tmp_path / "t"), config_name="my")
+    assert cfg.train.steps == 2 and f"note: config: {mine} is used in place of {conf} (" in " ".join(cfg.notices)
+    with pytest.raises(ConfigError, match=f"^config: {mine} is hidden by {conf}, which comes first"):
+        compose([f"hydra.searchpath=[file://{tmp_path / 't'}]"], config_dir=str(tmp_path / "o"), config_name="other")
 
 
 def test_hydra_refusing_a_group_value_is_one_line():
