@@ -148,7 +148,12 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str], *, final: bo
         if name is None:
             raise ConfigError(f"config: no {group} chosen; add {group}=NAME "
                               f"(one of {', '.join(registry(group).names())})")
-        nodes[group] = _typed(raw.get(group) or {}, registry(group).get(name).config, f"{group}.", name)
+        try:
+            nodes[group] = _typed(raw.get(group) or {}, registry(group).get(name).config, f"{group}.", name)
+        except ConfigError as e:   # (a model is any gpt*.yaml file dropped in conf/model/: the line names it)
+            if group != "model" or ".yaml" in str(e):
+                raise
+            raise ConfigError(f"{e} (model={name}: its YAML file model/{name}.yaml, or a model.* override)") from None
         chosen[group] = name
     for prefix, node in (("", root), *((f"{group}.", node) for group, node in nodes.items())):
         _check_numbers(node, prefix)

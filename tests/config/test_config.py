@@ -222,6 +222,19 @@ def test_a_config_dir_file_of_a_conf_name_is_used_with_a_note_or_refused_where_c
         compose([f"hydra.searchpath=[file://{tmp_path / 't'}]"], config_dir=str(tmp_path / "o"), config_name="other")
 
 
+def test_a_bad_model_file_is_named(tmp_path):
+    """A model is any conf/model/gpt*.yaml file: a refusal of its values names the file (here one of a --config-dir
+    folder used in its place), not only the key."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "gpt-nano.yaml").write_text((conf_dir() / "model" / "gpt-nano.yaml").read_text()
+                                                      .replace("n_head: 4", "n_head: 3"))
+    (tmp_path / "my.yaml").write_text("defaults: [train, _self_]\n")
+    with pytest.raises(ConfigError, match=r"^model.d_model \(128\) must be divisible by model.n_head \(3\) "
+                                          r"\(model=gpt-nano: its YAML file model/gpt-nano.yaml, or a model.\* "
+                                          r"override\)$"):
+        compose([], config_dir=str(tmp_path), config_name="my")
+
+
 def test_hydra_refusing_a_group_value_is_one_line():
     from framework.config.composition import standalone_composer
 
@@ -380,6 +393,10 @@ def test_a_name_that_begins_a_close_one_names_it_and_an_unknown_model_names_hf()
     assert msg.endswith("; a Hugging Face model is model=hf model.config=path/to/config.json (or its folder; local "
                         "files: nothing is downloaded)"), msg
     assert "Hugging Face" not in str(pytest.raises(ConfigError, compose, ["optimizer=adamx"]).value)
+    # a model YAML's path (training takes a model by name): how to make it one
+    assert str(pytest.raises(ConfigError, compose, ["model=/x/my.yaml"]).value).endswith(
+        "; a GPT model YAML of your own: copy it into conf/model/ as gpt-NAME.yaml (a GPT model there is a file named "
+        "gpt*.yaml) and give model=gpt-NAME")
     assert closest("adamw", ["adam", "adamw_8bit"]) == "adamw_8bit" and closest("ad", ["adamw", "adam"]) == "adam"
     assert closest("lr", ["lr_decay"], 1.0) is None and closest("zero", ["zero3"], 0.95) is None
 
