@@ -9,13 +9,14 @@ import _thread
 import concurrent.futures
 import contextlib
 import linecache
+import os
 import signal
 import sys
 import threading
 import time
 from typing import Iterator
 
-from framework.core.errors import Terminated
+from framework.core.errors import Interrupted, Terminated
 
 INTERRUPT = signal.SIGUSR1   # the launcher's Ctrl-C passed on to a rank: Ctrl-C unless it is interrupted already
 
@@ -134,3 +135,25 @@ def terminated_line(e: SystemExit) -> str | None:
     """The one line for a run a SIGTERM ended (``signals_unwind``'s SystemExit), None for any other exit."""
     sigterm = "terminated (SIGTERM)" if e.code == 128 + signal.SIGTERM else None
     return e.line if isinstance(e, Terminated) else sigterm
+
+
+def launcher_gone(launcher: int) -> bool:
+    """Whether this rank's ``launcher`` (parent) has died. Killed with -9, it sends torch's spawn pdeathsig (SIGINT)
+    as its main thread ends, while its other threads still exist: the rank is still its child then, but the main
+    thread is a zombie (state Z; X once dead)."""
+    if os.getppid() != launcher:
+        return True
+    try:
+        with open(f"/proc/{launcher}/stat", "rb") as f:   # (the state follows the name's closing parenthesis)
+            return f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
+    except OSError:
+        return os.getppid() != launcher
+
+
+def interrupted_line(rank: int, e: KeyboardInterrupt, launcher: int) -> str:
+    """A spawned rank's line for its Ctrl-C: the group's (passed on by the launcher), or ``_die_with``'s once its
+    ``launcher`` is gone (killed with -9: nobody pressed Ctrl-C, and the rank is no longer its child)."""
+    if not launcher_gone(launcher):
+        return f"rank {rank}: {str(e) or 'interrupted'}"
+    at = f" at step {e.step}" if isinstance(e, Interrupted) else ""
+    return f"rank {rank}: stopped{at}: its launcher (pid {launcher}) is gone (killed?)"

@@ -38,12 +38,12 @@ from framework.core import files
 from framework.core.units import GiB
 from framework.core.utils import counted
 from framework.offload import remove_stale
-from framework.core.errors import (ConfigError, DistributedError, FrameworkError, Interrupted, on_every_rank, say,
+from framework.core.errors import (ConfigError, DistributedError, FrameworkError, on_every_rank, say,
                                    typed_line)
 from framework.loggers import RunInfo, check_records
 from framework.cli._rendezvous import (LOCK, PREFIX, hold, mark_error, peer_lost_path, raised_alike, ready_path,
                                       remove_dead)
-from framework.cli._signals import INTERRUPT, signals_unwind, terminated_line
+from framework.cli._signals import INTERRUPT, interrupted_line, signals_unwind, terminated_line
 from framework.cli.loop import train
 
 
@@ -258,7 +258,7 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         finally:
             signal.signal(signal.SIGINT, interrupt)
         try:
-            failed, stopped = _failed(ranks.processes, store_dir)
+            failed, stopped, paused = _failed(ranks.processes, store_dir)
             lost = [rank for rank in failed if os.path.exists(peer_lost_path(store_dir, rank))]
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
             _stop(ranks.processes, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM,
@@ -267,7 +267,7 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
             raise
         remove_killed_swap(swap, [p.exitcode for p in ranks.processes])
         if failed and stopped and len(lost) == len(failed):   # each lost a peer: the one still running is to blame
-            stalled = stalled_message(stopped, sorted(lost), cfg.dist.nproc, cfg.dist.timeout_s)
+            stalled = stalled_message(stopped, sorted(lost), cfg.dist.nproc, cfg.dist.timeout_s, paused)
             raise _ended(run, FrameworkError(stalled))
         if failed and (alike := raised_alike(store_dir, cfg.dist.nproc)):   # (rank 0's train.log ends with it)
             raise FrameworkError(alike)   # once, not as rank K's exit: each rank raised it
@@ -341,9 +341,9 @@ def append_log(run: RunInfo, text: str) -> None:
         log.write(text)
 
 
-def _failed(ranks: list, store_dir: str) -> tuple[list[int], list[int]]:
-    """Wait for the ranks to end: those that failed, the one to name first (empty when all finished), and those
-    that had to be stopped. Once one failed, the others have ``REPORT_GRACE_S`` to end with their own error (a rank
+def _failed(ranks: list, store_dir: str) -> tuple[list[int], list[int], list[int]]:
+    """Wait for the ranks to end: those that failed, the one to name first (empty when all finished), those
+    that had to be stopped, and of them those found stopped by SIGSTOP. Once one failed, the others have ``REPORT_GRACE_S`` to end with their own error (a rank
     that failed first may be one whose peer went silent, one slow to exit), then are stopped; the rank to name is
     the first that failed, unless its error was a lost peer and another's was not."""
     pending = {p.sentinel: rank for rank, p in enumerate(ranks)}
@@ -356,30 +356,38 @@ def _failed(ranks: list, store_dir: str) -> tuple[list[int], list[int]]:
                 failed.append(rank)
                 deadline = deadline or time.monotonic() + REPORT_GRACE_S
     if not failed:
-        return [], []
-    stopped = _end(ranks)
-    return sorted(failed, key=lambda rank: os.path.exists(peer_lost_path(store_dir, rank))), stopped   # (stable)
+        return [], [], []
+    stopped, paused = _end(ranks)
+    return sorted(failed, key=lambda rank: os.path.exists(peer_lost_path(store_dir, rank))), stopped, paused
 
 
-def stalled_message(stalled: list[int], lost: list[int], nproc: int, timeout_s: float) -> str:
+def stalled_message(stalled: list[int], lost: list[int], nproc: int, timeout_s: float,
+                    paused: list[int] | tuple = ()) -> str:
     """One line for ranks the launcher had to stop after every rank that failed did so only on losing a peer:
-    those still running (stalled: in a loop, a hung read, a slow step) are what ended the run."""
+    those still running (stalled: in a loop, a hung read, a slow step) are what ended the run; those ``paused``
+    (SIGSTOP) ran nothing, so a longer timeout would not have helped."""
     def ranks(group: list[int]) -> str:
         return f"rank{'s' if len(group) > 1 else ''} {', '.join(map(str, group))}"
-    it, was, its = ("they", "were", "their") if len(stalled) > 1 else ("it", "was", "its")
-    return (f"{ranks(stalled)} of {nproc} stalled: still running {REPORT_GRACE_S:g}s after {ranks(lost)} failed "
-            f"waiting for a peer (their lines are above), so {it} {was} stopped; if {its} step can take longer "
-            f"than dist.timeout_s={timeout_s:g}s, raise dist.timeout_s")
+    running = [rank for rank in stalled if rank not in paused]
+    it, was, its = ("they", "were", "their") if len(running) > 1 else ("it", "was", "its")
+    lines = f"{ranks(lost)} failed waiting for a peer ({'their lines are' if len(lost) > 1 else 'its line is'} above)"
+    held = f"{ranks(list(paused))} {'were' if len(paused) > 1 else 'was'} stopped (SIGSTOP), running nothing"
+    if not running:
+        return f"{ranks(stalled)} of {nproc} stalled: {held} when {lines}, so killed"
+    return (f"{ranks(stalled)} of {nproc} stalled: {ranks(running) + ' ' if paused else ''}still running "
+            f"{REPORT_GRACE_S:g}s after {lines}, so {it} {was} stopped{'; ' + held if paused else ''}; if {its} step "
+            f"can take longer than dist.timeout_s={timeout_s:g}s, raise dist.timeout_s")
 
 
-def _end(ranks: list) -> list[int]:
+def _end(ranks: list) -> tuple[list[int], list[int]]:
     """Stop the ranks still running ``REPORT_GRACE_S`` after a rank failed, with one line naming them first:
     SIGTERM, and SIGKILL ``KILL_AFTER_S`` later (a rank in C++ runs no handler). They had their time to end on
     their own, so not ``STOP_GRACE_S`` more; a stopped rank (SIGSTOP) would act on nothing before SIGCONT:
-    SIGKILL at once. A Ctrl-C meanwhile skips ahead. No rank is left running. The ranks it had to stop."""
+    SIGKILL at once. A Ctrl-C meanwhile skips ahead. No rank is left running. The ranks it had to stop, and of
+    them the stopped ones."""
     alive = [(rank, p) for rank, p in enumerate(ranks) if p.is_alive()]
     if not alive:
-        return []
+        return [], []
     stopped = {rank for rank, p in alive if process_state(p.pid) == "T"}
     names = [f"rank {r} (pid {p.pid}{', stopped by SIGSTOP: SIGKILL now' if r in stopped else ''})" for r, p in alive]
     termed = f"; SIGTERM, then SIGKILL after {KILL_AFTER_S:g}s" if len(stopped) < len(alive) else ""
@@ -391,7 +399,7 @@ def _end(ranks: list) -> list[int]:
     for p in ranks:
         p.kill()   # (nothing for a rank that ended)
     _join(ranks, None)
-    return [rank for rank, _ in alive]
+    return [rank for rank, _ in alive], sorted(stopped)
 
 
 def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:
@@ -458,15 +466,6 @@ def _die_with(launcher: int) -> None:
     threading.Thread(target=watch, name="framework-launcher-watch", daemon=True).start()
 
 
-def interrupted_line(rank: int, e: KeyboardInterrupt, launcher: int) -> str:
-    """A spawned rank's line for its Ctrl-C: the group's (passed on by the launcher), or ``_die_with``'s once its
-    ``launcher`` is gone (killed with -9: nobody pressed Ctrl-C, and the rank is no longer its child)."""
-    if os.getppid() == launcher:
-        return f"rank {rank}: {str(e) or 'interrupted'}"
-    at = f" at step {e.step}" if isinstance(e, Interrupted) else ""
-    return f"rank {rank}: stopped{at}: its launcher (pid {launcher}) is gone (killed?)"
-
-
 def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Callable[[str], None] | None,
             on_ready: Callable[[Path], None] | None, launcher: int) -> None:
     _die_with(launcher)
@@ -489,7 +488,7 @@ def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Call
         sys.exit(1)
     except KeyboardInterrupt as e:   # (torch's wrapper would exit 0, as if the rank had finished)
         say(line := interrupted_line(rank, e, launcher))
-        if rank == 0 and os.getppid() != launcher:   # (train.log's "interrupted at step N" was no Ctrl-C)
+        if rank == 0 and line.endswith("(killed?)"):   # (train.log's "interrupted at step N" was no Ctrl-C)
             append_log(run, line + "\n")
         sys.exit(130)
     except SystemExit as e:   # SIGTERM: a line as for Ctrl-C, the exit status kept

@@ -91,10 +91,12 @@ def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) 
         key = ".".join(map(plainconf.yaml_name, key.split(".")))   # as YAML spells the field
         if not key:
             raise ConfigError(f"config: {prefix.rstrip('.')}: {str(e).splitlines()[0]}") from None
-        value = node   # (the value as given: OmegaConf's may be its node)
+        value, hint = node, schema   # (the value as given: OmegaConf's may be its node)
         for part in str(e.full_key).split("."):
             value = value.get(part) if isinstance(value, Mapping) else None
-        raise ConfigError("config: " + plainconf.library_line(prefix + key, str(e).splitlines()[0], value)) from None
+            hint = typing.get_type_hints(hint).get(part) if dataclasses.is_dataclass(hint) else None
+        raise ConfigError("config: " + plainconf.library_line(prefix + key, str(e).splitlines()[0], value, hint)
+                          ) from None
 
 
 def _check_given(node: Mapping, schema: type, prefix: str, option: str | None) -> None:
@@ -146,7 +148,12 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str], *, final: bo
         if name is None:
             raise ConfigError(f"config: no {group} chosen; add {group}=NAME "
                               f"(one of {', '.join(registry(group).names())})")
-        nodes[group] = _typed(raw.get(group) or {}, registry(group).get(name).config, f"{group}.", name)
+        try:
+            nodes[group] = _typed(raw.get(group) or {}, registry(group).get(name).config, f"{group}.", name)
+        except ConfigError as e:   # (a model is any gpt*.yaml file dropped in conf/model/: the line names it)
+            if group != "model" or ".yaml" in str(e):
+                raise
+            raise ConfigError(f"{e} (model={name}: its YAML file model/{name}.yaml, or a model.* override)") from None
         chosen[group] = name
     for prefix, node in (("", root), *((f"{group}.", node) for group, node in nodes.items())):
         _check_numbers(node, prefix)

@@ -5,6 +5,8 @@ import contextlib
 import dataclasses
 import functools
 import re
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from framework.comm.distributed import run_world
 from framework.config import dsconfig, plainconf
 from framework.config.checks import refuse_inert, root_value, validate
-from framework.config.schema import Config, flat
+from framework.config.schema import Config, RootSchema, flat
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir, user_path
 from framework.core.registry import GROUPS, registry
@@ -75,9 +77,9 @@ def search_order(config_dir: str | None, config_name: str,
 
 
 def search_notes(cfg: Any, choices: Mapping[str, str]) -> tuple[str, ...]:
-    """The composed files (the primary config, each group's choice) that more than one folder of the search path
-    holds: a --config-dir file used in place of conf/'s is a note; a file hidden by an earlier folder's is refused
-    in one line (it would be silently ignored)."""
+    """The composed files (the primary config, the root configs its defaults list names, each group's choice) that
+    more than one folder of the search path holds: a --config-dir file used in place of conf/'s is a note; a file
+    hidden by an earlier folder's is refused in one line (it would be silently ignored)."""
     if isinstance(cfg, dict):
         return ()   # (composed without Hydra: conf/ alone)
     from omegaconf import OmegaConf
@@ -86,8 +88,13 @@ def search_notes(cfg: Any, choices: Mapping[str, str]) -> tuple[str, ...]:
         return ()
     folders = list(dict.fromkeys(Path(s.path).resolve() for s in cfg.hydra.runtime.config_sources
                                  if s.schema == "file"))
-    conf, notes = conf_dir().resolve(), []
-    for rel in (f"{cfg.hydra.job.config_name}.yaml", *(f"{g}/{n}.yaml" for g, n in choices.items())):
+    conf, notes, rels = conf_dir().resolve(), [], [f"{cfg.hydra.job.config_name}.yaml"]
+    for rel in rels:   # (Hydra keeps no choice for a root config a defaults list names: `train`)
+        with contextlib.suppress(Exception):   # (Hydra read it: only a note depends on it here)
+            defaults = plainconf.load_yaml(next(f / rel for f in folders if (f / rel).is_file())).get("defaults")
+            rels += [f"{d.lstrip('/')}.yaml" for d in defaults or [] if isinstance(d, str) and d != "_self_"
+                     and f"{d.lstrip('/')}.yaml" not in rels]
+    for rel in (*rels, *(f"{g}/{n}.yaml" for g, n in choices.items())):
         used, *hidden = [f for f in folders if (f / rel).is_file()] or [None]
         if mine := [f for f in hidden if f != conf]:
             raise ConfigError(
@@ -156,9 +163,10 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         # (Hydra raises a bare ValueError for a group choice that is not a name)
         primary = Path(config_dir or conf_dir()) / f"{name}.yaml"
-        raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, primary)
-                                        or _no_launcher(str(e)) or _ambiguous(str(e)) or _no_option(str(e))
-                                        or " ".join(str(e).split()))) from None
+        raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, primary) or _no_launcher(str(e))
+                                        or _ambiguous(str(e), overrides, primary) or _no_option(str(e))
+                                        or plainconf.merge_line(str(e), e.__cause__)   # (not the ++ form given)
+                                        or " ".join(str(e).replace("override ++", "override ").split()))) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
 
 
@@ -174,14 +182,38 @@ def _no_option(message: str) -> str:
     return ""
 
 
-def _ambiguous(message: str) -> str:
+def _ambiguous(message: str, overrides: list[str], primary: Path) -> str:
     """Hydra's three-line advice for a comma-separated value without -m, naming the override as given (not the
-    ``++`` form the framework passes a value key as)."""
+    ``++`` form the framework passes a value key as); a list or a string is offered only where the key takes one
+    (a group takes one name)."""
     if (m := re.match(r"Ambiguous value for argument '(?:\+\+)?([^=']*)=(.*)'\n", message)) is None:
         return ""
     key, value = m.groups()
-    return (f"{key}={value} is several values: add -m (--multirun) to run one job each, or give a list as "
-            f"{key}=[{value}] or a string as {key}='{value}'")
+    other = [f"a list as {key}=[{value}]", f"a string as {key}='{value}'"]
+    other = [o for o, kind in zip(other, ("list", "str")) if kind in _takes(key.lstrip("+"), overrides, primary)]
+    return (f"{key}={value} is several values: add -m (--multirun) to run one job each"
+            + (f", or give {' or '.join(other)}" if other else ""))
+
+
+def _takes(key: str, overrides: list[str], primary: Path) -> set[str]:
+    """What the schema field ``key`` takes of list and str (empty: neither, or not known: a group, a component
+    not chosen on the command line or in ``primary``'s defaults)."""
+    group, _, rest = key.partition(".")
+    schema: Any = RootSchema
+    if group in GROUPS:
+        chosen = [v for k, _, v in (o.lstrip("+").partition("=") for o in overrides) if k == group]
+        try:
+            schema, key = registry(group).get(chosen[-1] if chosen else plainconf.default_choice(primary, group)
+                                              or "").config, rest
+        except ConfigError:
+            return set()
+    for part in key.split(".") if key else ():
+        hints = typing.get_type_hints(schema) if dataclasses.is_dataclass(schema) else {}
+        schema = next((hints[f.name] for f in dataclasses.fields(schema) if plainconf.yaml_name(f.name) == part),
+                      None) if hints else None
+    hints = typing.get_args(schema) if typing.get_origin(schema) in (typing.Union, types.UnionType) else (schema,)
+    return ({"list"} if any(typing.get_origin(h) in (list, tuple) or h in (list, tuple) for h in hints) else set()) | (
+        {"str"} if str in hints else set())
 
 
 def _no_launcher(message: str) -> str:

@@ -255,7 +255,7 @@ def given_twice(message: str, overrides: list[str], primary: Path) -> str:
         return ""
     group = m.group(1) or m.group(2)
     given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].removeprefix("/") == group]
-    default = _default_choice(primary, group)
+    default = default_choice(primary, group)
     chosen = f"already chosen in the defaults{f' ({group}: {default})' if default is not None else ''}"
     if len(given) == 1:
         return f"{group} is {chosen}: use {given[0].lstrip('+')}, without +"
@@ -266,7 +266,7 @@ def given_twice(message: str, overrides: list[str], primary: Path) -> str:
     return f"{twice}: give +{group}=NAME once"
 
 
-def _default_choice(primary: Path, group: str) -> str | None:
+def default_choice(primary: Path, group: str) -> str | None:
     """``group``'s choice in the defaults list of the config file ``primary`` (None: not there, or unreadable)."""
     try:
         defaults = load_yaml(primary).get("defaults") or []
@@ -365,7 +365,7 @@ def _convert(v: Any, hint: Any, key: str) -> Any:
             raise TypeError(f"schema of {key}: {hint} is not 'X | None', the only union a config field may have")
         return None if v is None else _convert(v, inner[0], key)
     if v is None:
-        raise ConfigError(f"config: {key}: field '{key}' is not Optional")
+        raise ConfigError(f"config: {wrong_type(key, None, kind_of(hint))}")
     if dataclasses.is_dataclass(hint) or origin is dict or hint is dict:
         if not isinstance(v, Mapping):
             raise ConfigError(f"config: {key} must be a mapping, got {v!r}")
@@ -406,16 +406,36 @@ TAKES = {"int": "an integer (5e8 reads as 500000000)", "float": "a number (such 
          "bool": "true or false (also yes/no, on/off, 1/0)", "str": "a string", "list": "a list"}
 
 
-def library_line(key: str, message: str, v: Any) -> str:
-    """``key: message`` of OmegaConf's first line about ``key``, a value ``v`` of another type said as here."""
-    kind = re.search(r"could not be converted to (Int|Float|Bool)|(is not a ListConfig)", message)
-    if kind is None:
-        return f"{key}: {message}"
-    return wrong_type(key, v, "list" if kind[2] else {"Int": "int", "Float": "float", "Bool": "bool"}[kind[1]])
+def library_line(key: str, message: str, v: Any, hint: Any = None) -> str:
+    """``key: message`` of OmegaConf's first line about ``key``, a value ``v`` of another type (of the field's
+    type ``hint``, where known) said as here."""
+    m = re.search(r"could not be converted to (Int|Float|Bool)|(is not a ListConfig)|for field of type '(\w+)'|"
+                  r"Cannot convert '\w+Config' to (str)ing|(is not Optional)", message)
+    kind = m and ((m[1] or "").lower() or ("list" if m[2] else m[3] or m[4]) or (hint is not None and kind_of(hint)))
+    return wrong_type(key, v, kind) if kind else f"{key}: {message}"
+
+
+def kind_of(hint: Any) -> str:
+    """The name TAKES knows the type ``hint`` by (list: any list or tuple)."""
+    if typing.get_origin(hint) in (list, tuple) or hint in (list, tuple):
+        return "list"
+    return getattr(hint, "__name__", str(hint))
 
 
 def wrong_type(key: str, v: Any, kind: str) -> str:
     """The line for ``v`` given to ``key`` of type ``kind`` (int, float, bool, str or list; another: its name)."""
     got = f"'{v}'" if isinstance(v, str) else "null" if v is None else str(v).lower() if isinstance(v, bool) else v
-    fix = f"; give {key}=[{v}]" if kind == "list" and not isinstance(v, Mapping) else ""
+    fix = "" if kind != "list" or isinstance(v, Mapping) else f"; give {key}=[] for none" if v is None else \
+        f"; give {key}=[{v}]"
     return f"{key} takes {TAKES.get(kind, kind)}, got {got}{fix}"
+
+
+def merge_line(message: str, cause: BaseException | None) -> str:
+    """Hydra's "Error merging override" of a mapping for a list key (or a list for a mapping): what the key takes,
+    the override as given (not the ``++`` form the framework passes a value key as)."""
+    m = re.match(r"Error merging override (?:\+\+)?([^=]*)=(.*)", message)
+    into = re.search(r"Cannot merge \w+ with \w+(?:.|\n)*object_type=(list|dict)", str(cause or ""))
+    if m is None or into is None:
+        return ""
+    takes = "a list" if into[1] == "list" else f"a mapping (or its keys one by one: {m[1]}.NAME=VALUE)"
+    return f"{m[1]} takes {takes}, got {m[2]}"

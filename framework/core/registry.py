@@ -4,7 +4,8 @@ A component is a public module (no leading underscore, not base.py) of the group
 ``COMPONENT = Component(config=<dataclass>, build=<callable>)``, named by its file name (also the YAML
 file name in ``conf/<group>/``); or ``COMPONENTS = {name: Component, ...}`` for several (the model
 sizes, zero1 and zero2). Discovery is read-only: nothing registers itself at import time. A group's package
-may define ``UNKNOWN_HINT``: what an unknown name's error adds (another way to name what was meant), and
+may define ``UNKNOWN_HINT``: what an unknown name's error adds (another way to name what was meant; a function
+of the name where that depends on it), and
 ``check_entry(module_name, name, component)``: what its entries need beyond a ``Component`` (the models' loss,
 the optimizers' lr), refused in one line when discovered.
 """
@@ -66,15 +67,16 @@ class Component:
 class Registry:
     group: str
     entries: Mapping[str, Component]
-    hint: str = ""   # the package's UNKNOWN_HINT
+    hint: str | Callable[[str], str] = ""   # the package's UNKNOWN_HINT
 
     def names(self) -> list[str]:
         return sorted(self.entries)
 
     def get(self, name: str) -> Component:
         if name not in self.entries:
+            hint = self.hint(name) if callable(self.hint) else self.hint
             raise ConfigError(f"config: unknown {self.group} {name!r}{closest_hint(name, self.entries)}; "
-                              f"available: {', '.join(self.names())}{'; ' + self.hint if self.hint else ''}")
+                              f"available: {', '.join(self.names())}{'; ' + hint if hint else ''}")
         return self.entries[name]
 
 

@@ -7,8 +7,15 @@ import dataclasses
 from framework.core.errors import ConfigError
 from framework.models._base import ModelComponent
 
-UNKNOWN_HINT = ("a Hugging Face model is model=hf model.config=path/to/config.json (or its folder; local files: "
-                "nothing is downloaded)")
+
+
+def UNKNOWN_HINT(name: str) -> str:  # noqa: N802 (the registry's name for it)
+    """What an unknown model's line adds: how a Hugging Face model is named, and for a YAML file's path (which
+    training takes only by name) how to make it one of ours."""
+    own = ("; a GPT model YAML of your own: copy it into conf/model/ as gpt-NAME.yaml (a GPT model there is a file "
+           "named gpt*.yaml) and give model=gpt-NAME" if name.endswith((".yaml", ".yml")) else "")
+    return ("a Hugging Face model is model=hf model.config=path/to/config.json (or its folder; local files: nothing "
+            "is downloaded)" + own)
 
 
 def check_entry(module_name: str, name: str, component) -> None:

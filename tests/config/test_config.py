@@ -154,9 +154,20 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
                                                         "as 500000000), got 1.5"),
     (["checkpoint.async=2"], "config: checkpoint.async takes true or false (also yes/no, on/off, 1/0), got 2"),
     (["logger=wandb", "logger.tags=foo"], "config: logger.tags takes a list, got 'foo'; give logger.tags=[foo]"),
+    (["train.steps=null"], "config: train.steps takes an integer (5e8 reads as 500000000), got null$"),
+    (["logger=wandb", "logger.tags=null"], "config: logger.tags takes a list, got null; give logger.tags=[] for none$"),
+    (["checkpoint.dir=[a]"], "config: checkpoint.dir takes a string, got ['a']$"),
+    (["logger=wandb", "logger.tags={a: 1}"], "config: logger.tags takes a list, got {a: 1}$"),
+    (["train=[1]"], "config: train takes a mapping (or its keys one by one: train.NAME=VALUE), got [1]$"),
+    # several values: a list or a string offered only where the key takes one (a group takes one name)
     (["optimizer.lr=1e-3,2e-3"], "config: optimizer.lr=1e-3,2e-3 is several values: add -m (--multirun) to run one "
-                                 "job each, or give a list as optimizer.lr=[1e-3,2e-3] or a string as "
-                                 "optimizer.lr='1e-3,2e-3'"),
+                                 "job each$"),
+    (["optimizer=adam,lion"], "config: optimizer=adam,lion is several values: add -m (--multirun) to run one job each$"),
+    (["+stage=zero1,zero2"], "config: +stage=zero1,zero2 is several values: add -m (--multirun) to run one job each$"),
+    (["logger=wandb", "logger.tags=a,b"], "config: logger.tags=a,b is several values: add -m (--multirun) to run one "
+                                          "job each, or give a list as logger.tags=[a,b]"),
+    (["checkpoint.dir=a,b"], "config: checkpoint.dir=a,b is several values: add -m (--multirun) to run one job each, "
+                             "or give a string as checkpoint.dir='a,b'"),
     (["train.steps=${oc.env:NOPE_F30_X}"], "config: train.steps: the environment variable NOPE_F30_X is not set; set "
                                            "it, or give a default: ${oc.env:NOPE_F30_X,VALUE}"),
     (["~train.steps"], "config: train.steps has no value (a missing mandatory value: TrainLoopConfig gives it no "
@@ -165,8 +176,8 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
 def test_bad_config_is_one_clear_line(overrides, needle):
     with pytest.raises(ConfigError) as e:
         compose(overrides)
-    msg = str(e.value)
-    assert "\n" not in msg and needle in msg, msg
+    msg = str(e.value)   # (a needle ending in $: the line's end)
+    assert "\n" not in msg and (msg.endswith(needle[:-1]) if needle.endswith("$") else needle in msg), msg
 
 
 def test_a_defaults_list_naming_no_option_is_the_registrys_line(tmp_path):
@@ -199,6 +210,29 @@ def test_a_config_dir_file_of_a_conf_name_is_used_with_a_note_or_refused_where_c
             compose(overrides, **where)
         assert str(e.value).startswith(f"config: {mine} is hidden by {conf}, which comes first on the search path ("
                                        ) and "\n" not in str(e.value), str(e.value)
+    # a root config the primary's defaults list pulls in (train), where Hydra records no choice: the same
+    for d in ("t", "o"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / ("my.yaml" if d == "t" else "other.yaml")).write_text("defaults: [train, _self_]\n")
+    mine, conf = tmp_path / "t" / "train.yaml", conf_dir() / "train.yaml"
+    mine.write_text(conf.read_text().replace("  steps: 300", "  steps: 2", 1))
+    cfg = compose([], config_dir=str(tmp_path / "t"), config_name="my")
+    assert cfg.train.steps == 2 and f"note: config: {mine} is used in place of {conf} (" in " ".join(cfg.notices)
+    with pytest.raises(ConfigError, match=f"^config: {mine} is hidden by {conf}, which comes first"):
+        compose([f"hydra.searchpath=[file://{tmp_path / 't'}]"], config_dir=str(tmp_path / "o"), config_name="other")
+
+
+def test_a_bad_model_file_is_named(tmp_path):
+    """A model is any conf/model/gpt*.yaml file: a refusal of its values names the file (here one of a --config-dir
+    folder used in its place), not only the key."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "gpt-nano.yaml").write_text((conf_dir() / "model" / "gpt-nano.yaml").read_text()
+                                                      .replace("n_head: 4", "n_head: 3"))
+    (tmp_path / "my.yaml").write_text("defaults: [train, _self_]\n")
+    with pytest.raises(ConfigError, match=r"^model.d_model \(128\) must be divisible by model.n_head \(3\) "
+                                          r"\(model=gpt-nano: its YAML file model/gpt-nano.yaml, or a model.\* "
+                                          r"override\)$"):
+        compose([], config_dir=str(tmp_path), config_name="my")
 
 
 def test_hydra_refusing_a_group_value_is_one_line():
@@ -359,6 +393,10 @@ def test_a_name_that_begins_a_close_one_names_it_and_an_unknown_model_names_hf()
     assert msg.endswith("; a Hugging Face model is model=hf model.config=path/to/config.json (or its folder; local "
                         "files: nothing is downloaded)"), msg
     assert "Hugging Face" not in str(pytest.raises(ConfigError, compose, ["optimizer=adamx"]).value)
+    # a model YAML's path (training takes a model by name): how to make it one
+    assert str(pytest.raises(ConfigError, compose, ["model=/x/my.yaml"]).value).endswith(
+        "; a GPT model YAML of your own: copy it into conf/model/ as gpt-NAME.yaml (a GPT model there is a file named "
+        "gpt*.yaml) and give model=gpt-NAME")
     assert closest("adamw", ["adam", "adamw_8bit"]) == "adamw_8bit" and closest("ad", ["adamw", "adam"]) == "adam"
     assert closest("lr", ["lr_decay"], 1.0) is None and closest("zero", ["zero3"], 0.95) is None
 

@@ -144,7 +144,7 @@ def test_a_failed_ranks_peers_are_stopped_after_the_kill_grace_a_stopped_one_at_
             assert ready.wait(30)
         ranks[0].start()
         start = time.monotonic()
-        assert launch._failed(ranks, "/nonexistent") == ([0], [1])
+        assert launch._failed(ranks, "/nonexistent") == ([0], [1], [1] if peer == "stopped" else [])
         took = time.monotonic() - start
     finally:
         for p in ranks[1:]:
@@ -183,7 +183,7 @@ def test_ranks_that_all_failed_by_themselves_are_not_said_stopped(capsys, tmp_pa
         ranks = [ctx.Process(target=_raised, args=(str(store), r, text, alike)) for r, text in enumerate(texts)]
         for p in ranks:
             p.start()
-        assert launch._failed(ranks, str(store)) == ([0, 1], [])
+        assert launch._failed(ranks, str(store)) == ([0, 1], [], [])
         assert raised_alike(str(store), 2) == says and raised_alike(str(store), 3) is None   # (rank 2 marked none)
     assert "stopping" not in capsys.readouterr().err
 
@@ -207,11 +207,25 @@ def test_a_rank_still_running_after_its_peers_lost_it_is_the_one_named(monkeypat
              ctx.Process(target=_lost_a_peer, args=(peer_lost_path(str(tmp_path), 2),))]
     for p in ranks:
         p.start()
-    assert launch._failed(ranks, str(tmp_path)) == ([0, 2], [1])
+    assert launch._failed(ranks, str(tmp_path)) == ([0, 2], [1], [])
     assert ranks[1].exitcode == -signal.SIGTERM, capsys.readouterr().err
     assert launch.stalled_message([1], [0, 2], 3, 10) == (
         "rank 1 of 3 stalled: still running 1s after ranks 0, 2 failed waiting for a peer (their lines are above), "
         "so it was stopped; if its step can take longer than dist.timeout_s=10s, raise dist.timeout_s")
+
+
+def test_a_rank_stopped_by_sigstop_is_not_said_to_be_still_running(monkeypatch):
+    """A rank paused by SIGSTOP (``_failed`` names it: the test above) ran nothing: its line says so, with no
+    timeout advice (a longer one would not have helped), and one lost rank's line is "its line"."""
+    from framework.cli import launch
+    monkeypatch.setattr(launch, "REPORT_GRACE_S", 1.0)
+    assert launch.stalled_message([0], [1], 2, 10, [0]) == (
+        "rank 0 of 2 stalled: rank 0 was stopped (SIGSTOP), running nothing when rank 1 failed waiting for a peer "
+        "(its line is above), so killed")
+    assert launch.stalled_message([0, 2], [1], 3, 10, [2]) == (
+        "ranks 0, 2 of 3 stalled: rank 0 still running 1s after rank 1 failed waiting for a peer (its line is above), "
+        "so it was stopped; rank 2 was stopped (SIGSTOP), running nothing; if its step can take longer than "
+        "dist.timeout_s=10s, raise dist.timeout_s")
 
 
 @pytest.mark.parametrize("spec,n,device,backend", [
@@ -401,6 +415,49 @@ def test_a_ranks_line_says_its_launcher_is_gone_not_interrupted():
     said = f"its launcher (pid {gone}) is gone (killed?)"
     assert interrupted_line(1, Interrupted(4), gone) == f"rank 1: stopped at step 4: {said}"
     assert interrupted_line(0, KeyboardInterrupt(), gone) == f"rank 0: stopped: {said}"
+
+
+def _rank_of_a_killed_launcher() -> str:
+    """Fork a stand-in launcher with threads whose child (the rank) has torch spawn's pdeathsig (SIGINT), kill -9
+    the launcher, and return the rank's ``interrupted_line``."""
+    import ctypes
+    import threading
+    from framework.cli.launch import interrupted_line
+    r, w = os.pipe()
+    launcher = os.fork()
+    if launcher == 0:   # (nothing of pytest's runs here: every path ends in os._exit)
+        try:
+            signal.signal(signal.SIGINT, signal.default_int_handler)   # (as a spawned rank has it)
+            for _ in range(8):
+                threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+            if os.fork() == 0:
+                ctypes.CDLL(None).prctl(1, signal.SIGINT)   # PR_SET_PDEATHSIG, as torch's spawn sets it
+                parent, line = os.getppid(), "slept"
+                try:
+                    os.write(w, b"r")
+                    time.sleep(10)
+                except KeyboardInterrupt as e:
+                    line = interrupted_line(0, e, parent)
+                os.write(w, line.encode())
+            else:
+                time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"r"
+        os.kill(launcher, signal.SIGKILL)
+        os.waitpid(launcher, 0)
+        return b"".join(iter(lambda: os.read(r, 200), b"")).decode()
+    finally:
+        os.close(r)
+
+
+def test_a_rank_whose_launcher_was_killed_says_so_not_interrupted():
+    """The launcher's main thread dies first: pdeathsig's SIGINT reaches the rank while its other threads still
+    exist, so the rank is still its child; the launcher (a zombie) is gone all the same."""
+    for _ in range(5):   # (each try raced the old check: about half said "interrupted")
+        assert _rank_of_a_killed_launcher().endswith("is gone (killed?)")
 
 
 def test_a_killed_ranks_swap_files_in_the_run_folder_are_removed_by_the_launcher(tmp_path, capsys):
