@@ -342,10 +342,11 @@ def append_log(run: RunInfo, text: str) -> None:
 
 
 def _failed(ranks: list, store_dir: str) -> tuple[list[int], list[int], list[int]]:
-    """Wait for the ranks to end: those that failed, the one to name first (empty when all finished), those
-    that had to be stopped, and of them those found stopped by SIGSTOP. Once one failed, the others have ``REPORT_GRACE_S`` to end with their own error (a rank
-    that failed first may be one whose peer went silent, one slow to exit), then are stopped; the rank to name is
-    the first that failed, unless its error was a lost peer and another's was not."""
+    """Wait for the ranks to end: those that failed (the one to name first; empty when all finished), those
+    that had to be stopped, and of them those found stopped by SIGSTOP. Once one failed, the others have
+    ``REPORT_GRACE_S`` to end with their own error (a rank that failed first may be one whose peer went silent, one
+    slow to exit), then are stopped; the rank to name is the first that failed, unless its error was a lost peer and
+    another's was not."""
     pending = {p.sentinel: rank for rank, p in enumerate(ranks)}
     failed, deadline = [], None
     while pending and (ready := wait(list(pending), None if deadline is None

@@ -162,7 +162,8 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
     # several values: a list or a string offered only where the key takes one (a group takes one name)
     (["optimizer.lr=1e-3,2e-3"], "config: optimizer.lr=1e-3,2e-3 is several values: add -m (--multirun) to run one "
                                  "job each$"),
-    (["optimizer=adam,lion"], "config: optimizer=adam,lion is several values: add -m (--multirun) to run one job each$"),
+    (["optimizer=adam,lion"],
+     "config: optimizer=adam,lion is several values: add -m (--multirun) to run one job each$"),
     (["+stage=zero1,zero2"], "config: +stage=zero1,zero2 is several values: add -m (--multirun) to run one job each$"),
     (["logger=wandb", "logger.tags=a,b"], "config: logger.tags=a,b is several values: add -m (--multirun) to run one "
                                           "job each, or give a list as logger.tags=[a,b]"),
