@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Iterator
 
+from framework.comm.distributed import process_state
 from framework.core.errors import Interrupted, Terminated
 
 INTERRUPT = signal.SIGUSR1   # the launcher's Ctrl-C passed on to a rank: Ctrl-C unless it is interrupted already
@@ -139,15 +140,9 @@ def terminated_line(e: SystemExit) -> str | None:
 
 def launcher_gone(launcher: int) -> bool:
     """Whether this rank's ``launcher`` (parent) has died. Killed with -9, it sends torch's spawn pdeathsig (SIGINT)
-    as its main thread ends, while its other threads still exist: the rank is still its child then, but the main
-    thread is a zombie (state Z; X once dead)."""
-    if os.getppid() != launcher:
-        return True
-    try:
-        with open(f"/proc/{launcher}/stat", "rb") as f:   # (the state follows the name's closing parenthesis)
-            return f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
-    except OSError:
-        return os.getppid() != launcher
+    as its main thread exits, while its other threads still exist: the rank is still its child then, but the main
+    thread is inside exit (the kernel's PF_EXITING, set before the signal is sent; a zombie after)."""
+    return os.getppid() != launcher or process_state(launcher) == "gone"
 
 
 def interrupted_line(rank: int, e: KeyboardInterrupt, launcher: int) -> str:

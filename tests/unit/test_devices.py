@@ -183,7 +183,8 @@ def test_ranks_that_all_failed_by_themselves_are_not_said_stopped(capsys, tmp_pa
         ranks = [ctx.Process(target=_raised, args=(str(store), r, text, alike)) for r, text in enumerate(texts)]
         for p in ranks:
             p.start()
-        assert launch._failed(ranks, str(store)) == ([0, 1], [], [])
+        failed, stopped, paused = launch._failed(ranks, str(store))
+        assert sorted(failed) == [0, 1] and stopped == paused == []   # (in the order they exited)
         assert raised_alike(str(store), 2) == says and raised_alike(str(store), 3) is None   # (rank 2 marked none)
     assert "stopping" not in capsys.readouterr().err
 
@@ -432,13 +433,17 @@ def _rank_of_a_killed_launcher() -> str:
                 threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
             if os.fork() == 0:
                 ctypes.CDLL(None).prctl(1, signal.SIGINT)   # PR_SET_PDEATHSIG, as torch's spawn sets it
-                parent, line = os.getppid(), "slept"
-                try:
-                    os.write(w, b"r")
-                    time.sleep(10)
-                except KeyboardInterrupt as e:
-                    line = interrupted_line(0, e, parent)
-                os.write(w, line.encode())
+                parent, said = os.getppid(), []
+                # Each of the launcher's threads sends the signal as it exits: the line is the first one's (a
+                # KeyboardInterrupt raised again inside the except block would leave nothing written).
+                signal.signal(signal.SIGINT, lambda *_: said or said.append(interrupted_line(0, KeyboardInterrupt(),
+                                                                                              parent)))
+                os.write(w, b"r")
+                for _ in range(1000):
+                    if said:
+                        break
+                    time.sleep(0.01)
+                os.write(w, (said[0] if said else "slept").encode())
             else:
                 time.sleep(60)
         finally:
