@@ -151,7 +151,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str], *, final: bo
         try:
             nodes[group] = _typed(raw.get(group) or {}, registry(group).get(name).config, f"{group}.", name)
         except ConfigError as e:   # (a model is any gpt*.yaml file dropped in conf/model/: the line names it)
-            if group != "model" or ".yaml" in str(e):
+            if group != "model" or not name.startswith("gpt") or ".yaml" in str(e):   # (not hf: its file is ours)
                 raise
             raise ConfigError(f"{e} (model={name}: its YAML file model/{name}.yaml, or a model.* override)") from None
         chosen[group] = name

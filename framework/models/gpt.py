@@ -153,9 +153,11 @@ class GPT(nn.Module):
     def _check_ids(self, idx: Tensor) -> None:
         # host sync: not on CUDA (forward skips it there); on the host this reads memory already there
         low, high = (int(v) for v in torch.aminmax(idx))
-        if low < 0 or high >= self.cfg.vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {self.cfg.vocab_size}): give ids "
+        if low < 0:   # (no vocab_size helps: an ignore/padding value such as -100 belongs in the targets alone)
+            raise ValueError(f"token id {low} is outside the model's vocabulary [0, {self.cfg.vocab_size}): input ids "
+                             f"run from 0 to vocab_size-1; an ignore value such as -100 goes in the targets only")
+        if high >= self.cfg.vocab_size:
+            raise ValueError(f"token id {high} is outside the model's vocabulary [0, {self.cfg.vocab_size}): give ids "
                              f"below vocab_size, or build the model with a vocab_size above {high}")
 
     @torch.no_grad()

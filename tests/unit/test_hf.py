@@ -164,6 +164,7 @@ def test_bad_hf_config_is_one_clear_line(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as e:   # by compose: before the run folder, not on each rank
         framework.compose(args)
     assert needle in str(e.value) and "\n" not in str(e.value)
+    assert "its YAML file" not in str(e.value)   # (the hint for a gpt*.yaml preset: hf's file is the framework's)
 
 
 def test_a_multimodal_config_is_checked_at_its_text_models_sizes(tmp_path):
