@@ -206,7 +206,7 @@ def test_recipe_misspelt_action(capsys):
                                        "prepare, check (or none: run), then key=value overrides\n")
 
 
-def test_recipe_prepare_reads_data_path_as_train_does(tmp_path, capsys):
+def test_recipe_prepare_reads_data_path_as_train_does(tmp_path, capsys, monkeypatch):
     """Hydra's quoting (a path with a non-ASCII letter must be quoted for train) is read by prepare too."""
     from framework.cli import recipe
 
@@ -217,6 +217,15 @@ def test_recipe_prepare_reads_data_path_as_train_does(tmp_path, capsys):
     assert recipe.main(["shakespeare_char_cpu", "prepare", f"data.path='{src}'", "--out", str(out)]) == 0, \
         capsys.readouterr().err
     assert out.is_file()
+    capsys.readouterr()
+    # Not one file (before: its Python repr taken as a file name), and an interpolation resolved on its own.
+    for given in ("data.path=a,b", "data.path=null", "data.path=[a]"):
+        assert recipe.main(["shakespeare_char_cpu", "prepare", given, "--out", str(out)]) == 2
+        assert capsys.readouterr().err == (f"error: {given}: prepare takes one file: data.path=FILE (quote a path "
+                                           "with a comma: data.path='a,b'; a sweep, -m, is not run here)\n")
+    monkeypatch.setenv("PREP_SRC", str(src.parent))
+    assert recipe.main(["shakespeare_char_cpu", "prepare", "data.path='${oc.env:PREP_SRC}/in.txt'", "--out",
+                        str(out)]) == 0, capsys.readouterr().err
 
 
 def test_a_stage_key_without_a_stage():
