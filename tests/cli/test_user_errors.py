@@ -185,6 +185,11 @@ SYNTAX = "(overrides are key=value; the syntax: https://hydra.cc/docs/advanced/o
                             "checkpoint.dir='~/ck'"),
     ("hydra.run.dir=/r/it's ü", "an unquoted value may not hold \"'\"; quote the value (inside the shell's quotes): "
                                 "hydra.run.dir=\"/r/it's ü\""),
+    # both quote kinds: the chosen one escaped inside (the form parses back to the value), or no form at all
+    ("data.path=x'é\"", "an unquoted value may not hold \"'\"; quote the value (inside the shell's quotes): "
+                        "data.path=\"x'é\\\"\""),
+    ("data.path=x'é\"\\", "an unquoted value may not hold \"'\"; quote the value (inside the shell's quotes), a "
+                          "quote inside it escaped with \\"),
 ])
 def test_override_syntax_mistake(override, why):
     from framework.cli.train import _jobs
