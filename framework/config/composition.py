@@ -358,7 +358,7 @@ def _as_given(composer: Composer, overrides: list[str],
               cli: "CommandLine") -> tuple[tuple[Any, dict[str, str]], ConfigError | None]:
     """``overrides`` composed, and None or the refusal Hydra's app would give later in its multi-line words: it
     composes the command line's plain ``key=value`` as given (not forced), and refuses one whose key the YAML
-    files lack. Here one line, for a field of the schema its YAML file leaves out, naming ``+key=VALUE``; the
+    files lack. Here one line, for a field of the schema its YAML file leaves out, naming ``+key``; the
     caller validates first, so another key gets ``validate``'s line naming the closest."""
     try:
         composed, key = composer([o[2:] if o in cli.plain else o for o in overrides]), None
@@ -372,10 +372,9 @@ def _as_given(composer: Composer, overrides: list[str],
     composed = composed or composer(overrides)
     if key is None or key.split(".")[0] in set(GROUPS) - set(composed[1]):   # (check_groups_chosen's: no choice)
         return composed, None
-    line = next(o[2:] for o in cli.plain if o[2:].partition("=")[0] == key)
-    return composed, ConfigError(
-        f"config: {line}: {key} is a field of its config but not in its YAML file, so Hydra adds it only with +: "
-        f"give +{line} (or set it in the YAML file)")
+    return composed, ConfigError(   # (by key: a sweep's job holds one value, in Python's spelling, not the given)
+        f"config: {key} is a field of its config but not in its YAML file, so Hydra adds it only with +: add + "
+        f"before {key} on the command line (or set it in the YAML file)")
 
 
 def _in(tree: Mapping, key: str) -> bool:

@@ -722,8 +722,9 @@ def test_a_field_of_ones_own_config_without_a_value_names_the_yaml_file_and_the_
     for given, line in (([], "optimizer.alpha=1"), (["+optimizer.alpha=1"], "optimizer.decay_1d=true")):
         with pytest.raises(framework.ConfigError) as e:
             framework.compose(["optimizer=sign", *given, line, search])
-        assert str(e.value) == (f"config: {line}: {line.partition('=')[0]} is a field of its config but not in its "
-                                f"YAML file, so Hydra adds it only with +: give +{line} (or set it in the YAML file)")
+        key = line.partition('=')[0]
+        assert str(e.value) == (f"config: {key} is a field of its config but not in its YAML file, so Hydra adds it "
+                                f"only with +: add + before {key} on the command line (or set it in the YAML file)")
     from framework.config import compose_layers, plainconf
 
     def without_hydra(overrides):   # (plainconf: conf/ alone; adamw.yaml as if it left bias_correction out)
@@ -734,7 +735,7 @@ def test_a_field_of_ones_own_config_without_a_value_names_the_yaml_file_and_the_
                 plainconf.set_key(tree, plainconf.parse(o))
         return tree, choices
 
-    with pytest.raises(framework.ConfigError, match=r"^config: optimizer.bias_correction=false: .* give \+optim"):
+    with pytest.raises(framework.ConfigError, match=r"^config: optimizer.bias_correction is .* add \+ before optim"):
         compose_layers(["optimizer.bias_correction=false"], composer=without_hydra)
     assert not compose_layers(["+optimizer.bias_correction=false"], composer=without_hydra)[1].optimizer.bias_correction
 
