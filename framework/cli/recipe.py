@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from framework.comm.distributed import gpu_count
 from framework.core import files
@@ -141,8 +139,13 @@ def _source(override: str) -> str:
     if value is None or not isinstance(value, (str, int, float)):   # a sweep (a,b), a list ([a]), null, a dict
         raise RecipeError(f"{override}: prepare takes one file: data.path=FILE (quote a path with a comma: "
                           "data.path='a,b'; a sweep, -m, is not run here)")
+    if "${" not in str(value):   # (a number: its str, as train's str key takes it)
+        return str(value)
+    from omegaconf import OmegaConf   # (here: the commands run without Hydra, and an interpolation needs it)
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
-        return str(OmegaConf.create({"path": value}).path)   # (a number: its str, as train's str key takes it)
+        return str(OmegaConf.create({"path": value}).path)
     except OmegaConfBaseException as e:
         raise RecipeError(f"{override}: cannot resolve it here ({str(e).splitlines()[0]}); only ${{oc.env:..}} is "
                           "resolved (not the config's keys): give the file's path") from None
