@@ -132,6 +132,25 @@ def compose_jobs(recipe: Recipe, overrides: list[str]):
     return [compose(job, config_dir=str(recipe.dir), config_name="config") for job in jobs]
 
 
+def _source(override: str) -> str:
+    """data.path's value parsed by Hydra's grammar as train's is (quotes, escapes); an interpolation resolved on its
+    own (``${oc.env:..}``: the config's keys are not composed here); anything but one value is one line."""
+    value = parse_overrides([override])[0].value()
+    if value is None or not isinstance(value, (str, int, float)):   # a sweep (a,b), a list ([a]), null, a dict
+        raise RecipeError(f"{override}: prepare takes one file: data.path=FILE (quote a path with a comma: "
+                          "data.path='a,b'; a sweep, -m, is not run here)")
+    if "${" not in str(value):   # (a number: its str, as train's str key takes it)
+        return str(value)
+    from omegaconf import OmegaConf   # (here: the commands run without Hydra, and an interpolation needs it)
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return str(OmegaConf.create({"path": value}).path)
+    except OmegaConfBaseException as e:
+        raise RecipeError(f"{override}: cannot resolve it here ({str(e).splitlines()[0]}); only ${{oc.env:..}} is "
+                          "resolved (not the config's keys): give the file's path") from None
+
+
 def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> dict:
     """Build the recipe's data set from the text file ``data.path`` (default: recipe.yaml's
     ``prepare.source``) into the file its config trains on (or ``out``)."""
@@ -143,8 +162,7 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
     # (data.path without "=FILE", or deleted with ~, names no text either)
     if rest := [o for o in overrides if override_key(o) != "data.path" or o.startswith("~") or not o.partition("=")[2]]:
         raise RecipeError(f"prepare takes only data.path=FILE (the text to encode), got {' '.join(rest)}")
-    # (read as train reads it: quotes around a path with spaces, escapes)
-    source = str(parse_overrides(overrides[-1:])[0].value()) if overrides else spec.get("source")
+    source = _source(overrides[-1]) if overrides else spec.get("source")
     out = Path(user_path(str(out if out is not None
                              else compose_jobs(recipe, list(recipe.spec["runs"][0]))[0].data.path)))
     meta = prepare_chars(source, out)

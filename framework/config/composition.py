@@ -124,17 +124,18 @@ def parse_overrides(overrides: list[str]) -> list:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
+    parser = OverridesParser.create()
     try:
-        return OverridesParser.create().parse_overrides(list(overrides))
+        return parser.parse_overrides(list(overrides))
     except OverrideParseException as e:
         why = [line for line in str(e).splitlines() if line.strip() not in ("", "^")   # (a caret under the override)
                and not line.startswith(("Error parsing", "See "))]
-        raise ConfigError(f"cannot parse override {e.override!r}: {_unquoted(str(e), e.override) or '; '.join(why)} "
+        raise ConfigError(f"cannot parse override {e.override!r}: {_unquoted(str(e), e.override, parser) or '; '.join(why)} "
                           "(overrides are key=value; the syntax: https://hydra.cc/docs/advanced/override_grammar/basic)"
                           ) from None
 
 
-def _unquoted(error: str, override: str) -> str | None:
+def _unquoted(error: str, override: str, parser: Any) -> str | None:
     """Where the lexer stopped at a character an unquoted value may not hold (a path's ~, é, ☃: Hydra's caret
     points at it), the fix: the value quoted."""
     lines = error.splitlines()
@@ -146,8 +147,12 @@ def _unquoted(error: str, override: str) -> str | None:
     if not eq or not len(key) < at < len(override):
         return None
     quote = "'" if "'" not in value else '"'
-    return (f"an unquoted value may not hold {override[at]!r}; quote the value (inside the shell's quotes): "
-            f"{key}={quote}{value}{quote}")
+    form = f"{key}={quote}{value.replace(quote, chr(92) + quote)}{quote}"   # (Hydra's quoted strings take \' and \")
+    say = f"an unquoted value may not hold {override[at]!r}; quote the value (inside the shell's quotes)"
+    with contextlib.suppress(Exception):   # offered where it parses back to the value (a \ before a quote: not)
+        if parser.parse_overrides([form])[0].value() == value:
+            return f"{say}: {form}"
+    return f"{say}, a quote inside it escaped with \\"
 
 
 def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = None) -> tuple[DictConfig, dict]:
@@ -163,8 +168,9 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         # (Hydra raises a bare ValueError for a group choice that is not a name)
         primary = Path(config_dir or conf_dir()) / f"{name}.yaml"
-        raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, primary) or _no_launcher(str(e))
-                                        or _ambiguous(str(e), overrides, primary) or _no_option(str(e))
+        raise ConfigError("config: " + (plainconf.given_twice(str(e), overrides, primary)
+                                        or plainconf.no_launcher(str(e)) or _ambiguous(str(e), overrides, primary)
+                                        or _no_option(str(e))
                                         or plainconf.merge_line(str(e), e.__cause__)   # (not the ++ form given)
                                         or " ".join(str(e).replace("override ++", "override ").split()))) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
@@ -214,14 +220,6 @@ def _takes(key: str, overrides: list[str], primary: Path) -> set[str]:
     hints = typing.get_args(schema) if typing.get_origin(schema) in (typing.Union, types.UnionType) else (schema,)
     return ({"list"} if any(typing.get_origin(h) in (list, tuple) or h in (list, tuple) for h in hints) else set()) | (
         {"str"} if str in hints else set())
-
-
-def _no_launcher(message: str) -> str:
-    """Hydra's list of the launchers it has and its search path, where the missing one is an extra's."""
-    if (m := re.search(r"Could not find 'hydra/launcher/(submitit_\w+)'", message)) is None:
-        return ""
-    return (f"hydra/launcher={m.group(1)} needs Hydra's submitit launcher, which is not installed: "
-            f"pip install -e '.[slurm]'")
 
 
 def _check_hydra_keys(overrides: list[str]) -> None:
@@ -360,7 +358,7 @@ def _as_given(composer: Composer, overrides: list[str],
               cli: "CommandLine") -> tuple[tuple[Any, dict[str, str]], ConfigError | None]:
     """``overrides`` composed, and None or the refusal Hydra's app would give later in its multi-line words: it
     composes the command line's plain ``key=value`` as given (not forced), and refuses one whose key the YAML
-    files lack. Here one line, for a field of the schema its YAML file leaves out, naming ``+key=VALUE``; the
+    files lack. Here one line, for a field of the schema its YAML file leaves out, naming ``+key``; the
     caller validates first, so another key gets ``validate``'s line naming the closest."""
     try:
         composed, key = composer([o[2:] if o in cli.plain else o for o in overrides]), None
@@ -374,10 +372,9 @@ def _as_given(composer: Composer, overrides: list[str],
     composed = composed or composer(overrides)
     if key is None or key.split(".")[0] in set(GROUPS) - set(composed[1]):   # (check_groups_chosen's: no choice)
         return composed, None
-    line = next(o[2:] for o in cli.plain if o[2:].partition("=")[0] == key)
-    return composed, ConfigError(
-        f"config: {line}: {key} is a field of its config but not in its YAML file, so Hydra adds it only with +: "
-        f"give +{line} (or set it in the YAML file)")
+    return composed, ConfigError(   # (by key: a sweep's job holds one value, in Python's spelling, not the given)
+        f"config: {key} is a field of its config but not in its YAML file, so Hydra adds it only with +: add + "
+        f"before {key} on the command line (or set it in the YAML file)")
 
 
 def _in(tree: Mapping, key: str) -> bool:

@@ -430,6 +430,14 @@ def wrong_type(key: str, v: Any, kind: str) -> str:
     return f"{key} takes {TAKES.get(kind, kind)}, got {got}{fix}"
 
 
+def no_launcher(message: str) -> str:
+    """Hydra's list of the launchers it has and its search path, where the missing one is an extra's."""
+    if (m := re.search(r"Could not find 'hydra/launcher/(submitit_\w+)'", message)) is None:
+        return ""
+    return (f"hydra/launcher={m.group(1)} needs Hydra's submitit launcher, which is not installed: "
+            f"pip install -e '.[slurm]'")
+
+
 def merge_line(message: str, cause: BaseException | None) -> str:
     """Hydra's "Error merging override" of a mapping for a list key (or a list for a mapping): what the key takes,
     the override as given (not the ``++`` form the framework passes a value key as)."""

@@ -185,6 +185,11 @@ SYNTAX = "(overrides are key=value; the syntax: https://hydra.cc/docs/advanced/o
                             "checkpoint.dir='~/ck'"),
     ("hydra.run.dir=/r/it's ü", "an unquoted value may not hold \"'\"; quote the value (inside the shell's quotes): "
                                 "hydra.run.dir=\"/r/it's ü\""),
+    # both quote kinds: the chosen one escaped inside (the form parses back to the value), or no form at all
+    ("data.path=x'é\"", "an unquoted value may not hold \"'\"; quote the value (inside the shell's quotes): "
+                        "data.path=\"x'é\\\"\""),
+    ("data.path=x'é\"\\", "an unquoted value may not hold \"'\"; quote the value (inside the shell's quotes), a "
+                          "quote inside it escaped with \\"),
 ])
 def test_override_syntax_mistake(override, why):
     from framework.cli.train import _jobs
@@ -206,7 +211,7 @@ def test_recipe_misspelt_action(capsys):
                                        "prepare, check (or none: run), then key=value overrides\n")
 
 
-def test_recipe_prepare_reads_data_path_as_train_does(tmp_path, capsys):
+def test_recipe_prepare_reads_data_path_as_train_does(tmp_path, capsys, monkeypatch):
     """Hydra's quoting (a path with a non-ASCII letter must be quoted for train) is read by prepare too."""
     from framework.cli import recipe
 
@@ -217,6 +222,15 @@ def test_recipe_prepare_reads_data_path_as_train_does(tmp_path, capsys):
     assert recipe.main(["shakespeare_char_cpu", "prepare", f"data.path='{src}'", "--out", str(out)]) == 0, \
         capsys.readouterr().err
     assert out.is_file()
+    capsys.readouterr()
+    # Not one file (before: its Python repr taken as a file name), and an interpolation resolved on its own.
+    for given in ("data.path=a,b", "data.path=null", "data.path=[a]"):
+        assert recipe.main(["shakespeare_char_cpu", "prepare", given, "--out", str(out)]) == 2
+        assert capsys.readouterr().err == (f"error: {given}: prepare takes one file: data.path=FILE (quote a path "
+                                           "with a comma: data.path='a,b'; a sweep, -m, is not run here)\n")
+    monkeypatch.setenv("PREP_SRC", str(src.parent))
+    assert recipe.main(["shakespeare_char_cpu", "prepare", "data.path='${oc.env:PREP_SRC}/in.txt'", "--out",
+                        str(out)]) == 0, capsys.readouterr().err
 
 
 def test_a_stage_key_without_a_stage():
@@ -708,8 +722,9 @@ def test_a_field_of_ones_own_config_without_a_value_names_the_yaml_file_and_the_
     for given, line in (([], "optimizer.alpha=1"), (["+optimizer.alpha=1"], "optimizer.decay_1d=true")):
         with pytest.raises(framework.ConfigError) as e:
             framework.compose(["optimizer=sign", *given, line, search])
-        assert str(e.value) == (f"config: {line}: {line.partition('=')[0]} is a field of its config but not in its "
-                                f"YAML file, so Hydra adds it only with +: give +{line} (or set it in the YAML file)")
+        key = line.partition('=')[0]
+        assert str(e.value) == (f"config: {key} is a field of its config but not in its YAML file, so Hydra adds it "
+                                f"only with +: add + before {key} on the command line (or set it in the YAML file)")
     from framework.config import compose_layers, plainconf
 
     def without_hydra(overrides):   # (plainconf: conf/ alone; adamw.yaml as if it left bias_correction out)
@@ -720,7 +735,7 @@ def test_a_field_of_ones_own_config_without_a_value_names_the_yaml_file_and_the_
                 plainconf.set_key(tree, plainconf.parse(o))
         return tree, choices
 
-    with pytest.raises(framework.ConfigError, match=r"^config: optimizer.bias_correction=false: .* give \+optim"):
+    with pytest.raises(framework.ConfigError, match=r"^config: optimizer.bias_correction is .* add \+ before optim"):
         compose_layers(["optimizer.bias_correction=false"], composer=without_hydra)
     assert not compose_layers(["+optimizer.bias_correction=false"], composer=without_hydra)[1].optimizer.bias_correction
 

@@ -318,6 +318,12 @@ def test_a_folder_to_make_through_a_dangling_link_or_with_too_long_a_name_is_one
                                           "have; set k to a shorter path$"):
         check_name(tmp_path / deep, "k")
     assert nearest_existing(tmp_path / ("b" * 255) / "x", "k") == tmp_path
+    # The checkpoint pre-flight checks its two paths first (before: ENAMETOOLONG from its scan, a traceback).
+    from framework.persist.checkpoint import preflight
+    for key in ("checkpoint.dir", "checkpoint.resume"):
+        with pytest.raises(ConfigError, match=rf"^{key}=.*: its part {'ü' * 8}\.\.\. is 256 bytes, over the 255 "
+                                              rf"a file name may have; set {key} to a shorter path$"):
+            preflight(compose([f"{key}='{tmp_path / part / 'x'}'", "checkpoint.every=0"]), tmp_path)
 
 
 def test_free_note_says_the_free_space_or_what_is_given_where_it_cannot_be_asked(tmp_path, monkeypatch):

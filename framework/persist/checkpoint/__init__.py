@@ -26,6 +26,7 @@ from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank, say
 from framework.core.paths import user_path
 from framework.core.registry import closest_hint
+from framework.core.room import check_name
 from framework.core.utils import counted, few
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
@@ -255,6 +256,8 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
     overrides but how long or where it runs); ``auto`` refuses a checkpoint saved with other values of them
     (another job's: a sweep's values in another order), ``latest`` passes over one."""
     c = cfg.checkpoint
+    for key, given in (("checkpoint.dir", c.dir), ("checkpoint.resume", c.resume)):   # (ENAMETOOLONG: a traceback)
+        check_name(given or ".", key)
     root = checkpoint_root(cfg, run_dir, job)
     if c.every:   # an unwritable folder is found now, not at the first save (hours later): made as a save would
         try:
