@@ -130,7 +130,8 @@ def parse_overrides(overrides: list[str]) -> list:
     except OverrideParseException as e:
         why = [line for line in str(e).splitlines() if line.strip() not in ("", "^")   # (a caret under the override)
                and not line.startswith(("Error parsing", "See "))]
-        raise ConfigError(f"cannot parse override {e.override!r}: {_unquoted(str(e), e.override, parser) or '; '.join(why)} "
+        why = _unquoted(str(e), e.override, parser) or "; ".join(why)
+        raise ConfigError(f"cannot parse override {e.override!r}: {why} "
                           "(overrides are key=value; the syntax: https://hydra.cc/docs/advanced/override_grammar/basic)"
                           ) from None
 
