@@ -247,9 +247,13 @@ def _host_reads(dist):
             if getattr(func, "__name__", "") in ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__",
                                                  "__float__", "__index__"):
                 f = sys._getframe(1)
-                while f is not None and "/site-packages/torch/" in f.f_code.co_filename:
-                    f = f.f_back   # (torch's own Python wrappers)
-                if f is not None and "/framework/" in f.f_code.co_filename:
+                while f is not None and ("/site-packages/torch/" in f.f_code.co_filename
+                                         or f.f_code.co_name == "__torch_function__"):
+                    f = f.f_back   # (torch's own Python wrappers, and a mode's dispatch: zero3's first-pass read check)
+                # (the built-in GPT checks its token ids on the host where they are not on CUDA: the model's read,
+                # not the engine's; on CUDA it reads nothing)
+                if f is not None and "/framework/" in f.f_code.co_filename and "/framework/models/" not in \
+                        f.f_code.co_filename:
                     reads.append(f"{f.f_code.co_filename.rsplit('/framework/', 1)[1]}:{f.f_code.co_name}")
             return func(*args, **(kwargs or {}))
 
