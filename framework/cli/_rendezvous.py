@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 
+from framework.core import files
 from framework.core.errors import DistributedError, FrameworkError
 
 PREFIX = "framework-rdzv-"
@@ -39,9 +40,9 @@ def mark_error(store_dir: str, rank: int, e: FrameworkError) -> None:
     names after another rank's error, or the message of an error raised alike on every rank, which it gives once."""
     lost = isinstance(e, DistributedError)
     if lost or e.every_rank:
-        with contextlib.suppress(OSError):
-            fd = os.open((peer_lost_path if lost else alike_path)(store_dir, rank),
-                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with contextlib.suppress(OSError, FrameworkError):   # (FrameworkError: a link in the mark's place)
+            fd = files.open_nofollow((peer_lost_path if lost else alike_path)(store_dir, rank),
+                                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             with os.fdopen(fd, "w") as f:
                 f.write("" if lost else str(e))
 

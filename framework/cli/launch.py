@@ -263,9 +263,9 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
             _stop(ranks.processes, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM,
                   lambda rank: os.path.exists(ready_path(store_dir, rank)))
-            remove_killed_swap(swap, [p.exitcode for p in ranks.processes])
             raise
-        remove_killed_swap(swap, [p.exitcode for p in ranks.processes])
+        finally:   # (once every rank ended, on either path)
+            remove_killed_swap(swap, [p.exitcode for p in ranks.processes])
         if failed and stopped and len(lost) == len(failed):   # each lost a peer: the one still running is to blame
             stalled = stalled_message(stopped, sorted(lost), cfg.dist.nproc, cfg.dist.timeout_s, paused)
             raise _ended(run, FrameworkError(stalled))

@@ -224,7 +224,7 @@ def _disk_dir(cfg, base: list[str]) -> Path:
     ``offload.nvme_path`` when given, else the working directory."""
     given = [o.partition("=")[2].strip() for o in base if o.partition("=")[0].lstrip("+") == "offload.nvme_path"]
     path = given[-1] if given else getattr(cfg.offload, "nvme_path", None)
-    return Path(os.getcwd()) if path in (None, "", "null") else nearest_existing(Path(user_path(path)).absolute())
+    return Path(os.getcwd()) if path in (None, "", "null") else nearest_existing(Path(user_path(path)))
 
 
 def _given_setup(overrides: list[str]) -> tuple[list[str], list[str], dict[str, str]]:

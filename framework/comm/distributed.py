@@ -491,7 +491,7 @@ def agree(dist, fn: Callable[[], object], what: str, shared: Callable[[object], 
     entry = mine and (f"rank {dist.rank}: {first_line(mine)}", isinstance(mine, FrameworkError)
                       and not isinstance(mine, DistributedError))
     got = dist.all_gather_object(entry if shared is None else (entry, share), what=what)
-    failed = [e for e, _ in (got if shared else [(e, None) for e in got]) if e]
+    failed = [e for e in (got if shared is None else [e for e, _ in got]) if e]
     every = all(ok for _, ok in failed)
     if mine is not None:
         raise on_every_rank(mine, every)

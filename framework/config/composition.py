@@ -219,8 +219,7 @@ def _takes(key: str, overrides: list[str], primary: Path) -> set[str]:
         schema = next((hints[f.name] for f in dataclasses.fields(schema) if plainconf.yaml_name(f.name) == part),
                       None) if hints else None
     hints = typing.get_args(schema) if typing.get_origin(schema) in (typing.Union, types.UnionType) else (schema,)
-    return ({"list"} if any(typing.get_origin(h) in (list, tuple) or h in (list, tuple) for h in hints) else set()) | (
-        {"str"} if str in hints else set())
+    return {kind for h in hints if (kind := plainconf.kind_of(h)) in ("list", "str")}
 
 
 def _check_hydra_keys(overrides: list[str]) -> None:

@@ -100,7 +100,7 @@ def build_train_step(c: Components, applying: Callable[[int], None]
             sq_norm = c.stage.grad_sq_norm()
             # The mean loss over the global batch, known before the update: a non-finite one is never stepped on.
             # (this rank's own sum kept: a non-finite global one names the ranks whose micro batches made it)
-            local_sum = loss_sum.clone()
+            local_sum = loss_sum.clone() if c.dist.world > 1 else loss_sum   # (one rank: never read)
             c.dist.all_reduce(loss_sum, what="loss all-reduce")
             # Read in one wait with the stage's flags (float64 holds the fp32 loss and small integers exactly).
             flags = [f.to(sq_norm.device, torch.float64) for f in c.stage.step_flags()]

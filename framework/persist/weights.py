@@ -154,13 +154,12 @@ def _chosen(src: WeightsSource, strict: bool, tgts: list[Target], module: nn.Mod
                 mismatched.append(f"{k}: dtype {dtype_name(dt)} in the file, {dtype_name(t.dtype)} in the model")
             elif k != key and not _same_values(src, key, k, t):
                 # The model holds one tensor for both names: loading either would drop the other's values.
-                if t.tensor is not None and not isinstance(t.tensor, nn.Parameter):   # (no tie setting for a buffer)
-                    raise ConfigError(f"load_weights: {src.where} holds different values under {key} and {k}, which "
-                                      f"this model holds as one buffer (shared by two modules); keep one of them in "
-                                      f"the file")
+                buffer = t.tensor is not None and not isinstance(t.tensor, nn.Parameter)   # (no tie setting for it)
                 raise ConfigError(f"load_weights: {src.where} holds different values under {key} and {k}, which this "
-                                  f"model ties into one parameter; set tie_word_embeddings=false in its config.json "
-                                  f"(a transformers model) to train them apart, or keep one of them in the file")
+                                  + ("model holds as one buffer (shared by two modules); keep one of them in the file"
+                                     if buffer else "model ties into one parameter; set tie_word_embeddings=false in "
+                                     "its config.json (a transformers model) to train them apart, or keep one of "
+                                     "them in the file"))
     unexpected = sorted(k for k, n in keys.items() if n is not None and n not in names)
     problems = [f"{what} {len(names)}: {few(names, 20, str)}" for what, names in
                 (("missing", missing if strict else []), ("unexpected", unexpected if strict else []),

@@ -457,13 +457,14 @@ def _ungathered_call(error: BaseException, split_root: bool, unit_modules: dict[
     # forward runs m.blk.inner.lin) holds the module already, so only calling the unit itself fixes that.
     inside = {id(sub) for m in unit_modules.get(unit, ()) for sub in m.modules()}
     caller = next((type(m).__name__ for m in reversed(callers) if id(m) not in inside), None)
-    head = (f"zero3: {'loss_fn' if caller is None else caller + '.forward'} called a module ({cls}) whose "
-            f"parameters were not gathered ({typed_line(error)}): ")
     # The unit's own module with its forward called directly (self.b.forward(x)): no hook ran to gather it.
     skipped = next((bypassed[id(m)] for m in unit_modules.get(unit, ()) if id(m) in bypassed), None)
-    if skipped is not None:   # (named by the module whose forward was called, not by a part that failed in it)
+    # (named by the module whose forward was called, not by a part that failed in it)
+    named = cls if skipped is None else type(skipped[0]).__name__
+    head = (f"zero3: {'loss_fn' if caller is None else caller + '.forward'} called a module ({named}) whose "
+            f"parameters were not gathered ({typed_line(error)}): ")
+    if skipped is not None:
         module, parent = skipped
-        head = head.replace(f"a module ({cls})", f"a module ({type(module).__name__})", 1)
         path = next((n for n, m in parent.named_modules() if m is module), "") if parent is not None else ""
         # (from loss_fn: the unit's path from the root; a merged unit's name, a+b, is no path)
         call = _python(f"self.{path}" if path else "the module" if "+" in unit or unit == "<root>" else
