@@ -57,7 +57,7 @@ def make_private(root: str) -> tuple[str, int]:
     while True:
         path = tempfile.mkdtemp(prefix=PRIVATE, dir=root)   # 0700
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             continue   # another run's sweep removed it before it was opened (still unlocked): make another
         fcntl.flock(fd, fcntl.LOCK_EX)   # (waits for a sweep that found it unlocked and is removing it)

@@ -251,14 +251,14 @@ def _save_weights(engine, out_dir, dtype, max_shard_size, check, what: str, conf
     """``save_weights`` (``what``: the caller, named by the folder check); ``config``: the caller writes a
     config.json (one already in ``out_dir`` is replaced, no warning)."""
     dist = engine.components.dist
-    out_dir = output_dir(out_dir, dtype, "save_weights")
+    out_dir = output_dir(out_dir, dtype, what)
     agree(dist, lambda: check_output(out_dir, what, overwrite=True, config=config) if dist.is_main else None,
           f"{what}: output folder")
     # offload=nvme: read from the mapped swap file, checked. (``_targets`` picks the tensors by the stage's layout,
     # not by requires_grad: a module frozen after training, as before sampling, still saves the trained weights)
-    with engine.mapped_state(engine.state, agreed="save_weights: swap file check", same_trainable=False) \
+    with engine.mapped_state(engine.state, agreed=f"{what}: swap file check", same_trainable=False) \
             as (mapped, fmap):
-        layout, masters, tgts = _targets(engine, mapped, "save_weights")
+        layout, masters, tgts = _targets(engine, mapped, what)
         plans = plan_files([(t.name, t.shape, t.dtype) for t in tgts], max_shard_size, dtype)
         entries = {e.name: e for plan in plans for e in plan.entries}
         # (entry, first element, source view) of what this rank writes
@@ -277,7 +277,7 @@ def _save_weights(engine, out_dir, dtype, max_shard_size, check, what: str, conf
             # what was read from the mapped pages is what was checked: the extents again after the write
             verify_map(fmap, "checked again after the export read it")
 
-        return save_files(out_dir, plans, "save_weights", write, dtype, dist=dist, check=check,
+        return save_files(out_dir, plans, what, write, dtype, dist=dist, check=check,
                           release=fmap.release if fmap is not None else None)
 
 

@@ -306,7 +306,7 @@ DIVERGED = ["+stage=zero3", "stage.stage3_gather_16bit_weights_on_model_save=tru
     (["checkpoint.every=1"], "error: checkpoint: not saving step 1: the state holds non-finite values (NaN or inf) "
                              "in rank 0: 'model."),
     # warn: exported, with a warning naming the tensors; the step's checkpoint is not saved, said once
-    (["train.on_nonfinite=warn", "checkpoint.every=1"], "warning: save_weights: NaN or inf values in '"),
+    (["train.on_nonfinite=warn", "checkpoint.every=1"], "warning: save_pretrained: NaN or inf values in '"),
 ])
 def test_a_diverged_final_state_is_exported_only_under_warn(forkrun, tmp_path, extra, says):
     p = cli(forkrun, tmp_path, *DIVERGED, f"checkpoint.dir={tmp_path / 'ck'}", *extra)
@@ -316,7 +316,7 @@ def test_a_diverged_final_state_is_exported_only_under_warn(forkrun, tmp_path, e
     assert (tmp_path / "run" / "model_16bit").exists() == warn
     # Nothing else said: the checkpoint's 16-bit copy, removed with the step, warned of NaN before its refusal
     assert len(error_lines(p)) == 1 or warn and [line.split(":")[1] for line in error_lines(p)] == [
-        " checkpoint", " save_weights"], p.stderr
+        " checkpoint", " save_pretrained"], p.stderr
     assert not [f for f in (tmp_path / "ck").glob("*") if f.name != ".lock"]   # no step folder, no staged copy
 
 
