@@ -33,6 +33,7 @@ class RunInfo:
     name: str | None      # W&B run name: the job's overrides or number
     key: str | None = None   # a multirun job's checkpoint folder name (None: ``name``)
     resumed: bool = False    # resumed from a checkpoint in run_dir: its W&B run (id in run_dir) goes on
+    start: int = 0           # the step a resumed run goes on from (its checkpoint's)
     sweep_dir: Path | None = None   # a multirun job's sweep folder: resume=latest passes over its other jobs'
     # the keys of a multirun job's overrides that say which job it is: it resumes no state saved with other values
     naming: frozenset[str] = frozenset()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import re
 import time
@@ -16,7 +17,8 @@ from framework.loggers._base import RunInfo
 from framework.loggers.console import Console
 from framework.core.registry import Component
 
-RUN_ID = "wandb-run-id"   # in the run folder: the W&B run a resume from the folder's checkpoints continues
+RUN_ID = "wandb-run-id"   # in the run folder: the W&B run a resume from the folder's checkpoints continues, as
+#                           JSON {"id", "step"}: the last step it logged, which a resume behind it must not repeat
 
 # wandb's own modes (its Settings.mode); "shared" and "run" go online as "online" does, "dryrun" is offline.
 MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
@@ -44,12 +46,20 @@ class WandbLogger:
         self.console = Console(cfg.live)
         self.run = None
         self.finished = False   # finish(summary) reached
+        self.run_id, self.logged = None, 0   # the W&B run kept in RUN_ID (None: none kept) and its last step
 
     def start(self, config: dict, total_steps: int) -> None:
         t0 = time.monotonic()   # the other ranks' wait for this start begins about now
         import wandb
 
-        run_id = self._run_id() if self.run_info.resumed else None
+        run_id, logged = self._kept() if self.run_info.resumed else (None, None)
+        if run_id is not None and logged is not None and self.run_info.start < logged:
+            # A resume from an earlier checkpoint (a kill between two saves, or checkpoint.resume=<own step-N>)
+            # logs the steps after it again: into that run, W&B online drops them (its steps only go up) and
+            # offline keeps both copies. A new W&B run logs them; the old one keeps the history it had.
+            behind, run_id = run_id, None
+        else:
+            behind, self.logged = None, logged or 0
         wait, bound, left = self.run_info.peers_wait_s, None, None
         try:
             # The mode process-wide too, not only for this run: W&B's own usage telemetry reads it there, and
@@ -76,8 +86,14 @@ class WandbLogger:
                                   **(dict(id=run_id, resume="allow") if run_id else {}))
         except Exception as e:   # (UsageError, CommError, pydantic's ValidationError, ...): one line, no traceback
             raise self._refused(e, bound) from None
-        if mode(self.cfg) != "disabled" and self.run is not None and self.run.id != run_id:
-            files.write_atomic(self.run_info.run_dir / RUN_ID, self.run.id.encode())   # for a resume of this run
+        if mode(self.cfg) != "disabled" and self.run is not None:
+            self.run_id = self.run.id
+            if self.run.id != run_id:
+                self._keep()   # for a resume of this run
+            if behind is not None:
+                print(f"W&B: this run goes on from step {self.run_info.start}, behind step {logged} that the W&B run "
+                      f"{behind} logged: a new W&B run, {self.run.id}, logs it on ({behind} keeps the steps it "
+                      f"logged)", flush=True)
         self.console.start(config, total_steps)
 
     def _refused(self, e: Exception, bound: float | None) -> ConfigError:
@@ -100,17 +116,36 @@ class WandbLogger:
         return ConfigError(f"logger=wandb: W&B refused to start the run: {why}; check the logger.* settings "
                            f"(project, entity, tags, mode) and WANDB_API_KEY{offline}")
 
-    def _run_id(self) -> str | None:
-        """The W&B run id a resumed run continues: the one this run folder's earlier run wrote."""
+    def _kept(self) -> tuple[str | None, int | None]:
+        """The W&B run a resumed run continues, the one this run folder's earlier run wrote, and the last step it
+        logged (None: not known)."""
         try:
             with os.fdopen(files.open_nofollow(self.run_info.run_dir / RUN_ID, os.O_RDONLY)) as f:
-                return f.read().strip() or None
+                text = f.read().strip()
         except (OSError, UnicodeDecodeError):   # none (or unreadable): a new W&B run
-            return None
+            return None, None
+        try:
+            kept = json.loads(text)
+        except ValueError:
+            kept = None
+        if not isinstance(kept, dict):   # an id alone: its last step is not known, and that run goes on
+            return text or None, None
+        run_id, step = kept.get("id"), kept.get("step")
+        return (run_id if isinstance(run_id, str) and run_id else None,
+                step if isinstance(step, int) and not isinstance(step, bool) else None)
+
+    def _keep(self) -> None:
+        files.write_atomic(self.run_info.run_dir / RUN_ID, json.dumps({"id": self.run_id, "step": self.logged}).encode())
 
     def log(self, record: dict) -> None:
         self.console.log(record)
-        self._call(lambda run: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]))
+        self._call(lambda run: self._log(run, record))
+
+    def _log(self, run, record: dict) -> None:
+        run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self.run_id is not None and record["step"] > self.logged:   # (an evaluation logs at its step again)
+            self.logged = record["step"]
+            self._keep()
 
     def finish(self, summary: dict) -> None:
         self.console.finish(summary)

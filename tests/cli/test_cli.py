@@ -739,7 +739,7 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
 
     other = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/b")
     assert other.returncode == 0 and "resumed" not in other.stdout, other.stdout
-    run_id = (run / "wandb-run-id").read_text()
+    run_id = json.loads((run / "wandb-run-id").read_text())["id"]
     again = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/a", "logger=wandb")
     assert f"resumed from {run / 'checkpoints' / 'step-4'}" in again.stdout, again.stdout
     # the resume goes on with the folder's W&B run (offline: a second record of the same run id)

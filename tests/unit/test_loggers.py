@@ -4,6 +4,7 @@ import json
 import os
 import re
 import sys
+import time
 
 import pytest
 
@@ -555,9 +556,11 @@ def test_wandb_failing_on_its_files_names_them_not_the_settings(monkeypatch, tmp
     assert "WANDB_API_KEY" not in str(e.value) and "\n" not in str(e.value)
 
 
-def test_a_run_resumed_from_its_own_folder_continues_its_wandb_run(monkeypatch, tmp_path):
-    """The W&B run id is kept in the run folder: a resume from the folder's checkpoints (``resumed``)
-    passes it on, any other start is a new W&B run (and its id the one kept)."""
+def test_a_run_resumed_from_its_own_folder_continues_its_wandb_run(monkeypatch, tmp_path, capsys):
+    """The W&B run id is kept in the run folder with the last step it logged: a resume from the folder's
+    checkpoints (``resumed``) at or past that step continues that W&B run; one from an earlier checkpoint (a kill
+    between two saves, or checkpoint.resume=<own step-N>) would log its steps again: a new W&B run, said in one
+    line; any other start is a new W&B run (and its id the one kept). Each W&B run's history has each step once."""
     from dataclasses import replace
 
     from framework.loggers.wandb import RUN_ID, WandbConfig, WandbLogger
@@ -568,13 +571,60 @@ def test_a_run_resumed_from_its_own_folder_continues_its_wandb_run(monkeypatch, 
     info = RunInfo(tmp_path / "run", None, None)
     info.run_dir.mkdir()
     ids = []
-    for resumed in (False, True, False):
-        logger = WandbLogger(WandbConfig(live=False), run=replace(info, resumed=resumed))
-        logger.start({}, 1)
+    # (resumed, the step it goes on from, the steps it logs): a chain 4, 12, a rollback to 9, a fresh start
+    for resumed, start, steps in ((False, 0, (1, 2, 3, 4)), (True, 4, range(5, 13)), (True, 9, (10, 11, 12)),
+                                  (False, 0, (1,))):
+        logger = WandbLogger(WandbConfig(live=False), run=replace(info, resumed=resumed, start=start))
+        logger.start({}, 12)
         ids.append(logger.run.id)
+        for step in steps:
+            logger.log({"step": step, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0})
+        logger.log({"step": steps[-1], "val_loss": 1.0})   # (an evaluation's record, at its step)
         logger.close()
-        assert (info.run_dir / RUN_ID).read_text() == ids[-1]
-    assert ids[1] == ids[0] and ids[2] != ids[0], ids
+        assert json.loads((info.run_dir / RUN_ID).read_text()) == {"id": ids[-1], "step": steps[-1]}
+    assert ids[1] == ids[0] and len({ids[0], ids[2], ids[3]}) == 3, ids
+    out = capsys.readouterr().out
+    assert out.count("W&B:") == 1 and (f"W&B: this run goes on from step 9, behind step 12 that the W&B run {ids[0]} "
+                                       f"logged: a new W&B run, {ids[2]}, logs it on ({ids[0]} keeps the steps it "
+                                       f"logged)\n") in out, out
+    expected = {ids[0]: list(range(1, 13)), ids[2]: [10, 11, 12], ids[3]: [1]}
+    for _ in range(100):   # (W&B's service may write a run's last records a moment after its finish returned)
+        history = {}
+        for f in (info.run_dir / "wandb").glob("offline-run-*/run-*.wandb"):
+            history.setdefault(f.stem.removeprefix("run-"), []).extend(_wandb_history_steps(f))
+        if {k: sorted(v) for k, v in history.items()} == expected:
+            break
+        time.sleep(0.1)
+    assert {k: sorted(v) for k, v in history.items()} == expected, history
+    # A run id kept alone (no step): its last step is not known, and a resume continues it
+    (info.run_dir / RUN_ID).write_text("abc123\n")
+    assert WandbLogger(WandbConfig(), run=info)._kept() == ("abc123", None)
+
+
+def _wandb_history_steps(path):
+    """The steps of the history records in an offline W&B run's .wandb file (W&B's record log: 32 KiB blocks of
+    chunks with a 7-byte header; full, first, middle, last), one per ``run.log`` call."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, buf, block, steps = path.read_bytes(), 7, b"", 32768, []
+    while pos + 7 <= len(data):
+        if (left := block - pos % block) < 7:
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind == 0 and n == 0:   # the block's padding
+            pos += left - 7
+            continue
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            if record.WhichOneof("record_type") == "history":
+                steps.append(record.history.step.num)
+    return steps
 
 
 def test_an_offline_wandb_run_reaches_no_network(tmp_path):
