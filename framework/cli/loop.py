@@ -94,9 +94,9 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             # start is a new run here: the folder's records (of another history) are set aside.
             mine = ckpt.resumed_from is not None and bool(
                 {run.run_dir.resolve(), ckpt.root.resolve()} & set(ckpt.resumed_from.resolve().parents))
+            start = state.step if mine else 0
             logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=replace(
-                run, resumed=mine, start=state.step if mine else 0, peers_wait_s=dist.timeout_s if dist.world > 1 else None)),
-                start=state.step if mine else 0)
+                run, resumed=mine, start=start, peers_wait_s=dist.timeout_s if dist.world > 1 else None)), start=start)
         # The W&B config: the resolved values and where each came from. Rank 0's start (W&B reaching its server)
         # may fail: the other ranks hear its error rather than wait in the first step's collectives.
         agree(dist, lambda: logger.start({**built.to_dict(), "config_sources": dict(cfg.sources)}, t.steps),

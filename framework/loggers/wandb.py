@@ -135,7 +135,8 @@ class WandbLogger:
                 step if isinstance(step, int) and not isinstance(step, bool) else None)
 
     def _keep(self) -> None:
-        files.write_atomic(self.run_info.run_dir / RUN_ID, json.dumps({"id": self.run_id, "step": self.logged}).encode())
+        kept = {"id": self.run_id, "step": self.logged}
+        files.write_atomic(self.run_info.run_dir / RUN_ID, json.dumps(kept).encode())
 
     def log(self, record: dict) -> None:
         self.console.log(record)
