@@ -9,12 +9,13 @@ raises ``TrainingError``, or with ``train.on_nonfinite=warn`` is skipped and rep
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import sys
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -160,6 +161,20 @@ def one_micro_batch(batch: Any, kinds: tuple[type, ...] = (tuple, list)) -> str 
 # float target where a loss wants class indices: "expected scalar type Long but found Float")
 _DTYPE_MISMATCH = re.compile(r"same dtype|expected scalar type|Input type \(.*\) and (weight|bias) type")
 _SIXTEEN = re.compile(r"BFloat16|Half|bfloat16|float16")
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` and every submodule in eval mode inside; after (an exception too), each module's own training
+    flag back: ``module.train(was)`` is recursive and would turn a submodule the user put in ``eval()`` (a
+    BatchNorm frozen for fine-tuning, a dropout turned off) back to training."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, was in modes:
+            m.training = was
 
 
 def call_loss(c: Components, micro: Any) -> Any:

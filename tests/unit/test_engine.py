@@ -544,6 +544,29 @@ def test_eval_step_takes_any_iterable_of_micro_batches():
             engine.eval_step(None, micro)
 
 
+@pytest.mark.parametrize("stage", ["+stage=ddp", "+stage=zero3"])
+def test_eval_step_puts_back_each_modules_own_mode_a_frozen_batch_norm_stays_frozen(stage):
+    # module.train(was) on the root would turn the BatchNorm the user froze with .eval() back to training: the next
+    # steps would update its running statistics. Each flag is put back, after a loss_fn that raises too.
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5),
+                                 torch.nn.Linear(4, 1))
+    module[1].eval(), module[2].eval()
+    micro = [(torch.randn(2, 3), torch.randn(2, 1))]
+
+    def loss(m, mb):
+        out = m(mb[0])   # (a target of None: raises after the forward, in eval mode)
+        return torch.nn.functional.mse_loss(out, mb[1]) if mb[1] is not None else 1 / 0
+    modes = [m.training for m in module.modules()]
+    with framework.initialize(module, loss, tiny_config(stage, "train.grad_accum=1")) as engine:
+        engine.eval_step(engine.state, micro)
+        assert [m.training for m in module.modules()] == modes == [True, True, False, False, True]
+        with pytest.raises(ZeroDivisionError):
+            engine.eval_step(engine.state, [(micro[0][0], None)])
+        assert [m.training for m in module.modules()] == modes
+        engine.train_step(engine.state, framework.Batch(tuple(micro)))
+        assert module[1].num_batches_tracked.item() == 0 and not module[1].training
+
+
 def test_the_state_api_refuses_a_misplaced_argument_in_one_line(tmp_path):
     """Another engine's state, one rank's state dict where a list goes, a dict where load_weights takes a
     path, a save through a closed Checkpointer: each one line that says what to pass instead, nothing written."""
