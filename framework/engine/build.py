@@ -30,7 +30,7 @@ from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState, capture_rng
 from framework.engine.step import (Components, LossFn, build_train_step, call_loss, checked_loss, eval_mode,
-                                   one_micro_batch)
+                                   one_micro_batch, same_count)
 from framework.core.footprint import Footprint
 from framework.core.utils import counted, dtype_name, few
 from framework.persist.layout import load_state_dict, state_dict
@@ -119,9 +119,8 @@ class Engine(contextlib.AbstractContextManager):
         if any(isinstance(b, Batch) for b in batches):
             raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")
         c = self.components
-        if c.stage.forward_gathers and len(counts := set(c.dist.all_gather_object(len(batches), "batch counts"))) > 1:
-            raise DataError(f"eval_step: the ranks passed different numbers of batches ({sorted(counts)}); under zero3 "
-                            f"every forward gathers with every rank: give each rank the same number")
+        if c.stage.forward_gathers:
+            same_count(c.dist, len(batches))
         # [loss sum, batch count], all-reduced together: ranks with different numbers of batches agree on the mean
         total = torch.zeros(2, dtype=torch.float32, device=c.dist.device)
         total[1] = len(batches)   # (a fill: torch.tensor([...]) on a device blocks, copying from pageable memory)

@@ -177,6 +177,21 @@ def eval_mode(module: nn.Module) -> Iterator[None]:
             m.training = was
 
 
+def same_count(dist: Dist, n: int) -> None:
+    """DataError on every rank alike when the ranks pass different numbers of eval batches (``n``: this rank's):
+    under zero3 every forward gathers with every rank, so uneven counts would hang. One small device all-reduce
+    of ``[n, -n]`` (MAX: the most and the fewest) read once, no pickled object."""
+    if dist.world == 1:
+        return
+    counts = torch.zeros(2, dtype=torch.int64, device=dist.device)
+    counts[0], counts[1] = n, -n   # (fills: torch.tensor([...]) on a device blocks, copying from pageable memory)
+    dist.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, what="eval_step batch counts")
+    most, fewest = counts.tolist()   # host sync: the counts decide whether the forwards run at all
+    if most != -fewest:
+        raise DataError(f"eval_step: the ranks passed different numbers of batches (from {-fewest} to {most}); "
+                        f"under zero3 every forward gathers with every rank: give each rank the same number")
+
+
 def call_loss(c: Components, micro: Any) -> Any:
     """``loss_fn(module, micro)``; under a 16-bit precision a dtype mismatch torch raises from deep in the model
     (a float32 input into bf16 weights) gets a note naming the setting. (Only the failing path reads anything.)"""
