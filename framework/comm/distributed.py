@@ -76,8 +76,8 @@ class Dist:
                 raise DistributedError(f"rank {self.rank}/{self.world}: {peer} closed its connection during {what} "
                                        f"(it failed or died: its own error is on its console or log)") from e
             timeout_s, key = limit or (self.timeout_s, "dist.timeout_s")
-            raise DistributedError(f"rank {self.rank}/{self.world}: {what} failed after waiting up to {timeout_s:g}s "
-                                   f"({who}; {key} sets the limit): {str(e).splitlines()[0]}") from e
+            raise DistributedError(f"rank {self.rank}/{self.world}: {what} failed after waiting up to {timeout_s:g}s ("
+                                   f"{who}; {key} sets the limit): {str(e).splitlines()[0]}", waited=not stalled) from e
 
     def who_failed(self, settle_s: float | None = None) -> str:
         """The ranks on this host to blame for a failed collective (``_blame``), in words."""

@@ -75,7 +75,12 @@ class TrainingError(FrameworkError):
 
 
 class DistributedError(FrameworkError):
-    """A collective failed or timed out (a peer rank died or stalled)."""
+    """A collective failed or timed out (a peer rank died or stalled). ``waited``: it timed out with no peer seen
+    gone or stopped, where ranks that issued different collectives are as likely as a peer on another host."""
+
+    def __init__(self, message: str, *, waited: bool = False):
+        super().__init__(message)
+        self.waited = waited
 
 
 class SwapIOError(FrameworkError):

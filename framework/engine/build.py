@@ -29,7 +29,8 @@ from framework.models.hf import config_hidden_size
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState, capture_rng
-from framework.engine.step import Components, LossFn, build_train_step, call_loss, checked_loss, one_micro_batch
+from framework.engine.step import (Components, LossFn, build_train_step, call_loss, checked_loss, eval_mode,
+                                   one_micro_batch, same_count)
 from framework.core.footprint import Footprint
 from framework.core.utils import counted, dtype_name, few
 from framework.persist.layout import load_state_dict, state_dict
@@ -118,22 +119,19 @@ class Engine(contextlib.AbstractContextManager):
         if any(isinstance(b, Batch) for b in batches):
             raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")
         c = self.components
-        if c.stage.forward_gathers and len(counts := set(c.dist.all_gather_object(len(batches), "batch counts"))) > 1:
-            raise DataError(f"eval_step: the ranks passed different numbers of batches ({sorted(counts)}); under zero3 "
-                            f"every forward gathers with every rank: give each rank the same number")
-        was_training = c.module.training
-        c.module.eval()
+        if c.stage.forward_gathers:
+            same_count(c.dist, len(batches))
         # [loss sum, batch count], all-reduced together: ranks with different numbers of batches agree on the mean
         total = torch.zeros(2, dtype=torch.float32, device=c.dist.device)
         total[1] = len(batches)   # (a fill: torch.tensor([...]) on a device blocks, copying from pageable memory)
         outer, self._stepping = self._stepping, "eval_step"
         try:
-            for b in batches:
-                with torch.no_grad(), c.stage.forward_pass(train=False):
-                    total[0] += checked_loss(call_loss(c, b)).float()
-        finally:   # a loss_fn that raises leaves dropout and batch norm as they were
+            with eval_mode(c.module):   # (each module's own mode back after, a loss_fn that raises too)
+                for b in batches:
+                    with torch.no_grad(), c.stage.forward_pass(train=False):
+                        total[0] += checked_loss(call_loss(c, b)).float()
+        finally:
             self._stepping = outer
-            c.module.train(was_training)
             c.stage.settle()
         c.stage.read_errors()   # a failed shard read gave zeros: every rank raises, none reports that loss
         c.dist.all_reduce(total, what="validation loss all-reduce")

@@ -9,12 +9,13 @@ raises ``TrainingError``, or with ``train.on_nonfinite=warn`` is skipped and rep
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import sys
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -160,6 +161,35 @@ def one_micro_batch(batch: Any, kinds: tuple[type, ...] = (tuple, list)) -> str 
 # float target where a loss wants class indices: "expected scalar type Long but found Float")
 _DTYPE_MISMATCH = re.compile(r"same dtype|expected scalar type|Input type \(.*\) and (weight|bias) type")
 _SIXTEEN = re.compile(r"BFloat16|Half|bfloat16|float16")
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` and every submodule in eval mode inside; after (an exception too), each module's own training
+    flag back: ``module.train(was)`` is recursive and would turn a submodule the user put in ``eval()`` (a
+    BatchNorm frozen for fine-tuning, a dropout turned off) back to training."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, was in modes:
+            m.training = was
+
+
+def same_count(dist: Dist, n: int) -> None:
+    """DataError on every rank alike when the ranks pass different numbers of eval batches (``n``: this rank's):
+    under zero3 every forward gathers with every rank, so uneven counts would hang. One small device all-reduce
+    of ``[n, -n]`` (MAX: the most and the fewest) read once, no pickled object."""
+    if dist.world == 1:
+        return
+    counts = torch.zeros(2, dtype=torch.int64, device=dist.device)
+    counts[0], counts[1] = n, -n   # (fills: torch.tensor([...]) on a device blocks, copying from pageable memory)
+    dist.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, what="eval_step batch counts")
+    most, fewest = counts.tolist()   # host sync: the counts decide whether the forwards run at all
+    if most != -fewest:
+        raise DataError(f"eval_step: the ranks passed different numbers of batches (from {-fewest} to {most}); "
+                        f"under zero3 every forward gathers with every rank: give each rank the same number")
 
 
 def call_loss(c: Components, micro: Any) -> Any:

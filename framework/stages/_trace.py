@@ -96,8 +96,30 @@ def start_order_check(dist: Dist, recording: list[tuple[str, int]]) -> tuple:
 
 def order_check_flags(dist: Dist, checks: list) -> list[torch.Tensor]:
     """One device value per check: 0 where every rank used the same order (max h == min h)."""
-    dist.wait([work for work, _, _ in checks], "zero3 order check")
+    try:
+        dist.wait([work for work, _, _ in checks], "zero3 order check")
+    except DistributedError as e:
+        if (timed_out := diverged(e)) is not None:
+            raise timed_out from e
+        raise
     return [t.sum() for _, t, _ in checks]
+
+
+def diverged(error: BaseException) -> DistributedError | None:
+    """``error`` again with zero3's likely cause where it is a collective that timed out with no peer seen gone.
+    The order check names the module on each rank only where the ranks' collectives stay alike until it is read:
+    each rank gathers, prefetches and keeps units along the order it recorded itself, so ranks that use different
+    modules after their first pass (or in another micro batch of it) issue different collectives and wait."""
+    if not isinstance(error, DistributedError) or not error.waited:
+        return None
+    out = DistributedError(f"{error}; under zero3 the likely cause, where no rank died, is data-dependent control "
+                           f"flow: ranks that used different modules in a pass issue different gathers and wait on "
+                           f"each other; make every rank call the same modules in the same order "
+                           f"(TORCH_DISTRIBUTED_DEBUG=DETAIL in the launch environment names each rank's collective)",
+                           waited=True)
+    for note in getattr(error, "__notes__", ()):   # (what the abort after it could not undo)
+        out.add_note(note)
+    return out
 
 
 def check_orders(dist: Dist, units: list, checks: list, flags: list[float]) -> None:

@@ -25,7 +25,7 @@ from framework.comm.collectives import Pending
 from framework.stages._gather import Gatherer
 from framework.stages._shards import ShardReads, ShardedParameter, Unit, UnitGroup, forward_of, read_hint, reader_of
 from framework.stages._grads import backward_or_reset
-from framework.stages._trace import check_orders, order_check_flags
+from framework.stages._trace import check_orders, diverged, order_check_flags
 from framework.stages._units import DEFAULT_GATHER_UNIT, plan_units
 from framework.offload.base import Placement
 from framework.stages.base import PartitionedStage, Setup
@@ -155,6 +155,8 @@ class Zero3Stage(PartitionedStage):
                 e.add_note(f"zero3 could not put its units back after it: {type(failed).__name__}: {failed}")
             if hint is not None:
                 raise FrameworkError(hint) from e
+            if (timed_out := diverged(e)) is not None:
+                raise timed_out from e
             raise
         if not train:   # train_step's pass ends with its backward
             self.gatherer.end_pass()
@@ -176,6 +178,8 @@ class Zero3Stage(PartitionedStage):
             read = _read_while_sharded(scaled) if _empty_size_error(e) else None
             if read is not None:   # (no frame to name: the read ran in the forward)
                 raise FrameworkError(read_hint(read, f"{type(e).__name__}: {str(e).splitlines()[0]}")) from e
+            if (timed_out := diverged(e)) is not None:
+                raise timed_out from e
             raise
         finally:
             self.gatherer.final = None

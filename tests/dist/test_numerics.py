@@ -2,7 +2,9 @@
 
 * ``precision.grad_accum_dtype``: bf16 micro-batch gradients summed in fp32 match a plain
   PyTorch reference that sums them in fp32, and clearly beat summing them in bf16; at world 2
-  the default bf16 reduction stays within its rounding of that reference (SGD: no factor hides).
+  the default bf16 reduction stays within its rounding of that reference (SGD: no factor hides). zero2 and
+  zero3 train alike with the NCCL collectives class run over gloo (its in-place reduce-scatter and all-gather
+  write only this rank's chunk, as NCCL's do), which only fakes test otherwise.
 * A ``loss_fn`` that calls ``module.zero_grad()`` trains exactly as one that does not; one that
   runs a backward pass itself (``create_graph=True``) fails with a message instead of training
   on zero gradients.
@@ -11,12 +13,14 @@
   gradient norms.
 """
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 
 import framework
+from framework.comm.collectives import Nccl
 from framework.models.gpt import gpt_loss
 from tests._helpers import OverflowAt, build_gpt, tiny_config
 
@@ -77,9 +81,12 @@ def _reference_masters(world):
     return master
 
 
-def _accumulate(dist, stage, accum_dtype, extra):
+def _accumulate(dist, stage, accum_dtype, extra, nccl=False):
     """(squared error against the reference masters, squared size of the reference's update) over the master
-    elements this rank holds."""
+    elements this rank holds. ``nccl``: with the NCCL collectives class (over gloo's tensor collectives)."""
+    if nccl:   # (a copy: the pool's own dist keeps its class)
+        dist = dataclasses.replace(dist)
+        dist.__dict__["comm"] = Nccl(dist)   # (Dist.comm is a cached property of a frozen dataclass)
     ref = _reference_masters(dist.world)
     cfg = tiny_config(*ACCUM, f"+stage={stage}", f"precision.grad_accum_dtype={accum_dtype}", *extra)
     module, data = build_gpt(cfg)
@@ -108,14 +115,17 @@ def test_fp32_grad_accumulation_matches_fp32_reference(pools, world, stage):
     if world == 2:   # the default: the fp32 sums cast to bf16 for the reduction
         runs["fp32 bf16-wire"] = ("fp32", HOOKS[stage])
     rel = {}
-    for name, (dtype, overrides) in runs.items():
-        per_rank = _on(pools, world, _accumulate, stage, dtype, overrides)
+    if world == 2 and stage in ("zero2", "zero3"):   # (about 1 s each)
+        runs["fp32 nccl"] = ("fp32", extra, True)
+    for name, (dtype, overrides, *nccl) in runs.items():
+        per_rank = _on(pools, world, _accumulate, stage, dtype, overrides, *nccl)
         rel[name] = (sum(e for e, _ in per_rank) / sum(s for _, s in per_rank)) ** 0.5
     # Relative error of the masters' total update after 2 steps of 8 micro batches (the second step
     # starts from sums the first left: an accumulator not cleared shows there). Measured: fp32 0
     # (bitwise equal: bf16 gradients have 8 significant bits, so fp32 sums of 8 or 16 of them are
     # mostly exact), bf16 6.0e-3 (world 1) and 5.0e-3 (world 2).
     assert rel["fp32"] <= 1e-6, rel
+    assert rel.get("fp32 nccl", rel["fp32"]) == rel["fp32"], rel   # two ranks' sums: the same bits in any order
     assert rel["bf16"] >= 1e-3, rel
     # The bf16 wire rounds each rank's summed gradient once. Measured: 5.1e-3 (ddp, zero1), 3.2e-3
     # (zero2, zero3); a gradient off by a factor (a rank's share missing or counted twice) is off

@@ -544,6 +544,29 @@ def test_eval_step_takes_any_iterable_of_micro_batches():
             engine.eval_step(None, micro)
 
 
+@pytest.mark.parametrize("stage", ["+stage=ddp", "+stage=zero3"])
+def test_eval_step_puts_back_each_modules_own_mode_a_frozen_batch_norm_stays_frozen(stage):
+    # module.train(was) on the root would turn the BatchNorm the user froze with .eval() back to training: the next
+    # steps would update its running statistics. Each flag is put back, after a loss_fn that raises too.
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5),
+                                 torch.nn.Linear(4, 1))
+    module[1].eval(), module[2].eval()
+    micro = [(torch.randn(2, 3), torch.randn(2, 1))]
+
+    def loss(m, mb):
+        out = m(mb[0])   # (a target of None: raises after the forward, in eval mode)
+        return torch.nn.functional.mse_loss(out, mb[1]) if mb[1] is not None else 1 / 0
+    modes = [m.training for m in module.modules()]
+    with framework.initialize(module, loss, tiny_config(stage, "train.grad_accum=1")) as engine:
+        engine.eval_step(engine.state, micro)
+        assert [m.training for m in module.modules()] == modes == [True, True, False, False, True]
+        with pytest.raises(ZeroDivisionError):
+            engine.eval_step(engine.state, [(micro[0][0], None)])
+        assert [m.training for m in module.modules()] == modes
+        engine.train_step(engine.state, framework.Batch(tuple(micro)))
+        assert module[1].num_batches_tracked.item() == 0 and not module[1].training
+
+
 def test_the_state_api_refuses_a_misplaced_argument_in_one_line(tmp_path):
     """Another engine's state, one rank's state dict where a list goes, a dict where load_weights takes a
     path, a save through a closed Checkpointer: each one line that says what to pass instead, nothing written."""
@@ -753,6 +776,38 @@ def test_under_zero3_a_model_module_calling_a_part_of_a_unit_is_told_to_hold_it_
             with pytest.raises(framework.FrameworkError, match=rf"^zero3: loss_fn called a module \(_Blk\) .*"
                                rf"call {path}\(\.\.\.\), not {path}\.forward\(\.\.\.\)$"):
                 engine.train_step(engine.state, batch)
+
+
+def test_a_zero3_collective_that_timed_out_names_data_dependent_control_flow_as_the_likely_cause(monkeypatch):
+    # Each rank gathers, prefetches and keeps units along the order it recorded itself: ranks that take different
+    # modules after their first pass issue different collectives and wait until dist.timeout_s, before the order
+    # check is read. The line says so (forward gathers and backward reductions alike); a lost peer's stays as it is.
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    loss = lambda m, mb: m(mb[0]).square().mean()   # noqa: E731
+    micro = (torch.randn(2, 3),)
+    with framework.initialize(module, loss, tiny_config("+stage=zero3", "stage.stage3_param_persistence_threshold=0",
+                                                        "train.grad_accum=1")) as engine:
+        comm, wait = engine.components.dist.comm, engine.components.dist.comm.wait
+
+        def stuck(works, what, waited=True):
+            when[1] -= what == when[0]
+            if what == when[0] and not when[1]:
+                raise framework.DistributedError(f"rank 0/2: {what} failed after waiting up to 5s (a peer rank died or "
+                                                 f"stalled; dist.timeout_s sets the limit): Timed out", waited=waited)
+            wait(works, what)
+        monkeypatch.setattr(comm, "wait", stuck)
+        step = lambda: engine.train_step(engine.state, framework.Batch((micro,)))   # noqa: E731
+        # (the last unit's gather: in the forward of eval_step and train_step, then again in the backward)
+        for when, run in (["zero3 gather of '1'", 1], lambda: engine.eval_step(engine.state, [micro])), \
+                         (["zero3 gather of '1'", 1], step), (["zero3 gather of '1'", 2], step):
+            with pytest.raises(framework.DistributedError, match=rf"^rank 0/2: {when[0]}.* Timed out; under zero3 the "
+                                                                 r"likely cause, where no rank died, is data-dependent "
+                                                                 r"control flow: .*TORCH_DISTRIBUTED_DEBUG=DETAIL"):
+                run()
+        stuck.__defaults__, when = (False,), ["zero3 gather of '1'", 1]   # a lost peer (or one seen stopped): its line
+        with pytest.raises(framework.DistributedError, match=r"Timed out$"):
+            engine.eval_step(engine.state, [micro])
+        monkeypatch.undo()
 
 
 def test_a_complex_trainable_parameter_is_refused_by_initialize():
