@@ -16,7 +16,7 @@ from framework.core.errors import ConfigError
 from framework.core.footprint import Footprint
 from framework.core.registry import Component
 from framework.core.utils import tensor_bytes
-from framework.engine.materialize import initializer
+from framework.stages._initializer import initializer
 from framework.offload.base import Placement
 from framework.precision import Policy
 from framework.stages._flat import bind_groups, refuse_sparse_grads
