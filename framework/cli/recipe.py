@@ -325,7 +325,8 @@ def finish(recipe: Recipe, out: Path, *, quick: bool | None, elapsed_s: float | 
         if kind == "memory_scaling":
             plots.append(str(plot_memory_scaling(jobs, out / "memory_scaling.png")))
         elif ref is not None:
-            plots.append(str(plot_deviation(jobs, ref["curves_match"], ref.get("reference", {}), out / "deviation.png")))
+            plots.append(str(plot_deviation(jobs, ref["curves_match"], ref.get("reference", {}),
+                                            out / "deviation.png")))
     verdict = {"recipe": recipe.name, "quick": quick, "out": str(out), "passed": all(r["passed"] for r in results),
                "checks": results, "elapsed_s": elapsed_s, "report": str(res["report"]), "plots": plots,
                "reference": recipe.expected.get("reference")}
