@@ -33,7 +33,7 @@ from framework.core.paths import PACKAGE_DIR, REPO_ROOT, user_path
 from framework.core.registry import closest_hint
 from framework.core.utils import plain_text
 from framework.cli import fail, hydra_missing, override_key, report
-from framework.cli.checks import RecipeError, evaluate, validate_checks
+from framework.cli.recipe_checks import RecipeError, evaluate, plot_deviation, plot_memory_scaling, validate_checks
 from framework.config import compose, parse_overrides
 from framework.config.schema import get_key
 from framework.data import resolve_path
@@ -323,10 +323,10 @@ def finish(recipe: Recipe, out: Path, *, quick: bool | None, elapsed_s: float | 
     ref = next((c for c in want.get("checks", []) if "curves_match" in c), None)
     for kind in recipe.spec.get("plots") or []:   # (find allows only these two)
         if kind == "memory_scaling":
-            plots.append(str(report.plot_memory_scaling(jobs, out / "memory_scaling.png")))
+            plots.append(str(plot_memory_scaling(jobs, out / "memory_scaling.png")))
         elif ref is not None:
-            plots.append(str(report.plot_deviation(jobs, ref["curves_match"], ref.get("reference", {}),
-                                                   out / "deviation.png")))
+            plots.append(str(plot_deviation(jobs, ref["curves_match"], ref.get("reference", {}),
+                                            out / "deviation.png")))
     verdict = {"recipe": recipe.name, "quick": quick, "out": str(out), "passed": all(r["passed"] for r in results),
                "checks": results, "elapsed_s": elapsed_s, "report": str(res["report"]), "plots": plots,
                "reference": recipe.expected.get("reference")}

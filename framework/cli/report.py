@@ -276,13 +276,13 @@ def require_matplotlib():
     return Figure
 
 
-def _figure(figsize: tuple[float, float], cols: int = 1, **subplots):
+def new_figure(figsize: tuple[float, float], cols: int = 1, **subplots):
     """(figure, its axes): a matplotlib Figure made without pyplot (files only; never a window, no global state)."""
     fig = require_matplotlib()(figsize=figsize, dpi=100)
     return fig, fig.subplots(1, cols, **subplots)
 
 
-def _save(fig, path: Path, grid: str = "both") -> Path:
+def save_png(fig, path: Path, grid: str = "both") -> Path:
     """Rendered in memory, then written atomically and never through a link planted at ``path``."""
     for ax in fig.axes:
         ax.grid(axis=grid, alpha=0.3)
@@ -295,7 +295,7 @@ def _save(fig, path: Path, grid: str = "both") -> Path:
 
 def plot_losses(jobs: list[Job], path: Path, *, title: str = "loss") -> Path:
     """Train loss per logged step (lines) and validation loss (markers), one colour per job."""
-    fig, ax = _figure((7, 4.2))
+    fig, ax = new_figure((7, 4.2))
     for i, j in enumerate(x for x in jobs if x.records):
         color = f"C{i % 10}"
         steps, loss = j.curve("loss")
@@ -308,7 +308,7 @@ def plot_losses(jobs: list[Job], path: Path, *, title: str = "loss") -> Path:
         ax.axhline(floors.pop(), color="k", ls=":", lw=1, label="entropy floor of the data")
     ax.set(xlabel="step", ylabel="loss (nats/token); dashed + markers: validation", title=title)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
@@ -316,7 +316,7 @@ def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
     done = [j for j in jobs if j.summary is not None]
     wrapped = [textwrap.fill(j.label, 40) for j in done]
     lines = sum(w.count("\n") + 1 for w in wrapped)
-    fig, (a, b) = _figure((10, max(2.8, 0.2 * lines + 0.3 * len(done) + 1.6)), 2, sharey=True)
+    fig, (a, b) = new_figure((10, max(2.8, 0.2 * lines + 0.3 * len(done) + 1.6)), 2, sharey=True)
     y = list(range(len(done)))
     a.barh(y, [j.summary.get("tokens_per_s") or 0 for j in done], color="C0")   # (null: not measured)
     a.set_xlabel("tokens/s")
@@ -329,83 +329,13 @@ def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
         b.barh(y, dev, color="C2", height=0.3, label="peak device allocated")
     b.set_xlabel("MiB per rank (largest rank)")
     b.legend(fontsize=7)
-    return _save(fig, path, grid="x")
-
-
-def zero_model_state_bytes(stage: str, params: int, world: int, precision: str = "fp32") -> float:
-    """The ZeRO paper's model-state bytes per rank with Adam: 2 + 2 + 12 bytes per parameter in mixed precision,
-    4 + 4 + 8 in fp32; zero1 divides the optimizer share by the world size, zero2 also gradients, zero3 all."""
-    p, g, k = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
-    n = world
-    per_param = {"ddp": p + g + k, "zero1": p + g + k / n, "zero2": p + (g + k) / n, "zero3": (p + g + k) / n}
-    if stage not in per_param:
-        raise FrameworkError(f"report: no ZeRO formula for stage {stage!r}")
-    return per_param[stage] * params
+    return save_png(fig, path, grid="x")
 
 
 def matches(job, where: dict) -> bool:
     """``where``: {group: registry name} or {dotted config key: value} against the job's config."""
     cfg = (job.summary or {}).get("config", {})
     return all(_config_value(cfg, k) == v for k, v in (where or {}).items())
-
-
-def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Path:
-    """All jobs' ``key`` curves, and beside them each job's distance from the reference job (whose config
-    matches ``reference``, e.g. {"stage": "ddp"})."""
-    done = [j for j in jobs if j.records]
-    ref = next((j for j in done if matches(j, reference)), None)
-    rs, rv = ref.curve(key) if ref is not None else (None, None)
-    fig, (a, b) = _figure((11, 4.2), 2)
-    for i, j in enumerate(done):
-        steps, vals = j.curve(key)
-        a.plot(steps, vals, ls=("-", "--", ":", "-.")[i % 4], color=f"C{i % 10}", lw=1.2, label=textwrap.fill(j.label, 60))
-        if j is not ref and rs == steps:   # (no reference: rs is None)
-            b.plot(steps, [abs(x - y) for x, y in zip(vals, rv)], color=f"C{i % 10}", lw=1,
-                   label=textwrap.fill(j.label, 60))
-    a.set(xlabel="step", ylabel=key, title=f"{key}: every job")
-    a.legend(fontsize=7)
-    b.set_yscale("symlog", linthresh=1e-9)
-    b.set(xlabel="step", ylabel=f"|{key} - reference| (0 = identical)",
-          title=f"distance from {ref.label if ref else 'reference (missing)'}")
-    if b.lines:
-        b.legend(fontsize=7)
-    return _save(fig, path)
-
-
-def measured_memory(j: Job) -> int:
-    """Per-rank memory for scaling plots: the device allocator's peak on CUDA, else the largest rank's RSS growth."""
-    dev = j.peak("peak_device_allocated_bytes")
-    return dev if dev is not None else (j.added() or 0)
-
-
-def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
-    """Per-rank memory (``measured_memory``) against world size per stage, next to the ZeRO formula (left),
-    and what each world size saves over the smallest (right)."""
-    by_stage: dict[str, list[Job]] = {}
-    for j in jobs:
-        if j.summary is not None:
-            by_stage.setdefault(j.summary["config"]["stage"]["name"], []).append(j)
-    fig, (ax, sv) = _figure((11, 4.5), 2)
-    for i, (stage, js) in enumerate(sorted(by_stage.items())):
-        js.sort(key=lambda j: j.summary["world"])
-        worlds = [j.summary["world"] for j in js]
-        color = f"C{i % 10}"
-        measured = [measured_memory(j) / MiB for j in js]
-        params, precision = js[0].summary["params"], js[0].summary["config"]["precision"]["name"]
-        formula = [zero_model_state_bytes(stage, params, w, precision) / MiB for w in worlds]
-        ax.plot(worlds, measured, color=color, marker="o", lw=1.5, label=f"{stage} measured")
-        ax.plot(worlds, formula, color=color, ls="--", lw=1, label=f"{stage} ZeRO formula")
-        sv.plot(worlds, [measured[0] - m for m in measured], color=color, marker="o", lw=1.5, label=f"{stage} measured")
-        sv.plot(worlds, [formula[0] - f for f in formula], color=color, ls="--", lw=1, label=f"{stage} formula")
-    ticks = sorted({j.summary["world"] for js in by_stage.values() for j in js})
-    for a in (ax, sv):
-        a.set(xlabel="world size (ranks)", xticks=ticks)
-        a.legend(fontsize=7, ncol=2)
-    ax.set_ylabel("MiB per rank")
-    ax.set_title("per rank: measured (solid) vs model states, ZeRO formula (dashed)", fontsize=9)
-    sv.set_ylabel(f"MiB per rank saved vs world size {ticks[0] if ticks else 1}")
-    sv.set_title("what partitioning saves: measured (solid) vs formula (dashed)", fontsize=9)
-    return _save(fig, path)
 
 
 def write_report(root: Path, out: Path | None = None, *, title: str | None = None, pattern: str | None = None) -> dict:

@@ -8,7 +8,7 @@ import dataclasses
 import math
 import re
 import typing
-from types import MappingProxyType, SimpleNamespace
+from types import MappingProxyType
 from typing import Any, Mapping
 
 try:
@@ -168,10 +168,10 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str], *, final: bo
         if component.check is not None:
             nodes[group] = component.check(nodes[group], chosen["stage"], MappingProxyType(nodes))
     # (after every check: a note may read another group's resolved node, a warm-up's the optimizer's lr)
-    run = SimpleNamespace(**vars(root), choices=MappingProxyType(chosen), **nodes)
+    config = Config(**vars(root), choices=chosen, **nodes)
     notes = [note for group in GROUPS if (component := registry(group).get(chosen[group])).notes is not None
-             for note in component.notes(nodes[group], run)]
-    config = Config(**vars(root), choices=chosen, notices=tuple(notes), **nodes)
+             for note in component.notes(nodes[group], config)]
+    config = dataclasses.replace(config, notices=tuple(notes))
     return refuse_inert(config) if final else config
 
 

@@ -54,8 +54,8 @@ class Component:
     """A buildable thing: ``config`` is the typed schema of its YAML node, ``build`` makes it.
     ``check(node, stage, nodes)`` validates the node against the chosen stage and the other groups' nodes
     (``nodes``: group -> node, read-only), one line per error, and returns it with ``auto`` values resolved;
-    ``notes(node, run)`` returns the notices its values call for (``run``: the top-level settings and every
-    group's checked node, e.g. ``run.train.steps``). So the configuration layer imports no component."""
+    ``notes(node, config)`` returns the notices its values call for (``config``: the run's checked
+    ``framework.config.Config``, every group's node resolved, e.g. ``config.train.steps``). So the configuration layer imports no component."""
 
     config: type
     build: Callable[..., Any]

@@ -143,7 +143,7 @@ DEFAULT_VOCAB = 50304
 _TEXT_BYTES = frozenset(range(0x20, 0x7F)) | {0x09, 0x0A, 0x0D}
 
 
-def _notes(cfg: TokensConfig, run) -> list[str]:
+def _notes(cfg: TokensConfig, config) -> list[str]:
     """A word on a data.vocab_size above the file's own, or on a file without metadata (or one that looks like
     text) read with an assumed vocabulary."""
 

@@ -25,9 +25,9 @@ from framework.comm.distributed import Dist
 from framework.core.errors import DataError, TrainingError, on_every_rank
 from framework.core.utils import counted, dtype_name, few
 from framework.precision import Policy, next_scale
+from framework.stages import Update
 from framework.stages.base import BaseStage
 from framework.engine.state import TrainState, capture_rng, restore_rng
-from framework.engine.update import Update
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -41,7 +41,7 @@ class Components:
     schedule: Callable[[int], float]
     grad_clip: float              # 0 disables clipping
     dist: Dist
-    update: Update                # optimizer step + publish (framework.engine.update)
+    update: Update                # optimizer step + publish (framework.stages.Update)
     on_nonfinite: str = "stop"    # a non-finite step loss scaling does not skip: stop | warn
     grad_accum: int = 1           # micro batches per step (train.grad_accum): the length of every Batch
 
@@ -49,7 +49,7 @@ class Components:
 def build_train_step(c: Components, applying: Callable[[int], None]
                      ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """``applying(step)``: the update of ``step`` now changes the state beyond what ``abort`` undoes (see
-    ``framework.engine.update``); after an exception (Ctrl-C included) the caller must not step from it."""
+    ``framework.stages.Update``); after an exception (Ctrl-C included) the caller must not step from it."""
     warned = False   # about a float16 loss under loss scaling: once per engine
 
     def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:

@@ -281,7 +281,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         full_grads(sum(padded), sum(padded))
         pred.lazy |= placement.predict(pred, shards, *cut)
         if red != w:   # a wire copy per bucket in flight
-            pred.transient["reduce_wire"] = red * min(cfg.stage.bucket_size, max(padded)) * 2
+            pred.transient["reduce_wire"] = red * min(cfg.stage.reduce_bucket_size, max(padded)) * 2
     elif stage in ("zero1", "zero2"):
         shards = [lay.shard for lay in layouts]
         pred.add("params", device=w * sum(padded))

@@ -107,7 +107,7 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
     return cfg
 
 
-def notes(cfg: HFConfig, run: Any) -> list[str]:
+def notes(cfg: HFConfig, config: Any) -> list[str]:
     """A ``model.config`` folder that holds weights: say they are not loaded (a pretrained folder under the wrong
     key would otherwise train from scratch unremarked). A config.json naming a 16-bit dtype (most hub configs say
     bfloat16) in an fp32 run: say it trains in fp32."""
@@ -119,7 +119,7 @@ def notes(cfg: HFConfig, run: Any) -> list[str]:
                    f"builds a new model; use model.pretrained={cfg.config} to start from them")
     stated = raw.get("dtype", raw.get("torch_dtype"))
     want = {"bfloat16": "bf16", "float16": "fp16"}.get(str(stated).removeprefix("torch."))
-    if want is not None and run.choices["precision"] == "fp32":
+    if want is not None and config.choices["precision"] == "fp32":
         out.append(f"note: {key}: {file} says dtype {stated}; training in fp32 (precision=fp32); set precision={want} "
                    f"to train in 16-bit")
     return out

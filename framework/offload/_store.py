@@ -9,6 +9,7 @@ The piece pipeline asks the store of its tier for it around each host step:
     store.release(k, readers)       the host step is done; ``readers``: the event after which the
                                     streams copying from its buffers are done with them
     store.flush()                   settle every released piece (before closing, checkpointing)
+    store.close()                   settle them and give back what the store holds (its swap file)
 """
 from __future__ import annotations
 
@@ -105,4 +106,6 @@ class HostStore:
         for ev in self.readers.values():
             ev.synchronize()
         self.readers.clear()
+
+    close = flush   # (the same call as DiskStore.close: nothing else to settle, the arenas go with the store)
 

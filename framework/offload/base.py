@@ -369,4 +369,4 @@ class Placement:
             self.shards.close()
         finally:   # (a read failure it raises leaves no store open)
             for store in self.stores.values():
-                (store.close if hasattr(store, "close") else store.flush)()
+                store.close()

@@ -44,9 +44,9 @@ def build(cfg: WarmupCosineConfig, base_lr: float, total_steps: int) -> Callable
     return lr_at
 
 
-def notes(node: WarmupCosineConfig, run) -> list[str]:
-    return long_warmup_notes("warmup_steps", node.warmup_steps, run.train.steps,
-                             functools.partial(build, node, run.optimizer.lr))
+def notes(node: WarmupCosineConfig, config) -> list[str]:
+    return long_warmup_notes("warmup_steps", node.warmup_steps, config.train.steps,
+                             functools.partial(build, node, config.optimizer.lr))
 
 
 COMPONENT = Component(config=WarmupCosineConfig, build=build, check=checked_by_build(build), notes=notes)

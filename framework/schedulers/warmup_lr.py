@@ -127,33 +127,33 @@ def long_warmup_notes(key: str, warm: int, steps: int, schedule: Callable[[int],
             f"reaches its peak"]
 
 
-def notes(build_at: Callable[..., Callable[[int], float]], node, run) -> list[str]:
+def notes(build_at: Callable[..., Callable[[int], float]], node, config) -> list[str]:
     """A component's ``notes`` (bound to its ``build``: the lr it notes is its own schedule's)."""
-    return long_warmup_notes("warmup_num_steps", node.warmup_num_steps, run.train.steps,
-                             functools.partial(build_at, node, run.optimizer.lr))
+    return long_warmup_notes("warmup_num_steps", node.warmup_num_steps, config.train.steps,
+                             functools.partial(build_at, node, config.optimizer.lr))
 
 
-def cosine_notes(node, run) -> list[str]:
+def cosine_notes(node, config) -> list[str]:
     """warmup_cosine_lr's ``notes``: the warm-up's, and where its lr holds at the floor. The cosine's progress
     reaches 1 at update ``total_num_steps`` (the warm-up's end + 1 where it is no longer than that)."""
-    floor = f"cos_min_ratio x optimizer.lr ({node.cos_min_ratio * run.optimizer.lr:.2e})"
-    return notes(build_cosine, node, run) + held_floor(
-        node, run, floor, lambda total, warm: total if total > warm else warm + 1)
+    floor = f"cos_min_ratio x optimizer.lr ({node.cos_min_ratio * config.optimizer.lr:.2e})"
+    return notes(build_cosine, node, config) + held_floor(
+        node, config, floor, lambda total, warm: total if total > warm else warm + 1)
 
 
-def decay_notes(node, run) -> list[str]:
+def decay_notes(node, config) -> list[str]:
     """warmup_decay_lr's ``notes``: the warm-up's, and where its lr holds at warmup_min_lr. Its gamma reaches 0 at
     iteration ``max(total_num_steps, warm-up)``, which DeepSpeed's order applies one update later."""
     floor = (f"warmup_min_lr ({node.warmup_min_lr:.2e})" if node.warmup_min_lr
              else "warmup_min_lr (0: those steps change no weight)")
-    return notes(build_decay, node, run) + held_floor(node, run, floor, lambda total, warm: max(total, warm) + 1)
+    return notes(build_decay, node, config) + held_floor(node, config, floor, lambda total, warm: max(total, warm) + 1)
 
 
-def held_floor(node, run, floor: str, first_held: Callable[[int, int], int]) -> list[str]:
+def held_floor(node, config, floor: str, first_held: Callable[[int, int], int]) -> list[str]:
     """The note for a decay whose ``total_num_steps`` ends before the run: its lr holds at ``floor`` from the
     update ``first_held(total_num_steps, warm-up)`` (0-based) on, as DeepSpeed's does; said, since the steps
     there train at the floor (often 0) for no reason the user chose."""
-    steps, total = run.train.steps, node.total_num_steps
+    steps, total = config.train.steps, node.total_num_steps
     if total is None or total >= steps:
         return []
     warm, _ = warmup(node.warmup_num_steps, node.warmup_type)

@@ -7,7 +7,9 @@ from framework.stages._flat import (ALIGN, ParameterInit, PieceSpec, buffer_dtyp
 from framework.stages._units import plan_units
 from framework.stages._grads import bucket_buffers
 from framework.stages._shards import zero3_sharded
+from framework.stages._initializer import initializer
+from framework.stages._update import PlainUpdate, Update
 
-__all__ = ["ALIGN", "ParameterInit", "PieceSpec", "bucket_buffers", "buffer_dtypes", "check_shape", "cover", "make_layout",
-           "param_count", "param_groups", "plan_units", "unit_groups", "whole_memory",
-           "zero3_sharded"]
+__all__ = ["ALIGN", "ParameterInit", "PieceSpec", "PlainUpdate", "Update", "bucket_buffers", "buffer_dtypes",
+           "check_shape", "cover", "initializer", "make_layout", "param_count", "param_groups", "plan_units",
+           "unit_groups", "whole_memory", "zero3_sharded"]

@@ -14,7 +14,7 @@ from torch import nn
 from framework.comm.distributed import Dist
 from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm
-from framework.engine.update import PlainUpdate, Update
+from framework.stages._update import PlainUpdate, Update
 from framework.offload.base import Piece, Placement
 from framework.optimizers import GradientTransformation
 from framework.stages._flat import Layout, PieceSpec, piece_spec, whole_memory

@@ -12,7 +12,7 @@ from framework.comm.distributed import Dist
 from framework.core.errors import ConfigError
 from framework.precision import Policy
 from framework.core.registry import Component
-from framework.engine.materialize import initializer
+from framework.stages._initializer import initializer
 from framework.stages._flat import PieceSpec, bind_groups, piece_spec
 from framework.stages._grads import FlatGrads, expected_order, plan_buckets
 from framework.core.footprint import Footprint
@@ -22,7 +22,7 @@ from framework.stages.base import BaseStage, Setup
 
 @dataclass(kw_only=True)
 class DDPConfig:
-    bucket_size: int = 6_553_600   # elements per all-reduce bucket (25 MiB of fp32, torch DDP's default)
+    reduce_bucket_size: int = 6_553_600   # elements per all-reduce bucket (25 MiB of fp32, torch DDP's default)
     overlap_comm: bool = True      # launch buckets during backward instead of after it
 
 
@@ -38,7 +38,7 @@ class DDPStage(BaseStage):
         kinds, self.layouts, self.flats, entries = bind_groups(module, 1, policy.param_dtype, self.dist,
                                                                initializer(module))
         self.master = [f.to(policy.master_dtype) for f in self.flats]   # the flat buffer itself when fp32
-        buckets = plan_buckets(expected_order([e[1] for e in entries]), self.cfg.bucket_size)
+        buckets = plan_buckets(expected_order([e[1] for e in entries]), self.cfg.reduce_bucket_size)
         self.flat_grads = FlatGrads(entries, self.flats, self.layouts, [(0, f.numel()) for f in self.flats], buckets,
                                     self.dist, policy, reduce_scatter=False, overlap=self.cfg.overlap_comm,
                                     stage="ddp", what="gradient all-reduce")
@@ -80,8 +80,8 @@ class DDPStage(BaseStage):
 
 
 def check(node: DDPConfig, stage: str, nodes: Mapping[str, Any]) -> DDPConfig:
-    if node.bucket_size < 1:
-        raise ConfigError(f"stage.bucket_size must be >= 1 element, got {node.bucket_size}")
+    if node.reduce_bucket_size < 1:
+        raise ConfigError(f"stage.reduce_bucket_size must be >= 1 element, got {node.reduce_bucket_size}")
     return node
 
 

@@ -16,7 +16,7 @@ from framework.core.errors import ConfigError
 from framework.core.footprint import Footprint
 from framework.core.registry import Component
 from framework.core.utils import tensor_bytes
-from framework.engine.materialize import initializer
+from framework.stages._initializer import initializer
 from framework.offload.base import Placement
 from framework.precision import Policy
 from framework.stages._flat import bind_groups, refuse_sparse_grads
@@ -286,17 +286,17 @@ def _check_buckets(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> Ze
     return node
 
 
-def _zero1_notes(node: ZeroConfig, run) -> list[str]:
+def _zero1_notes(node: ZeroConfig, config) -> list[str]:
     return ["note: stage.round_robin_gradients=true changes nothing with zero1: its gradients are reduced and "
             "copied to the host after backward, by every rank at once (DeepSpeed uses it to spread those copies "
             "across ranks)"] if node.round_robin_gradients else []
 
 
-def _zero2_notes(node: ZeroConfig, run) -> list[str]:
+def _zero2_notes(node: ZeroConfig, config) -> list[str]:
     return ["note: stage.round_robin_gradients=true without offload only reorders which rank owns which "
             "gradients (and caps each bucket's share per rank at reduce_bucket_size / world): the same numbers "
             "(DeepSpeed uses it to spread an offloaded step's host copies across ranks)"] \
-        if node.round_robin_gradients and run.choices["offload"] == "none" else []
+        if node.round_robin_gradients and config.choices["offload"] == "none" else []
 
 
 COMPONENTS = {"zero1": Component(config=ZeroConfig, build=Zero1Stage, check=_check_zero1, notes=_zero1_notes),

@@ -16,7 +16,7 @@ from torch import nn
 
 from framework.comm.distributed import Dist
 from framework.core.errors import ConfigError, FrameworkError, first_line, typed_line
-from framework.engine.materialize import initializer
+from framework.stages._initializer import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.stages._flat import (bind_frozen, initial_values, make_layout, refuse_sparse_grads, replace_parameter,

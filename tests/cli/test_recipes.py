@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from framework.cli import recipe as recipes
-from framework.cli import report
+from framework.cli import recipe_checks, report
 from framework.core import files
 from framework.core.errors import DataError
 from tests._helpers import shakespeare
@@ -296,7 +296,7 @@ def test_memory_scaling_quick(tmp_path):
 
 def test_zero_formula():
     """The ZeRO paper's counts: fp32 16 bytes/param replicated; mixed 2 + 2 + 12/N for zero1, etc."""
-    f = report.zero_model_state_bytes
+    f = recipe_checks.zero_model_state_bytes
     assert f("ddp", 10, 4) == 160 and f("zero3", 10, 4) == 40
     assert f("zero1", 10, 4) == 10 * (4 + 4 + 8 / 4) and f("zero2", 10, 4) == 10 * (4 + 12 / 4)
     assert f("zero1", 10, 4, "bf16") == 10 * (2 + 2 + 12 / 4) and f("zero2", 10, 2, "fp16") == 10 * (2 + 14 / 2)

@@ -239,13 +239,13 @@ def test_a_stage_key_without_a_stage():
     from framework.cli.train import check_groups_chosen
     from framework.config import compose_layers
 
-    overrides = ["stage.bucket_size=5"]
+    overrides = ["stage.reduce_bucket_size=5"]
     cfg, config = compose_layers(overrides)
     with pytest.raises(framework.ConfigError) as e:
         check_groups_chosen(overrides, cfg, config, {})
-    assert str(e.value) == ("config: stage.bucket_size=5 sets a key of the stage, which the command line does not "
-                            "choose; choose it first: +stage=ddp stage.bucket_size=5")
-    for overrides in (["+stage=ddp", "stage.bucket_size=5"], ["++stage.bucket_size=5"]):
+    assert str(e.value) == ("config: stage.reduce_bucket_size=5 sets a key of the stage, which the command line does not "
+                            "choose; choose it first: +stage=ddp stage.reduce_bucket_size=5")
+    for overrides in (["+stage=ddp", "stage.reduce_bucket_size=5"], ["++stage.reduce_bucket_size=5"]):
         check_groups_chosen(overrides, *compose_layers(overrides), {})
     # the file's stage (optimizer) goes to Hydra's run, unless a sweep's files choose differently: then a
     # stage key is one line (no stage is chosen by default), another group's is Hydra's to judge (its
@@ -265,10 +265,10 @@ def test_a_stage_key_without_a_stage():
 
 
 def test_a_stage_key_without_a_stage_from_the_command_line(forkrun, tmp_path):
-    p = forkrun.run("framework.train", ["stage.bucket_size=5", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    p = forkrun.run("framework.train", ["stage.reduce_bucket_size=5", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.splitlines() == [
-        "error: config: stage.bucket_size=5 sets a key of the stage, which the command line does not choose; "
-        "choose it first: +stage=ddp stage.bucket_size=5"]
+        "error: config: stage.reduce_bucket_size=5 sets a key of the stage, which the command line does not choose; "
+        "choose it first: +stage=ddp stage.reduce_bucket_size=5"]
     assert not (tmp_path / "run").exists()
 
 

@@ -250,7 +250,12 @@ def test_validate_rejects_unknown_root_key_directly():
 
 def test_default_stage_is_ddp_and_plus_stage_selects():
     assert compose([]).choices["stage"] == "ddp"
-    assert compose(["+stage=ddp", "stage.bucket_size=10"]).stage.bucket_size == 10
+    assert compose(["+stage=ddp", "stage.reduce_bucket_size=10"]).stage.reduce_bucket_size == 10
+    # ddp's bucket key is spelled as zero1's, zero2's and DeepSpeed's (a stage-0 file's lands under that name)
+    assert compose(["+stage=ddp"], ds_config={"zero_optimization": {"stage": 0, "reduce_bucket_size": 7}}
+                   ).stage.reduce_bucket_size == 7
+    with pytest.raises(ConfigError, match=r"unknown key 'stage.bucket_size' \(did you mean 'stage.reduce_bucket_size'"):
+        compose(["+stage=ddp", "stage.bucket_size=10"])
 
 
 def test_compatibility_table_rejects_unknown_combination():

@@ -108,7 +108,7 @@ def test_grad_accum_dtype_other_values_are_refused(precision, value):
     (["precision=fp16", "precision.initial_scale_power=65536"],
      r"got 65536; it is the power of 2 \(a scale of 65536 is initial_scale_power 16\)$"),
     (["precision=fp16", "precision.loss_scale=128", "precision.hysteresis=3"], r"precision\.hysteresis=3 has no effect"),
-    (["+stage=ddp", "stage.bucket_size=0"], r"stage\.bucket_size must be >= 1 element, got 0"),
+    (["+stage=ddp", "stage.reduce_bucket_size=0"], r"stage\.reduce_bucket_size must be >= 1 element, got 0"),
     (["+stage=zero1", "stage.allgather_bucket_size=0"], r"stage\.allgather_bucket_size must be >= 1 element, got 0"),
     (["+stage=zero2", "stage.reduce_bucket_size=0"], r"stage\.reduce_bucket_size must be >= 1 element, got 0"),
     (["+stage=zero3", "stage.stage3_prefetch_bucket_size=-1"], r"stage\.stage3_prefetch_bucket_size must be >= 0")])

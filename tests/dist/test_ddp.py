@@ -21,7 +21,7 @@ def _train(dist, overrides):
 WARMUP = "scheduler.warmup_steps=2"   # (the lr peaks within the run)
 CASES = [
     ["train.grad_clip=1.0", WARMUP],
-    ["train.grad_accum=3", "train.grad_clip=0.05", "stage.bucket_size=500", WARMUP],   # many buckets, clipping active
+    ["train.grad_accum=3", "train.grad_clip=0.05", "stage.reduce_bucket_size=500", WARMUP],   # many buckets, clipping active
     ["stage.overlap_comm=false", WARMUP],
     # Plain SGD at a constant lr, no clipping: a wrong gradient scale shows in the parameters (AdamW
     # and clipping cancel a constant factor).

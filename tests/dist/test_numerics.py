@@ -45,7 +45,7 @@ ACCUM = ["precision=bf16", "optimizer=sgd", "optimizer.lr=2.0", "scheduler=const
          "train.grad_accum=8", "train.steps=2", "train.micro_batch=2"]
 # World 2: gradients reduced in fp32 (so only the accumulation differs), small buckets launched
 # from the backward hooks (so the last micro batch is added bucket by bucket).
-HOOKS = {"ddp": ["stage.bucket_size=700"],
+HOOKS = {"ddp": ["stage.reduce_bucket_size=700"],
          "zero1": ["stage.reduce_bucket_size=700", "stage.overlap_comm=true"],
          "zero2": ["stage.reduce_bucket_size=700", "stage.overlap_comm=true"],
          "zero3": ["stage.stage3_param_persistence_threshold=0"]}

@@ -101,7 +101,7 @@ def _interrupted_at_different_points(dist, over):
 
 
 # (zero3 is not here: its backward itself gathers, so rank 0 waits for rank 1 in the pass, not in the reset)
-@pytest.mark.parametrize("over", [["stage.bucket_size=3"],
+@pytest.mark.parametrize("over", [["stage.reduce_bucket_size=3"],
                                   ["+stage=zero2", "stage.reduce_bucket_size=3", "stage.overlap_comm=true"]])
 def test_an_interrupted_backward_does_not_wait_for_reductions_a_peer_never_joins(over):
     """Ctrl-C (or SIGTERM) reaches the ranks at different points of a backward pass: a rank that launched

@@ -503,7 +503,7 @@ def _detours(dist, stage, extra, skip=None):
 # Small buckets, so some reductions go out before the failure (b's gradients) and some never do.
 DETOURS = [("ddp", "ddp", []), ("zero3", "zero3", []),
            ("zero3-units", "zero3", ["stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0"]),
-           ("ddp-buckets", "ddp", ["stage.bucket_size=3"]),
+           ("ddp-buckets", "ddp", ["stage.reduce_bucket_size=3"]),
            ("zero1", "zero1", ["stage.reduce_bucket_size=3", "stage.overlap_comm=true"]),
            ("zero2", "zero2", ["stage.reduce_bucket_size=3"]),
            ("zero2-overlap", "zero2", ["stage.reduce_bucket_size=3", "stage.overlap_comm=true"])]

@@ -182,6 +182,13 @@ def test_no_import_runs_upward():
     assert not bad, "\n".join(bad)
 
 
+def test_engine_folder_sits_above_stages_and_offload():
+    """One row of LAYERS, read one way: engine/ assembles the stages and offload targets; they never import it."""
+    bad = [f"{m}:{line} imports {t}" for m, es in _edges().items() if m.split(".")[1:2] in (["stages"], ["offload"])
+           for t, _, line in es if t.startswith("framework.engine")]
+    assert not bad, "\n".join(bad)
+
+
 def test_no_private_names_across_packages():
     bad = _private(_edges())
     assert not bad, "export these from their package's __init__ (or move them):\n" + "\n".join(bad)

@@ -305,11 +305,11 @@ def test_a_decay_ending_before_the_run_holds_its_floor_with_a_note():
             ("warmup_cosine_lr", warmup_lr.build_cosine, warmup_lr.WarmupCosineLRConfig, 1e-7),
             ("warmup_decay_lr", warmup_lr.build_decay, warmup_lr.WarmupDecayLRConfig, 0.0)):
         for warm, total in ((1, 1), (1, 2), (3, 2), (3, 3), (3, 4), (3, 10), (6, 14), (6, 15)):
-            run = SimpleNamespace(train=SimpleNamespace(steps=16), optimizer=SimpleNamespace(lr=1e-3))
+            config = SimpleNamespace(train=SimpleNamespace(steps=16), optimizer=SimpleNamespace(lr=1e-3))
             node = cls(warmup_num_steps=warm, total_num_steps=total)
             lrs = [build_at(node, 1e-3, 16)(k) for k in range(16)]
             count = next(k for k in range(16) if abs(lrs[-1 - k] - floor) > 1e-15)   # the trailing updates at it
-            note = [n for n in registry("scheduler").get(name).notes(node, run) if "total_num_steps" in n]
+            note = [n for n in registry("scheduler").get(name).notes(node, config) if "total_num_steps" in n]
             says = f"for the last {count} step{'s' * (count > 1)};"
             assert (len(note) == 1 and says in note[0]) if count else note == [], (name, warm, total, lrs, note)
 

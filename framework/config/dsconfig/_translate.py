@@ -138,7 +138,7 @@ def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
     # Where each key lands per stage (absent: inert with it): zero1 and zero2 take the keys without the
     # stage3_ prefix, zero3 those with it and two more.
     zero3 = name == "zero3"
-    targets = {"reduce_bucket_size": "bucket_size", "overlap_comm": "overlap_comm"} if name == "ddp" else {
+    targets = {"reduce_bucket_size": "reduce_bucket_size", "overlap_comm": "overlap_comm"} if name == "ddp" else {
         k: k for k in ZERO_STAGE
         if k.startswith("stage3_") == zero3 or (zero3 and k in ("overlap_comm", "reduce_scatter"))}
     why = {"ddp": "stage 0 replicates everything", "zero1": "a stage-3 key", "zero2": "a stage-3 key",

@@ -1,12 +1,14 @@
 """A recipe's checks: expected.json's sections validated, then evaluated against a run's jobs
-(the kinds of check: recipes/README.md)."""
+(the kinds of check: recipes/README.md); and the plots a recipe asks for beside the sweep report (a
+curve's deviation from a reference job, memory against world size next to the ZeRO paper's formula)."""
 from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
-from framework.cli.report import matches, measured_memory, zero_model_state_bytes
+from framework.cli.report import Job, matches, new_figure, save_png
 from framework.config.schema import get_key
 from framework.core.errors import FrameworkError, first_line
 from framework.core.registry import closest_hint
@@ -196,3 +198,73 @@ def _memory(jobs, c: dict) -> dict:
     lo_r, hi_r = float(c.get("min_ratio", 0.0)), float(c.get("max_ratio", math.inf))
     return {"check": c, "passed": lo_r <= ratio <= hi_r, "ratio": ratio, "saved_mib": saved,
             "message": f"{head}; measured/formula {ratio:.2f}, expected in [{lo_r}, {hi_r}]"}
+
+
+def zero_model_state_bytes(stage: str, params: int, world: int, precision: str = "fp32") -> float:
+    """The ZeRO paper's model-state bytes per rank with Adam: 2 + 2 + 12 bytes per parameter in mixed precision,
+    4 + 4 + 8 in fp32; zero1 divides the optimizer share by the world size, zero2 also gradients, zero3 all."""
+    p, g, k = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    n = world
+    per_param = {"ddp": p + g + k, "zero1": p + g + k / n, "zero2": p + (g + k) / n, "zero3": (p + g + k) / n}
+    if stage not in per_param:
+        raise FrameworkError(f"recipe: no ZeRO formula for stage {stage!r}")
+    return per_param[stage] * params
+
+
+def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Path:
+    """All jobs' ``key`` curves, and beside them each job's distance from the reference job (whose config
+    matches ``reference``, e.g. {"stage": "ddp"})."""
+    done = [j for j in jobs if j.records]
+    ref = next((j for j in done if matches(j, reference)), None)
+    rs, rv = ref.curve(key) if ref is not None else (None, None)
+    fig, (a, b) = new_figure((11, 4.2), 2)
+    for i, j in enumerate(done):
+        steps, vals = j.curve(key)
+        a.plot(steps, vals, ls=("-", "--", ":", "-.")[i % 4], color=f"C{i % 10}", lw=1.2, label=textwrap.fill(j.label, 60))
+        if j is not ref and rs == steps:   # (no reference: rs is None)
+            b.plot(steps, [abs(x - y) for x, y in zip(vals, rv)], color=f"C{i % 10}", lw=1,
+                   label=textwrap.fill(j.label, 60))
+    a.set(xlabel="step", ylabel=key, title=f"{key}: every job")
+    a.legend(fontsize=7)
+    b.set_yscale("symlog", linthresh=1e-9)
+    b.set(xlabel="step", ylabel=f"|{key} - reference| (0 = identical)",
+          title=f"distance from {ref.label if ref else 'reference (missing)'}")
+    if b.lines:
+        b.legend(fontsize=7)
+    return save_png(fig, path)
+
+
+def measured_memory(j: Job) -> int:
+    """Per-rank memory for scaling plots: the device allocator's peak on CUDA, else the largest rank's RSS growth."""
+    dev = j.peak("peak_device_allocated_bytes")
+    return dev if dev is not None else (j.added() or 0)
+
+
+def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
+    """Per-rank memory (``measured_memory``) against world size per stage, next to the ZeRO formula (left),
+    and what each world size saves over the smallest (right)."""
+    by_stage: dict[str, list[Job]] = {}
+    for j in jobs:
+        if j.summary is not None:
+            by_stage.setdefault(j.summary["config"]["stage"]["name"], []).append(j)
+    fig, (ax, sv) = new_figure((11, 4.5), 2)
+    for i, (stage, js) in enumerate(sorted(by_stage.items())):
+        js.sort(key=lambda j: j.summary["world"])
+        worlds = [j.summary["world"] for j in js]
+        color = f"C{i % 10}"
+        measured = [measured_memory(j) / MiB for j in js]
+        params, precision = js[0].summary["params"], js[0].summary["config"]["precision"]["name"]
+        formula = [zero_model_state_bytes(stage, params, w, precision) / MiB for w in worlds]
+        ax.plot(worlds, measured, color=color, marker="o", lw=1.5, label=f"{stage} measured")
+        ax.plot(worlds, formula, color=color, ls="--", lw=1, label=f"{stage} ZeRO formula")
+        sv.plot(worlds, [measured[0] - m for m in measured], color=color, marker="o", lw=1.5, label=f"{stage} measured")
+        sv.plot(worlds, [formula[0] - f for f in formula], color=color, ls="--", lw=1, label=f"{stage} formula")
+    ticks = sorted({j.summary["world"] for js in by_stage.values() for j in js})
+    for a in (ax, sv):
+        a.set(xlabel="world size (ranks)", xticks=ticks)
+        a.legend(fontsize=7, ncol=2)
+    ax.set_ylabel("MiB per rank")
+    ax.set_title("per rank: measured (solid) vs model states, ZeRO formula (dashed)", fontsize=9)
+    sv.set_ylabel(f"MiB per rank saved vs world size {ticks[0] if ticks else 1}")
+    sv.set_title("what partitioning saves: measured (solid) vs formula (dashed)", fontsize=9)
+    return save_png(fig, path)
