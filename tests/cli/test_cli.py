@@ -945,6 +945,18 @@ def test_a_line_for_a_console_that_is_gone_raises_nothing(tmp_path, monkeypatch,
             gone.close()
 
 
+def test_the_commands_reopen_a_stream_closed_at_start(tmp_path):
+    """``>&- 2>&-``: Python's sys.stdout and sys.stderr are None, on which the run's first print failed; the
+    commands give them os.devnull at descriptors 1 and 2, so that no file opened later takes those."""
+    code = ("import os, sys\nfrom framework.cli import open_closed_streams\nopen_closed_streams()\n"
+            "print('x', flush=True)\nsys.stderr.write('y')\nsys.stderr.flush()\n"
+            f"with open({str(tmp_path / 'f')!r}, 'w') as f:\n    assert f.fileno() > 2, f.fileno()\n"
+            "assert os.path.samefile('/proc/self/fd/1', os.devnull) and os.path.samefile('/proc/self/fd/2', os.devnull)")
+    child = subprocess.run(["sh", "-c", 'exec "$0" -c "$1" >&- 2>&-', sys.executable, code], timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert child.returncode == 0
+
+
 def _sweep_with_a_bar_in_an_override(root: Path) -> None:
     for i in (0, 1):
         (root / str(i) / ".hydra").mkdir(parents=True)
