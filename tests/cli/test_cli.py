@@ -262,6 +262,25 @@ def test_a_resumed_runs_train_loss_is_that_of_the_run_uninterrupted(tmp_path):
     assert (resumed["train_loss"], resumed["train_loss_steps"]) == (whole["train_loss"], 4)
 
 
+def test_too_many_open_files_in_a_run_is_its_error_line(tmp_path):
+    """EMFILE anywhere in the loop (a swap manifest, Hydra's record, a checkpoint file) is the run's one error line,
+    in train.log too, naming the limit: not a traceback of an OSError."""
+    import errno
+
+    from framework import compose
+    from framework.cli.launch import launch
+    from framework.core.errors import FrameworkError
+    from framework.loggers import RunInfo
+
+    def emfile(point: str) -> None:
+        if point == "step:1":
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(tmp_path / "x"))
+    with pytest.raises(FrameworkError, match=r"^too many open files \(opening .*/x\): this process may have \d+ "
+                                             r"open \(ulimit -n\); .*ulimit -n \d+"):
+        launch(compose([*SHORT, "checkpoint.every=0"]), RunInfo(tmp_path / "run", None, None), on_point=emfile)
+    assert (tmp_path / "run" / "train.log").read_text().splitlines()[-1].startswith("error: too many open files")
+
+
 def _strict_json(text: str):
     """json.loads refusing the bare NaN/Infinity that Python writes and strict readers reject."""
     def refuse(word):
