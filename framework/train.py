@@ -1,5 +1,5 @@
 """``python -m framework.train``: train from the command line (see framework/cli/train.py, --help)."""
-from framework.cli import hydra_missing
+from framework.cli import hydra_missing, open_closed_streams
 
 try:
     from framework.cli.train import main
@@ -10,4 +10,5 @@ except ModuleNotFoundError as e:
     raise SystemExit(f"error: {hydra_missing(e, 'train')}") from None
 
 if __name__ == "__main__":
+    open_closed_streams()
     main()

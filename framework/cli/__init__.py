@@ -2,6 +2,7 @@
 ``framework.cli.X.main``), and the training loop and launcher they run."""
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -22,6 +23,19 @@ def hydra_missing(e: ModuleNotFoundError, command: str) -> str:
     return (f"python -m framework.{command} needs Hydra, and {e.name} is not installed for {sys.executable}: "
             f"pip install -e . (from the checkout; or pip install 'hydra-core>=1.3.2,<1.4'); "
             f"the library (framework.compose, framework.initialize) runs without it")
+
+
+def open_closed_streams() -> None:
+    """Give a standard stream closed when the command started (``>&-``, ``2>&-``: Python's ``sys.stdout`` is then
+    None) ``os.devnull``, at its own descriptor: what the run and Hydra print goes nowhere instead of failing on
+    None, and the next file opened does not take descriptor 1 or 2, where the ranks' output would land in it."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        if getattr(sys, name) is None:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:   # (a lower descriptor closed too, not yet reopened: the loop goes in order)
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, mode, closefd=False))
 
 
 def fail(error: object, code: int) -> int:

@@ -20,6 +20,7 @@ from framework.config import Config
 from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import Dist, agree
 from framework.core.errors import ConfigError, Interrupted, Terminated
+from framework.core.room import descriptors_named
 from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
 from framework.engine.materialize import zero_init
 from framework.memory.probe import rss_now, rss_peak
@@ -35,9 +36,10 @@ def train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None]
     to the run folder's train.log. ``on_point(point)`` (fault tests) is called after each step (``step:<N>``)
     and at each save's points; ``on_ready(run folder)`` on rank 0 once the checks that can refuse the run passed."""
     if not dist.is_main:
-        return _train(cfg, run, dist, on_point, None)
+        with descriptors_named():
+            return _train(cfg, run, dist, on_point, None)
     files.make_dirs(run.run_dir)
-    with console_log(run.run_dir / "train.log"):
+    with console_log(run.run_dir / "train.log"), descriptors_named():
         print("\n".join(run_header(cfg, run, dist.world, dist.backend, dist.device,
                                    checkpoint_root(cfg, run.run_dir, run.job))), flush=True)
         return _train(cfg, run, dist, on_point, on_ready)

@@ -9,18 +9,22 @@ file system, every rank refuses at once with the same line (not a peer's bare "C
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import resource
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
-from framework.core.errors import ConfigError
+from framework.core.errors import ConfigError, FrameworkError
 from framework.core.paths import user_path
 from framework.core.units import size
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)           # no room on the file system: the disk, a quota
 FULL = (*DISK_FULL, errno.EFBIG)                   # no room: also a file size limit
+DESCRIPTORS = (errno.EMFILE, errno.ENFILE)       # too many open files: this process's limit, the host's table
 NAME_MAX, PATH_MAX = 255, 4096                     # bytes (Linux's; PATH_MAX counts the final NUL)
 
 @dataclass(frozen=True)
@@ -63,6 +67,34 @@ def available_ram() -> int | None:
             return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024   # kB
     except (OSError, StopIteration):
         return None
+
+
+def descriptors_line(e: OSError) -> str:
+    """One line for an OSError of too many open files (``DESCRIPTORS``): the limit that was reached and how to
+    raise it. (A limit set low, ``ulimit -n``: not a bug, for which a traceback would be the answer.)"""
+    at = f" (opening {e.filename})" if e.filename else ""
+    if e.errno == errno.ENFILE:
+        return (f"too many open files on this host{at}: the system's table of open files is full; close other "
+                "programs' files or raise the system's limit (sysctl fs.file-max)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max(4096, 2 * soft)
+    if hard != resource.RLIM_INFINITY and hard <= soft:   # (``ulimit -n N`` sets the hard limit too)
+        fix = (f"its hard limit is {hard} too: raise both in a new shell (or the hard limit as root, "
+               f"/etc/security/limits.conf), e.g. ulimit -n {want}, and run again")
+    else:
+        fix = f"raise ulimit -n, e.g. ulimit -n {want if hard == resource.RLIM_INFINITY else min(want, hard)}, and run again"
+    return f"too many open files{at}: this process may have {soft} open (ulimit -n); {fix}"
+
+
+@contextlib.contextmanager
+def descriptors_named() -> Iterator[None]:
+    """Within the block, an OSError of too many open files is a FrameworkError of one line (``descriptors_line``)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DESCRIPTORS:
+            raise
+        raise FrameworkError(descriptors_line(e)) from None
 
 
 def nearest_existing(path: Path, key: str | None = None) -> Path:

@@ -107,8 +107,8 @@ class DataSource:
 
 
 class CropSource(DataSource):
-    """Random crops of ``context + 1`` tokens from flat integer arrays ``train`` and ``val`` (a memmap reads
-    only the pages a batch needs)."""
+    """Random crops of ``context + 1`` tokens from flat integer arrays ``train`` and ``val``; a source whose splits
+    are not in memory (any sized object) reads them in its own ``_crops``."""
 
 
     def __init__(self, *, train: np.ndarray, val: np.ndarray, vocab_size: int, seed: int,
@@ -131,13 +131,16 @@ class CropSource(DataSource):
     def _draw(self, split: str, n: int, gen: torch.Generator, rows: Tensor) -> Tensor:
         data = self.train if split == "train" else self.val
         starts = torch.randint(0, len(data) - self.context, (n,), generator=gen, device="cpu")[rows]
-        idx = starts.numpy()[:, None] + np.arange(self.context + 1)
-        seqs = torch.from_numpy(np.asarray(data[idx]).astype(np.int64))
+        seqs = torch.from_numpy(self._crops(data, starts.numpy()).astype(np.int64))
         # (host data, no device sync) a file edited since its check, clearer than an index error in an embedding
         if seqs.numel() and int(seqs.max()) >= self.vocab_size:
             raise DataError(f"{self.kind} {self.path}: token id {int(seqs.max())} >= vocab_size "
                             f"{self.vocab_size}; set data.vocab_size to the tokenizer's size")
         return seqs
+
+    def _crops(self, data, starts: np.ndarray) -> np.ndarray:
+        """The ``context + 1`` tokens of ``data`` (``self.train`` or ``self.val``) from each of ``starts``."""
+        return np.asarray(data[starts[:, None] + np.arange(self.context + 1)])
 
     def describe(self) -> dict:
         return {"source": self.kind, "vocab_size": self.vocab_size, "train_tokens": len(self.train),

@@ -1,9 +1,10 @@
-"""Pre-tokenised data: a flat little-endian uint16 ``.bin`` of token ids (nanoGPT's format), memory-mapped;
+"""Pre-tokenised data: a flat little-endian uint16 ``.bin`` of token ids (nanoGPT's format), read a crop at a time;
 the last ``val_fraction`` is held out. ``<stem>.meta.json`` beside it (``recipe prepare``'s) gives its vocabulary."""
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,13 +63,32 @@ class TokensSource(CropSource):
             raise DataError(f"{path}: token id {top} >= vocab_size {vocab}; set data.vocab_size to the "
                             f"tokenizer's size (at least {top + 1})")
         split = int((1.0 - cfg.val_fraction) * len(data))
+        # Crops are read with pread on a descriptor kept open, not through the mapping: a file rewritten in
+        # place while a run reads it (a prepare rerun truncates the same inode) faults a mapping with SIGBUS,
+        # which kills the process without a word; a short read is a DataError. (The mapping is for the checks
+        # above, at start.) One read per crop costs about what its page faults did.
+        self._file, self._size = open(path, "rb", buffering=0), path.stat().st_size
+        del data
         # the checksum and characters its metadata records (prepare's), else its size alone
         chars = found.get("chars") if found is not None else None
         stamp = {"sha256": found["tokens_sha256"]} if found is not None else {}
-        super().__init__(train=data[:split], val=data[split:], vocab_size=vocab, seed=seed, context=context,
+        super().__init__(train=range(split), val=range(split, self._size // 2), vocab_size=vocab, seed=seed,
+                         context=context,
                          kind="tokens", path=path, identity={"vocab": chars if isinstance(chars, str) else None,
-                                                             "bytes": path.stat().st_size, **stamp},
+                                                             "bytes": self._size, **stamp},
                          val_fraction=cfg.val_fraction)
+
+    def _crops(self, data: range, starts: np.ndarray) -> np.ndarray:
+        """``data``: the split's token positions in the file."""
+        out = np.empty((len(starts), self.context + 1), dtype="<u2")
+        for row, start in zip(out, starts):
+            offset = 2 * data[int(start)]
+            if os.preadv(self._file.fileno(), [row], offset) < row.nbytes:
+                now = os.fstat(self._file.fileno()).st_size
+                raise DataError(f"data.path={self.path} shrank from {self._size} to {now} bytes while training; "
+                                "do not rewrite a token file a run is reading (write a new file and point "
+                                "data.path at it; the checkpoints saved so far are kept)")
+        return out
 
 
 def meta_path(path: Path) -> Path:

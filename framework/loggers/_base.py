@@ -272,8 +272,11 @@ class _Tee:
     once on the other, which goes on alone."""
 
     def __init__(self, terminal, log: _Sink):
-        self.terminal, self.log = terminal, log
-        self.console = _Sink(terminal, "(the console is gone: {}; this log goes on alone)\n")
+        closed = terminal is None   # closed when Python started (``>&-``; the commands reopen it on os.devnull)
+        self.terminal, self.log = open(os.devnull, "w") if closed else terminal, log
+        self.console = _Sink(self.terminal, "(the console is gone: {}; this log goes on alone)\n")
+        if closed:
+            self.console.gone = self.console.says.format("closed at start")
 
     def write(self, text: str) -> int:
         self.console.write(text)

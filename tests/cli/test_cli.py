@@ -262,6 +262,25 @@ def test_a_resumed_runs_train_loss_is_that_of_the_run_uninterrupted(tmp_path):
     assert (resumed["train_loss"], resumed["train_loss_steps"]) == (whole["train_loss"], 4)
 
 
+def test_too_many_open_files_in_a_run_is_its_error_line(tmp_path):
+    """EMFILE anywhere in the loop (a swap manifest, Hydra's record, a checkpoint file) is the run's one error line,
+    in train.log too, naming the limit: not a traceback of an OSError."""
+    import errno
+
+    from framework import compose
+    from framework.cli.launch import launch
+    from framework.core.errors import FrameworkError
+    from framework.loggers import RunInfo
+
+    def emfile(point: str) -> None:
+        if point == "step:1":
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(tmp_path / "x"))
+    with pytest.raises(FrameworkError, match=r"^too many open files \(opening .*/x\): this process may have \d+ "
+                                             r"open \(ulimit -n\); .*ulimit -n \d+"):
+        launch(compose([*SHORT, "checkpoint.every=0"]), RunInfo(tmp_path / "run", None, None), on_point=emfile)
+    assert (tmp_path / "run" / "train.log").read_text().splitlines()[-1].startswith("error: too many open files")
+
+
 def _strict_json(text: str):
     """json.loads refusing the bare NaN/Infinity that Python writes and strict readers reject."""
     def refuse(word):
@@ -943,6 +962,18 @@ def test_a_line_for_a_console_that_is_gone_raises_nothing(tmp_path, monkeypatch,
         say("rank 1: interrupted at step 1")
         with contextlib.suppress(BrokenPipeError):
             gone.close()
+
+
+def test_the_commands_reopen_a_stream_closed_at_start(tmp_path):
+    """``>&- 2>&-``: Python's sys.stdout and sys.stderr are None, on which the run's first print failed; the
+    commands give them os.devnull at descriptors 1 and 2, so that no file opened later takes those."""
+    code = ("import os, sys\nfrom framework.cli import open_closed_streams\nopen_closed_streams()\n"
+            "print('x', flush=True)\nsys.stderr.write('y')\nsys.stderr.flush()\n"
+            f"with open({str(tmp_path / 'f')!r}, 'w') as f:\n    assert f.fileno() > 2, f.fileno()\n"
+            "assert os.path.samefile('/proc/self/fd/1', os.devnull) and os.path.samefile('/proc/self/fd/2', os.devnull)")
+    child = subprocess.run(["sh", "-c", 'exec "$0" -c "$1" >&- 2>&-', sys.executable, code], timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert child.returncode == 0
 
 
 def _sweep_with_a_bar_in_an_override(root: Path) -> None:

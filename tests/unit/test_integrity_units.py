@@ -788,6 +788,29 @@ def test_a_file_size_limit_during_a_save_is_not_called_a_full_disk(tmp_path):
     assert not tmp.exists()
 
 
+def test_too_many_open_files_in_a_save_or_a_run_is_one_line_with_the_limit(tmp_path):
+    """EMFILE (``ulimit -n`` set low): one line naming the limit and the fix, in a save (which keeps the previous
+    checkpoints) and anywhere else in a run, not a traceback of an OSError."""
+    import resource
+
+    from framework.core.room import descriptors_named
+    from framework.persist.checkpoint._group import agree_save, glue
+
+    def emfile():
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(tmp_path / "x"))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    says = rf"too many open files \(opening {tmp_path}/x\): this process may have {soft} open \(ulimit -n\);"
+    (tmp := tmp_path / "step-2.tmp").mkdir()
+    glue().quiet_no_dist()
+    with pytest.raises(CheckpointError, match=rf"failed \(writing the files\): rank 0: {says}.*ulimit -n \d+"):
+        agree_save(_OneRank(), "writing the files", emfile, tmp)
+    with pytest.raises(FrameworkError, match=f"^{says}") as got, descriptors_named():
+        emfile()
+    assert got.value.__cause__ is None and got.value.__suppress_context__
+    with pytest.raises(OSError, match="No such file"), descriptors_named():   # any other OSError: as it was
+        open(tmp_path / "missing")
+
+
 def test_a_malformed_manifest_entry_is_refused_on_every_rank(tmp_path):
     """An edited manifest whose file entry is not {bytes, sha256} is one CheckpointError naming the
     manifest (it used to be a KeyError on the rank that read it, its peers left waiting)."""

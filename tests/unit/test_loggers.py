@@ -690,6 +690,22 @@ def test_a_console_that_is_gone_ends_nothing_and_the_log_goes_on(tmp_path, monke
     assert log.count("the console is gone") == 1, log
 
 
+def test_a_console_closed_at_start_ends_nothing(tmp_path, monkeypatch):
+    """``>&-`` in a program that did not reopen it (sys.stdout is None): the run's train.log goes on, noting once
+    that the console is gone, as for a console that goes away during the run."""
+    import sys
+
+    from framework.loggers import console_log
+
+    monkeypatch.setattr(sys, "stdout", None)
+    with console_log(tmp_path / "train.log"):
+        print("step 1 | loss 4.1647")
+        print("step 2 | loss 4.1", flush=True)
+    assert sys.stdout is None
+    log = (tmp_path / "train.log").read_text()
+    assert log.startswith("step 1 | loss 4.1647\n(the console is gone: closed at start;") and "step 2" in log, log
+
+
 def test_the_done_line_says_how_many_steps_were_skipped():
     """A run whose steps were skipped (fp16 overflow at a static scale too high, or train.on_nonfinite=warn)
     says so in its last line: a train loss alone read as if every step had trained."""

@@ -12,7 +12,7 @@ import torch.distributed as tdist
 
 from framework.comm.distributed import agree
 from framework.core.errors import CheckpointError, ConfigError, DistributedError, FrameworkError, on_every_rank
-from framework.core.room import DISK_FULL, free_note
+from framework.core.room import DESCRIPTORS, DISK_FULL, descriptors_line, free_note
 from framework.core.units import size
 from framework.core.utils import counted
 
@@ -141,6 +141,8 @@ def _write_error(e: BaseException, tmp: Path, need: int) -> str:
     """One line for a failed write: a full disk (torch's zip writer says "unexpected pos") with the free and needed
     bytes; EFBIG first (that "unexpected pos" hides it too): a file size limit, where more room would not help."""
     found = glue().causes(e)
+    if (many := next((c for c in found if isinstance(c, OSError) and c.errno in DESCRIPTORS), None)) is not None:
+        return descriptors_line(many)
     if any(isinstance(c, OSError) and c.errno == errno.EFBIG for c in found):
         return (f"a file size limit stopped the writes in {tmp.parent} (the checkpoint needs about {size(need)}): "
                 "raise the file size limit (ulimit -f) or set checkpoint.dir to a file system that takes larger files")
