@@ -82,7 +82,8 @@ def descriptors_line(e: OSError) -> str:
         fix = (f"its hard limit is {hard} too: raise both in a new shell (or the hard limit as root, "
                f"/etc/security/limits.conf), e.g. ulimit -n {want}, and run again")
     else:
-        fix = f"raise ulimit -n, e.g. ulimit -n {want if hard == resource.RLIM_INFINITY else min(want, hard)}, and run again"
+        want = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        fix = f"raise ulimit -n, e.g. ulimit -n {want}, and run again"
     return f"too many open files{at}: this process may have {soft} open (ulimit -n); {fix}"
 
 

@@ -970,7 +970,7 @@ def test_the_commands_reopen_a_stream_closed_at_start(tmp_path):
     code = ("import os, sys\nfrom framework.cli import open_closed_streams\nopen_closed_streams()\n"
             "print('x', flush=True)\nsys.stderr.write('y')\nsys.stderr.flush()\n"
             f"with open({str(tmp_path / 'f')!r}, 'w') as f:\n    assert f.fileno() > 2, f.fileno()\n"
-            "assert os.path.samefile('/proc/self/fd/1', os.devnull) and os.path.samefile('/proc/self/fd/2', os.devnull)")
+            "assert all(os.path.samefile(f'/proc/self/fd/{fd}', os.devnull) for fd in (1, 2))")
     child = subprocess.run(["sh", "-c", 'exec "$0" -c "$1" >&- 2>&-', sys.executable, code], timeout=60,
                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert child.returncode == 0
