@@ -121,8 +121,12 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
                 raise
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ConfigError(f"load_weights: refused {path}: it is not a plain tensor state dict (loaded with "
-                          f"weights_only=True, nothing in it ran): {first_line(e)}") from None
+        if "GLOBAL" not in (why := _unpickle_reason(e)):
+            raise ConfigError(f"load_weights: cannot read {path}: not a torch state-dict file (corrupt or another "
+                              f"format; torch says: {why or first_line(e)})") from None
+        raise ConfigError(f"load_weights: refused {path}: it holds objects other than tensors (torch says: {why}; "
+                          f"read with weights_only=True, so nothing in it ran); if you trust the file, load it "
+                          f"yourself and save its flat {{name: tensor}} state dict (e.g. obj['model']) to load") from None
     except (RuntimeError, OSError, EOFError) as e:
         raise ConfigError(f"load_weights: cannot read {path} as a torch state dict: "
                           f"{first_line(e)}") from None
@@ -132,6 +136,15 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"load_weights: {path} holds {what}; expected a flat {{name: tensor}} state dict "
                           f"(e.g. model.state_dict())")
     return sd
+
+
+def _unpickle_reason(error: BaseException) -> str:
+    """torch's own reason for a ``weights_only`` refusal, first sentence: without its advice (which offers
+    ``weights_only=False``, the unsafe load refused here) or its terminal colour codes."""
+    advice = ("Weights only load failed", "(1)", "(2)", "Please file an issue", "Check the documentation")
+    lines = (re.sub(r"\x1b\[[0-9;]*m", "", ln).strip().removeprefix("WeightsUnpickler error:").strip()
+             for ln in str(error).splitlines())
+    return re.split(r"\.(?:\s|$)", next((ln for ln in lines if ln and not ln.startswith(advice)), ""))[0]
 
 
 def open_weights(source: str | os.PathLike) -> WeightsSource:

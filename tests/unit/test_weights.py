@@ -100,6 +100,16 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path):
         with pytest.raises(ConfigError, match=r"refused .*weights_only=True"):
             load_weights(engine, tmp_path / name)
     assert not marker.exists()
+    # torch's own reason, in one line of ours: no colour codes, no advice to load with weights_only=False.
+    import argparse
+    torch.save({"wte.weight": torch.zeros(2), "args": argparse.Namespace(a=1)}, tmp_path / "ns.pt")
+    (tmp_path / "junk.pt").write_bytes(b"garbage\n")
+    for name, want in (("ns.pt", r"refused .*holds objects other than tensors .*GLOBAL argparse\.Namespace.*if you "
+                                 r"trust the file"),
+                       ("junk.pt", r"not a torch state-dict file \(corrupt or another format; .*Unsupported operand")):
+        with pytest.raises(ConfigError, match=want) as e:
+            load_weights(engine, tmp_path / name)
+        assert "\n" not in str(e.value) and "\x1b" not in str(e.value) and "weights_only=False" not in str(e.value)
 
 
 def test_not_a_state_dict_and_missing_paths(tmp_path):
