@@ -159,11 +159,12 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
         raise ConfigError(f"load_weights: {path} does not exist")
     if path.name.endswith(".index.json"):
         try:
-            weight_map = json.loads(path.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
+            index = json.loads(path.read_text())
+        except ValueError as e:
             raise ConfigError(f"load_weights: {path} is not a safetensors index ({e})") from None
-        if not isinstance(weight_map, dict):
-            raise ConfigError(f"load_weights: {path} is not a safetensors index (its weight_map is not an object)")
+        if not isinstance(weight_map := index.get("weight_map") if isinstance(index, dict) else None, dict):
+            why = "no weight_map object in it" if isinstance(index, dict) else f"its top level is a {type(index).__name__}"
+            raise ConfigError(f"load_weights: {path} is not a safetensors index ({why})")
         if any(not str(f).endswith(".safetensors") for f in weight_map.values()):
             raise ConfigError(f"load_weights: {path} indexes torch .bin shards, which load_weights does not read "
                               f"sharded; convert the checkpoint to safetensors (transformers' from_pretrained, then "

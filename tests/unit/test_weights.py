@@ -127,6 +127,14 @@ def test_not_a_state_dict_and_missing_paths(tmp_path):
     index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}}))
     with pytest.raises(ConfigError, match=r"names 1 tensor that is not in their files: b"):
         load_weights(engine, tmp_path)
+    for bad, why in (([1, 2], "its top level is a list"), ({"weight_map": None}, "no weight_map object")):
+        index.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=f"is not a safetensors index \\({why}"):
+            load_weights(engine, index)
+    # The model in place of its engine (as transformers' save_pretrained is called): one line, both ways.
+    for call in (load_weights, save_weights):
+        with pytest.raises(ConfigError, match=r"first argument is the engine .*got a GPT \(a module: pass its engine"):
+            call(engine.components.module, tmp_path / "s1.safetensors")
     index.write_text(json.dumps({"weight_map": {"a": "s2.safetensors"}}))
     with pytest.raises(ConfigError, match="shard\\(s\\) that do not exist"):
         load_weights(engine, index)
