@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from framework.config import GROUPS, ROOT_KEYS
+from framework.config import GROUPS, ROOT_KEYS, override_key
 from framework.core.errors import ConfigError, FrameworkError, say
 from framework.core.registry import closest_hint
 from framework.core.utils import plain_text
@@ -28,11 +28,6 @@ def fail(error: object, code: int) -> int:
     """Print ``error`` as one ``error:`` line on stderr; return the exit status ``code``."""
     say(f"error: {error}")
     return code
-
-
-def override_key(override: str) -> str:
-    """An override's key without its ``+``/``++``/``~`` prefix."""
-    return override.partition("=")[0].lstrip("+~")
 
 
 def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: dict,
@@ -67,7 +62,7 @@ def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: di
                 if not eq:
                     raise ConfigError(f"{tool}: expected key=value, got {arg!r} "
                                       f"(see python -m framework.{tool} --help)")
-                top = key.lstrip("+~").split(".")[0].split("@")[0]
+                top = override_key(key).split(".")[0].split("@")[0]
                 if key in own_keys:
                     own[key] = value
                 elif top in (*ROOT_KEYS, *GROUPS, "hydra"):

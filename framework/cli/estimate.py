@@ -30,8 +30,8 @@ from framework.memory.model import build_vocab, data_vocab, nvme_pools, predict,
 from framework.models import hf as hf_lib
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
-from framework.cli import override_key, run_command
-from framework.config import compose
+from framework.cli import run_command
+from framework.config import compose, override_key
 from framework.config.plainconf import library_line, load_yaml, parse, set_key, typed
 from framework.core.errors import ConfigError, FrameworkError, typed_line
 from framework.core.registry import closest_hint, registry
@@ -147,7 +147,7 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
         raise ConfigError(f"estimate: {path} is not a GPT model config: {_omega_error(e)}") from None
     for o in model_keys:
         key, _, text = o.partition("=")
-        name = key.lstrip("+~").removeprefix("model.")
+        name = override_key(key).removeprefix("model.")
         if name not in fields:
             hint = closest_hint(f"model.{name}", [f"model.{f}" for f in fields])
             raise ConfigError(f"config: unknown key 'model.{name}'{hint}; valid keys under "
@@ -185,7 +185,7 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
             raise ConfigError(f"estimate: {path} is not a GPT model config: {str(e).removeprefix('config: ')}") \
                 from None
     for o in model_keys:
-        name = o.partition("=")[0].lstrip("+~").removeprefix("model.")
+        name = override_key(o).removeprefix("model.")
         if name not in fields:
             hint = closest_hint(f"model.{name}", [f"model.{f}" for f in fields])
             raise ConfigError(f"config: unknown key 'model.{name}'{hint}; valid keys under "

@@ -43,7 +43,7 @@ from framework.cli._signals import terminated_line
 from framework.cli.launch import RUN_LOCK, check_saves, launch
 from framework.comm.distributed import check_env, env_int
 from framework.config import (GROUPS, Config, app_composer, compose, compose_layers, parse_overrides,
-                              search_order, standalone_composer)
+                              override_key, search_order, standalone_composer)
 from framework.config.dsconfig import DS_FILE
 from framework.core import files
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line, say
@@ -149,7 +149,7 @@ def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
     """A sweep override's values as Hydra's basic sweeper enumerates them (``glob``'s from conf/ and the primary
     config's folder, which Hydra's parser cannot list)."""
     if o.value_type == ValueType.INTERVAL_SWEEP:
-        sweepers = [x.partition("=")[2] for x in overrides if x.lstrip("+").startswith("hydra/sweeper=")]
+        sweepers = [x.partition("=")[2] for x in overrides if override_key(x) == "hydra/sweeper"]
         if any(name != "basic" for name in sweepers):
             return []   # that sweeper samples; its jobs are composed in the job (Hydra's basic one enumerates)
         chosen = "hydra/sweeper=basic enumerates values, it does not sample them" if sweepers else "none is chosen"
