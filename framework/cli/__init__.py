@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Callable, Mapping
 
 from framework.config import GROUPS, ROOT_KEYS, override_key
 from framework.core.errors import ConfigError, FrameworkError, say
@@ -31,11 +31,12 @@ def fail(error: object, code: int) -> int:
 
 
 def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: dict,
-                body: Callable[[dict[str, str], list[str], dict], None]) -> int:
+                body: Callable[[dict[str, str], list[str], dict], None], aliases: Mapping[str, str] | None = None) -> int:
     """A ``key=value`` command's frame: ``-h``/``--help`` prints ``doc`` as plain text; ``body(own, overrides, flags)``
     gets the arguments whose key is in ``own_keys``, the rest as Hydra overrides, and the ``--name``
     flags (a flag whose default is an int takes a whole number >= 1); a ``FrameworkError`` is one
-    ``error:`` line on stderr and exit code 2; otherwise 0."""
+    ``error:`` line on stderr and exit code 2; otherwise 0. ``aliases``: other tools' names (lower case) for
+    own keys, which an unknown key's "did you mean" names."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(plain_text(doc))
@@ -69,7 +70,7 @@ def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: di
                     overrides.append(arg)
                 else:   # neither this tool's key nor the training config's: most likely a mistyped own key
                     valid = (*own_keys, *ROOT_KEYS, *GROUPS)
-                    raise ConfigError(f"{tool}: unknown key {top!r}{closest_hint(top, valid)}; {tool}'s keys: "
+                    raise ConfigError(f"{tool}: unknown key {top!r}{closest_hint(top, valid, aliases)}; {tool}'s keys: "
                                       f"{', '.join(own_keys)}; any other key=value overrides the training "
                                       f"config (conf/train.yaml: {', '.join((*ROOT_KEYS, *GROUPS))})")
         body(own, overrides, flags)

@@ -39,6 +39,8 @@ from framework.core.units import GiB, MiB
 from framework.models.gpt import GPTConfig
 
 NVME_KEYS = tuple(f.name for f in dataclasses.fields(NVMeKeys))   # NVMeKeys' defaults are DeepSpeed's
+# Other tools' names for a rank count (plan's ranks=, torchrun's nproc, world size): a world is gpus_per_node x nodes.
+ALIASES = dict.fromkeys(("ranks", "world_size", "nproc", "nproc_per_node", "gpus", "num_gpus"), "gpus_per_node")
 OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context", *NVME_KEYS)
 
 
@@ -388,4 +390,4 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(__doc__, argv, "estimate", OWN_KEYS, {"json": False}, report)
+    return run_command(__doc__, argv, "estimate", OWN_KEYS, {"json": False}, report, ALIASES)

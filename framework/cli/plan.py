@@ -48,6 +48,8 @@ from framework.memory.planner import (Candidate, Hardware, Planned, candidates, 
                                       micro_batches, plan)
 from framework.memory.tables import parse_count
 
+# Other tools' names for the rank count (estimate's gpus_per_node, torchrun's nproc, world size).
+ALIASES = dict.fromkeys(("world_size", "nproc", "nproc_per_node", "gpus", "num_gpus", "gpus_per_node"), "ranks")
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
             "checkpointing", "steps")
 # What each candidate's ``+plan=cN`` file sets: verify's jobs leave the command line's out (they would win).
@@ -106,7 +108,7 @@ def _plan_yaml(c: Candidate, from_file: frozenset[str] = frozenset()) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(__doc__, argv, "plan", OWN_KEYS, {"top": 20, "verify": 0, "reprobe": False, "json": False}, _run)
+    return run_command(__doc__, argv, "plan", OWN_KEYS, {"top": 20, "verify": 0, "reprobe": False, "json": False}, _run, ALIASES)
 
 
 def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:

@@ -466,6 +466,8 @@ def dataclasses_replace_vocab(cfg, vocab):
      "stage.gather_unit: 'Blok' matches no module of the model (did you mean 'Block'?)"),
     (["model=gpt-mini", "gpus_per_nod=8"], "unknown key 'gpus_per_nod' (did you mean 'gpus_per_node'?)"),
     (["modle=gpt-mini"], "unknown key 'modle' (did you mean 'model'?)"),
+    (["params=1e9", "ranks=8"], "unknown key 'ranks' (did you mean 'gpus_per_node'?)"),   # plan's name, and others'
+    (["params=1e9", "world_size=8"], "unknown key 'world_size' (did you mean 'gpus_per_node'?)"),
     (["params=1e9", "nodes=1.5"], "nodes='1.5' is not a whole number"),
     (["params=1e9", "gpus_per_node=1.5"], "gpus_per_node='1.5' is not a whole number"),
     (["params=1e9", "nodes=0"], "estimate: nodes=0 must be >= 1"),
