@@ -97,10 +97,12 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
         for o in model_keys:   # a model.* key would change nothing in the config.json: refused, not ignored
             if o in ckpt:   # (typed by the compose below: false, how it is traced anyway, is accepted)
                 continue
-            hint = "; set its sequence length with context=N" if ".context" in o.split("=")[0] else \
-                "; edit the config.json to change the model"
-            raise ConfigError(f"estimate: {o} does not apply to model={value} (a Hugging Face config.json is built "
-                              f"as the file states it; model.* keys set our GPT models){hint}")
+            name = override_key(o).removeprefix("model.")   # (model=hf's own keys, under training's spelling)
+            hint = "; edit the config.json to change the model" if name not in ("context", "attn_implementation") \
+                else (f"; {'with model=PATH use context=N, or ' if name == 'context' else ''}name it as training "
+                      f"does: model=hf model.config={value} model.{name}={o.partition('=')[2]}")
+            raise ConfigError(f"estimate: {o} does not apply to model={value} (a config.json given as model= is "
+                              f"built as the file states it){hint}")
         # A DeepSpeed file's "auto" sizes (10*h, 0.9*h*h, h*h) take this model's hidden size, as under
         # model=hf model.config=...; not the composed default model's (None: the file's "auto" is refused).
         cfg = compose(overrides, hidden_size=hf_lib.config_hidden_size(module.config), hidden_from_model=False)
