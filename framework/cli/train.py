@@ -1,13 +1,5 @@
-"""Train from the command line.
-
-    python -m framework.train                                  # default job: gpt-nano on synthetic data
-    python -m framework.train +stage=zero3 offload=cpu         # compose a stage and an offload target
-    python -m framework.train dist.nproc=2 train.steps=100     # 2 local ranks (gloo on CPU)
-    torchrun --nproc-per-node 2 -m framework.train             # ranks made by torchrun
-    python -m framework.train -m optimizer=adamw,lion          # a Hydra multirun sweep
-    python -m framework.train ds_config=ds.json train.steps=50 # a DeepSpeed config, then overrides
-    python -m framework.train ds_config=ds.json --cfg job      # print the resolved config (its groups on top)
-    python -m framework.train --config-dir recipes/shakespeare_char_cpu --config-name config   # a recipe's config
+"""Train from the command line: ``python -m framework.train --help`` prints the usage and examples (their one
+copy: conf/train.yaml's ``hydra.help.template``).
 
 Every job's config is composed and checked once, before any run folder or process exists. Hydra's record
 of the job (.hydra/) is written once the run's checks passed, and a job refused before it trained removes
