@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         res = write_report(args.multirun_dir, args.out, title=args.title)
     except FrameworkError as e:
-        sys.exit(fail(e, 1))
+        sys.exit(fail(e, 2))   # (each refusal names the folder or --out given: a bad argument, as in the other tools)
     # (say: a reader that left, as ``| head`` does, ends nothing: the report is written)
     say(res["table"].rstrip("\n"), sys.stdout)
     say(f"wrote {res['report']} and {', '.join(str(p) for p in res['plots'])}", sys.stdout)
