@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from typing import Callable, Mapping
 
-from framework.config import GROUPS, ROOT_KEYS
+from framework.config import GROUPS, ROOT_KEYS, override_key
 from framework.core.errors import ConfigError, FrameworkError, say
 from framework.core.registry import closest_hint
 from framework.core.utils import plain_text
@@ -44,17 +44,13 @@ def fail(error: object, code: int) -> int:
     return code
 
 
-def override_key(override: str) -> str:
-    """An override's key without its ``+``/``++``/``~`` prefix."""
-    return override.partition("=")[0].lstrip("+~")
-
-
 def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: dict,
-                body: Callable[[dict[str, str], list[str], dict], None]) -> int:
+                body: Callable[[dict[str, str], list[str], dict], None], aliases: Mapping[str, str] | None = None) -> int:
     """A ``key=value`` command's frame: ``-h``/``--help`` prints ``doc`` as plain text; ``body(own, overrides, flags)``
     gets the arguments whose key is in ``own_keys``, the rest as Hydra overrides, and the ``--name``
     flags (a flag whose default is an int takes a whole number >= 1); a ``FrameworkError`` is one
-    ``error:`` line on stderr and exit code 2; otherwise 0."""
+    ``error:`` line on stderr and exit code 2; otherwise 0. ``aliases``: other tools' names (lower case) for
+    own keys, which an unknown key's "did you mean" names."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(plain_text(doc))
@@ -81,14 +77,14 @@ def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: di
                 if not eq:
                     raise ConfigError(f"{tool}: expected key=value, got {arg!r} "
                                       f"(see python -m framework.{tool} --help)")
-                top = key.lstrip("+~").split(".")[0].split("@")[0]
+                top = override_key(key).split(".")[0].split("@")[0]
                 if key in own_keys:
                     own[key] = value
                 elif top in (*ROOT_KEYS, *GROUPS, "hydra"):
                     overrides.append(arg)
                 else:   # neither this tool's key nor the training config's: most likely a mistyped own key
                     valid = (*own_keys, *ROOT_KEYS, *GROUPS)
-                    raise ConfigError(f"{tool}: unknown key {top!r}{closest_hint(top, valid)}; {tool}'s keys: "
+                    raise ConfigError(f"{tool}: unknown key {top!r}{closest_hint(top, valid, aliases)}; {tool}'s keys: "
                                       f"{', '.join(own_keys)}; any other key=value overrides the training "
                                       f"config (conf/train.yaml: {', '.join((*ROOT_KEYS, *GROUPS))})")
         body(own, overrides, flags)

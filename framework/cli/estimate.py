@@ -30,8 +30,8 @@ from framework.memory.model import build_vocab, data_vocab, nvme_pools, predict,
 from framework.models import hf as hf_lib
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
-from framework.cli import override_key, run_command
-from framework.config import compose
+from framework.cli import run_command
+from framework.config import compose, override_key
 from framework.config.plainconf import library_line, load_yaml, parse, set_key, typed
 from framework.core.errors import ConfigError, FrameworkError, typed_line
 from framework.core.registry import closest_hint, registry
@@ -39,6 +39,8 @@ from framework.core.units import GiB, MiB
 from framework.models.gpt import GPTConfig
 
 NVME_KEYS = tuple(f.name for f in dataclasses.fields(NVMeKeys))   # NVMeKeys' defaults are DeepSpeed's
+# Other tools' names for a rank count (plan's ranks=, torchrun's nproc, world size): a world is gpus_per_node x nodes.
+ALIASES = dict.fromkeys(("ranks", "world_size", "nproc", "nproc_per_node", "gpus", "num_gpus"), "gpus_per_node")
 OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context", *NVME_KEYS)
 
 
@@ -95,10 +97,12 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
         for o in model_keys:   # a model.* key would change nothing in the config.json: refused, not ignored
             if o in ckpt:   # (typed by the compose below: false, how it is traced anyway, is accepted)
                 continue
-            hint = "; set its sequence length with context=N" if ".context" in o.split("=")[0] else \
-                "; edit the config.json to change the model"
-            raise ConfigError(f"estimate: {o} does not apply to model={value} (a Hugging Face config.json is built "
-                              f"as the file states it; model.* keys set our GPT models){hint}")
+            name = override_key(o).removeprefix("model.")   # (model=hf's own keys, under training's spelling)
+            hint = "; edit the config.json to change the model" if name not in ("context", "attn_implementation") \
+                else (f"; {'with model=PATH use context=N, or ' if name == 'context' else ''}name it as training "
+                      f"does: model=hf model.config={value} model.{name}={o.partition('=')[2]}")
+            raise ConfigError(f"estimate: {o} does not apply to model={value} (a config.json given as model= is "
+                              f"built as the file states it){hint}")
         # A DeepSpeed file's "auto" sizes (10*h, 0.9*h*h, h*h) take this model's hidden size, as under
         # model=hf model.config=...; not the composed default model's (None: the file's "auto" is refused).
         cfg = compose(overrides, hidden_size=hf_lib.config_hidden_size(module.config), hidden_from_model=False)
@@ -147,7 +151,7 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
         raise ConfigError(f"estimate: {path} is not a GPT model config: {_omega_error(e)}") from None
     for o in model_keys:
         key, _, text = o.partition("=")
-        name = key.lstrip("+~").removeprefix("model.")
+        name = override_key(key).removeprefix("model.")
         if name not in fields:
             hint = closest_hint(f"model.{name}", [f"model.{f}" for f in fields])
             raise ConfigError(f"config: unknown key 'model.{name}'{hint}; valid keys under "
@@ -185,7 +189,7 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
             raise ConfigError(f"estimate: {path} is not a GPT model config: {str(e).removeprefix('config: ')}") \
                 from None
     for o in model_keys:
-        name = o.partition("=")[0].lstrip("+~").removeprefix("model.")
+        name = override_key(o).removeprefix("model.")
         if name not in fields:
             hint = closest_hint(f"model.{name}", [f"model.{f}" for f in fields])
             raise ConfigError(f"config: unknown key 'model.{name}'{hint}; valid keys under "
@@ -388,4 +392,4 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(__doc__, argv, "estimate", OWN_KEYS, {"json": False}, report)
+    return run_command(__doc__, argv, "estimate", OWN_KEYS, {"json": False}, report, ALIASES)

@@ -15,7 +15,7 @@ import argparse
 
 from framework.cli import fail
 from framework.cli._signals import signals_unwind, terminated_line
-from framework.core.errors import FrameworkError
+from framework.core.errors import ConfigError, FrameworkError
 from framework.core.paths import user_path
 from framework.core.utils import plain_text
 from framework.persist.export import export
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return fail(f"export: {line}; nothing of it left in {args.out} (an earlier export there stays whole)",
                     e.code)
-    except FrameworkError as e:
-        return fail(e, 1)
+    except FrameworkError as e:   # a refused argument (before any write) exits 2, as in the other tools
+        return fail(e, 2 if isinstance(e, ConfigError) else 1)
     except OSError as e:   # (export names every write error itself: this is a read of the checkpoint)
         return fail(f"export: cannot read {e.filename or args.checkpoint} ({e.strerror or e}); check the "
                     "checkpoint's files and their permissions", 1)

@@ -31,10 +31,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from framework.cli import override_key, run_command
+from framework.cli import run_command
 from framework.cli.estimate import model_kind
 from framework.cli.report import load_jobs
-from framework.config import compose
+from framework.config import compose, override_key
 from framework.config.dsconfig import DS_FILE
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.paths import user_path
@@ -48,6 +48,8 @@ from framework.memory.planner import (Candidate, Hardware, Planned, candidates, 
                                       micro_batches, plan)
 from framework.memory.tables import parse_count
 
+# Other tools' names for the rank count (estimate's gpus_per_node, torchrun's nproc, world size).
+ALIASES = dict.fromkeys(("world_size", "nproc", "nproc_per_node", "gpus", "num_gpus", "gpus_per_node"), "ranks")
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
             "checkpointing", "steps")
 # What each candidate's ``+plan=cN`` file sets: verify's jobs leave the command line's out (they would win).
@@ -106,7 +108,7 @@ def _plan_yaml(c: Candidate, from_file: frozenset[str] = frozenset()) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(__doc__, argv, "plan", OWN_KEYS, {"top": 20, "verify": 0, "reprobe": False, "json": False}, _run)
+    return run_command(__doc__, argv, "plan", OWN_KEYS, {"top": 20, "verify": 0, "reprobe": False, "json": False}, _run, ALIASES)
 
 
 def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
@@ -222,7 +224,7 @@ def _restrict_batch(own: dict[str, str], overrides: list[str], cfg,
 def _disk_dir(cfg, base: list[str]) -> Path:
     """Where offload=nvme would swap (its free bytes, the probe's disk test): the nearest existing folder of
     ``offload.nvme_path`` when given, else the working directory."""
-    given = [o.partition("=")[2].strip() for o in base if o.partition("=")[0].lstrip("+") == "offload.nvme_path"]
+    given = [o.partition("=")[2].strip() for o in base if override_key(o) == "offload.nvme_path" and o[0] != "~"]
     path = given[-1] if given else getattr(cfg.offload, "nvme_path", None)
     return Path(os.getcwd()) if path in (None, "", "null") else nearest_existing(Path(user_path(path)))
 
@@ -230,18 +232,17 @@ def _disk_dir(cfg, base: list[str]) -> Path:
 def _given_setup(overrides: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
     """(the overrides without a stage or offload choice or a key of a chosen one, each candidate's own; those keys,
     which every candidate of that choice gets; the choices, {"stage": ..., "offload": none|cpu|cpu+params|nvme})."""
-    raw = [o.partition("=")[0] for o in overrides]
-    chosen = {k.lstrip("+") for k in raw if k.lstrip("+") in ("stage", "offload")}
+    chosen = {override_key(o) for o in overrides if not o.startswith("~")} & {"stage", "offload"}
     given, keys, rest = {}, [], []
-    for o, key in zip(overrides, raw):
-        name = key.lstrip("+~")
-        if name in chosen and not key.startswith("~"):
+    for o in overrides:
+        name = override_key(o)
+        if name in chosen and not o.startswith("~"):
             given[name] = o.partition("=")[2].strip()
         elif name.partition(".")[0] in chosen and "." in name:
             keys.append(o)
         else:
             rest.append(o)
-    params = [o for o in keys if o.partition("=")[0].lstrip("+") == "offload.params"]
+    params = [o for o in keys if override_key(o) == "offload.params"]
     if given.get("offload") == "cpu" and params and params[-1].partition("=")[2].strip() == "cpu":
         given["offload"], keys = "cpu+params", [o for o in keys if o not in params]   # the candidate's own choice
     return rest, keys, given

@@ -32,9 +32,9 @@ from framework.core.errors import ConfigError, DataError, FrameworkError
 from framework.core.paths import PACKAGE_DIR, REPO_ROOT, user_path
 from framework.core.registry import closest_hint
 from framework.core.utils import plain_text
-from framework.cli import fail, hydra_missing, override_key, report
+from framework.cli import fail, hydra_missing, report
 from framework.cli.recipe_checks import RecipeError, evaluate, plot_deviation, plot_memory_scaling, validate_checks
-from framework.config import compose, parse_overrides
+from framework.config import compose, override_key, parse_overrides
 from framework.config.schema import get_key
 from framework.data import resolve_path
 from framework.data.text import prepare_chars

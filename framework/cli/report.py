@@ -27,6 +27,7 @@ import yaml
 
 from framework.cli import fail
 from framework.cli.launch import PRINTED_ABOVE, RUN_LOCK, is_exit_line
+from framework.config import override_key
 from framework.config.dsconfig import COMMAND_LINE
 from framework.config.schema import get_key
 from framework.core.registry import GROUPS
@@ -130,7 +131,7 @@ def summary_overrides(summary: dict, hydra_overrides: list[str]) -> list[str]:
     cfg, sources = summary.get("config", {}), summary.get("config_sources", {})
     own = [key[:-len(".name")] if key.endswith(".name") and key[:-len(".name")] in GROUPS else key
            for key, source in sources.items() if source == COMMAND_LINE]
-    said = dict(o.lstrip("+").split("=", 1) for o in hydra_overrides if "=" in o and not o.startswith("hydra"))
+    said = {override_key(o): o.partition("=")[2] for o in hydra_overrides if "=" in o and not o.startswith("hydra")}
     # (checkpoint.resume=latest or auto is recorded as what it resolved to: not a disagreement)
     if set(own) <= said.keys() and all(_same(text, _config_value(cfg, k)) for k, text in said.items()
                                        if not k.startswith("checkpoint.")):
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         res = write_report(args.multirun_dir, args.out, title=args.title)
     except FrameworkError as e:
-        sys.exit(fail(e, 1))
+        sys.exit(fail(e, 2))   # (each refusal names the folder or --out given: a bad argument, as in the other tools)
     # (say: a reader that left, as ``| head`` does, ends nothing: the report is written)
     say(res["table"].rstrip("\n"), sys.stdout)
     say(f"wrote {res['report']} and {', '.join(str(p) for p in res['plots'])}", sys.stdout)

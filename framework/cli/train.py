@@ -1,13 +1,5 @@
-"""Train from the command line.
-
-    python -m framework.train                                  # default job: gpt-nano on synthetic data
-    python -m framework.train +stage=zero3 offload=cpu         # compose a stage and an offload target
-    python -m framework.train dist.nproc=2 train.steps=100     # 2 local ranks (gloo on CPU)
-    torchrun --nproc-per-node 2 -m framework.train             # ranks made by torchrun
-    python -m framework.train -m optimizer=adamw,lion          # a Hydra multirun sweep
-    python -m framework.train ds_config=ds.json train.steps=50 # a DeepSpeed config, then overrides
-    python -m framework.train ds_config=ds.json --cfg job      # print the resolved config (its groups on top)
-    python -m framework.train --config-dir recipes/shakespeare_char_cpu --config-name config   # a recipe's config
+"""Train from the command line: ``python -m framework.train --help`` prints the usage and examples (their one
+copy: conf/train.yaml's ``hydra.help.template``).
 
 Every job's config is composed and checked once, before any run folder or process exists. Hydra's record
 of the job (.hydra/) is written once the run's checks passed, and a job refused before it trained removes
@@ -43,7 +35,7 @@ from framework.cli._signals import terminated_line
 from framework.cli.launch import RUN_LOCK, check_saves, launch
 from framework.comm.distributed import check_env, env_int
 from framework.config import (GROUPS, Config, app_composer, compose, compose_layers, parse_overrides,
-                              search_order, standalone_composer)
+                              override_key, search_order, standalone_composer)
 from framework.config.dsconfig import DS_FILE
 from framework.core import files
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line, say
@@ -149,7 +141,7 @@ def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
     """A sweep override's values as Hydra's basic sweeper enumerates them (``glob``'s from conf/ and the primary
     config's folder, which Hydra's parser cannot list)."""
     if o.value_type == ValueType.INTERVAL_SWEEP:
-        sweepers = [x.partition("=")[2] for x in overrides if x.lstrip("+").startswith("hydra/sweeper=")]
+        sweepers = [x.partition("=")[2] for x in overrides if override_key(x) == "hydra/sweeper"]
         if any(name != "basic" for name in sweepers):
             return []   # that sweeper samples; its jobs are composed in the job (Hydra's basic one enumerates)
         chosen = "hydra/sweeper=basic enumerates values, it does not sample them" if sweepers else "none is chosen"

@@ -9,8 +9,9 @@ from __future__ import annotations
 from framework.config.checks import check_batch_world, check_compatible, validate
 from framework.config.composition import (app_composer, choice_override, compose, compose_layers, parse_overrides,
                                            search_order, standalone_composer)
+from framework.config.plainconf import override_key
 from framework.config.schema import COMPATIBLE, ROOT_KEYS, Config
 from framework.core.registry import GROUPS
 
 __all__ = ["COMPATIBLE", "GROUPS", "ROOT_KEYS", "Config", "app_composer", "check_batch_world", "check_compatible", "choice_override", "compose", "compose_layers",
-           "parse_overrides", "search_order", "standalone_composer", "validate"]
+           "override_key", "parse_overrides", "search_order", "standalone_composer", "validate"]

@@ -66,7 +66,7 @@ def search_order(config_dir: str | None, config_name: str,
     primary, other = (given, conf_dir()) if (given / f"{config_name}.yaml").is_file() else (conf_dir(), given)
     paths, rest = [], []
     for o in overrides:
-        key, eq, value = o.lstrip("+").partition("=")
+        key, (_, eq, value) = plainconf.override_key(o), o.partition("=")
         if key == "hydra.searchpath" and value.startswith("[") and value.endswith("]"):
             paths += [x.strip() for x in value[1:-1].split(",") if x.strip()]
         elif (key in CONFIG_DIR and eq) or (rest and rest[-1] in CONFIG_DIR):   # (Hydra's own read keeps a ~)
@@ -197,7 +197,7 @@ def _ambiguous(message: str, overrides: list[str], primary: Path) -> str:
         return ""
     key, value = m.groups()
     other = [f"a list as {key}=[{value}]", f"a string as {key}='{value}'"]
-    other = [o for o, kind in zip(other, ("list", "str")) if kind in _takes(key.lstrip("+"), overrides, primary)]
+    other = [o for o, kind in zip(other, ("list", "str")) if kind in _takes(plainconf.override_key(key), overrides, primary)]
     return (f"{key}={value} is several values: add -m (--multirun) to run one job each"
             + (f", or give {' or '.join(other)}" if other else ""))
 
@@ -208,7 +208,7 @@ def _takes(key: str, overrides: list[str], primary: Path) -> set[str]:
     group, _, rest = key.partition(".")
     schema: Any = RootSchema
     if group in GROUPS:
-        chosen = [v for k, _, v in (o.lstrip("+").partition("=") for o in overrides) if k == group]
+        chosen = [o.partition("=")[2] for o in overrides if plainconf.override_key(o) == group]
         try:
             schema, key = registry(group).get(chosen[-1] if chosen else plainconf.default_choice(primary, group)
                                               or "").config, rest

@@ -25,6 +25,12 @@ class Override:
     value: Any = None
 
 
+def override_key(override: str) -> str:
+    """An override's key as every reader compares it: without its ``+``/``++``/``~`` prefix, a group's leading
+    ``/`` (Hydra's ``+/stage=zero3``) or its value."""
+    return override.partition("=")[0].lstrip("+~").removeprefix("/")
+
+
 def parse(line: str) -> Override:
     """One override in Hydra's spelling (the subset above)."""
     prefix = next((p for p in ("~", "++", "+") if line.startswith(p)), "")
@@ -254,7 +260,7 @@ def given_twice(message: str, overrides: list[str], primary: Path) -> str:
                       message)) is None:
         return ""
     group = m.group(1) or m.group(2)
-    given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].removeprefix("/") == group]
+    given = [o for o in overrides if override_key(o) == group]
     default = default_choice(primary, group)
     chosen = f"already chosen in the defaults{f' ({group}: {default})' if default is not None else ''}"
     if len(given) == 1:

@@ -107,8 +107,8 @@ def closest_all(name: str, valid, cutoff: float = 0.5, aliases: Mapping[str, str
     return [folded[m] for m in near if score[m] == score[near[0]]]
 
 
-def closest_hint(name: str, valid) -> str:
-    *most, last = sorted(closest_all(name, valid)) or [None]
+def closest_hint(name: str, valid, aliases: Mapping[str, str] | None = None) -> str:
+    *most, last = sorted(closest_all(name, valid, aliases=aliases)) or [None]
     return f" (did you mean {', '.join(repr(m) for m in most)}{' or ' if most else ''}{last!r}?)" if last else ""
 
 

@@ -20,6 +20,7 @@ from framework.core.footprint import Footprint
 from framework.core.registry import registry
 from framework.core.units import MiB
 from framework.core.utils import dtype_name, tensors_in, to_device
+from framework.config import override_key
 from framework.engine.build import component
 from framework.memory.tables import count_module
 from framework.stages import bucket_buffers, make_layout, param_groups, plan_units, unit_groups, whole_memory
@@ -225,7 +226,7 @@ def build_vocab(cfg, overrides: list[str]) -> tuple[int, str]:
     counts as its YAML states. (A per-rank prediction is always at ``data_vocab``'s, as training builds.)"""
     if (own := component(cfg, "model").vocab_size(cfg.model)) is not None:
         return own, "model"
-    chosen = any(o.split("=")[0].lstrip("+~").split(".")[0] == "data" for o in overrides)
+    chosen = any(override_key(o).split(".")[0] == "data" for o in overrides)
     if chosen or getattr(cfg.model, "vocab_size", None) is None:   # (a model config stating none: as training builds)
         return data_vocab(cfg), f"data={cfg.choices['data']}"
     return cfg.model.vocab_size, "model"

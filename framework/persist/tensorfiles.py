@@ -121,8 +121,12 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
                 raise
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ConfigError(f"load_weights: refused {path}: it is not a plain tensor state dict (loaded with "
-                          f"weights_only=True, nothing in it ran): {first_line(e)}") from None
+        if "GLOBAL" not in (why := _unpickle_reason(e)):
+            raise ConfigError(f"load_weights: cannot read {path}: not a torch state-dict file (corrupt or another "
+                              f"format; torch says: {why or first_line(e)})") from None
+        raise ConfigError(f"load_weights: refused {path}: it holds objects other than tensors (torch says: {why}; "
+                          f"read with weights_only=True, so nothing in it ran); if you trust the file, load it "
+                          f"yourself and save its flat {{name: tensor}} state dict (e.g. obj['model']) to load") from None
     except (RuntimeError, OSError, EOFError) as e:
         raise ConfigError(f"load_weights: cannot read {path} as a torch state dict: "
                           f"{first_line(e)}") from None
@@ -132,6 +136,15 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"load_weights: {path} holds {what}; expected a flat {{name: tensor}} state dict "
                           f"(e.g. model.state_dict())")
     return sd
+
+
+def _unpickle_reason(error: BaseException) -> str:
+    """torch's own reason for a ``weights_only`` refusal, first sentence: without its advice (which offers
+    ``weights_only=False``, the unsafe load refused here) or its terminal colour codes."""
+    advice = ("Weights only load failed", "(1)", "(2)", "Please file an issue", "Check the documentation")
+    lines = (re.sub(r"\x1b\[[0-9;]*m", "", ln).strip().removeprefix("WeightsUnpickler error:").strip()
+             for ln in str(error).splitlines())
+    return re.split(r"\.(?:\s|$)", next((ln for ln in lines if ln and not ln.startswith(advice)), ""))[0]
 
 
 def open_weights(source: str | os.PathLike) -> WeightsSource:
@@ -146,11 +159,12 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
         raise ConfigError(f"load_weights: {path} does not exist")
     if path.name.endswith(".index.json"):
         try:
-            weight_map = json.loads(path.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
+            index = json.loads(path.read_text())
+        except ValueError as e:
             raise ConfigError(f"load_weights: {path} is not a safetensors index ({e})") from None
-        if not isinstance(weight_map, dict):
-            raise ConfigError(f"load_weights: {path} is not a safetensors index (its weight_map is not an object)")
+        if not isinstance(weight_map := index.get("weight_map") if isinstance(index, dict) else None, dict):
+            why = "no weight_map object in it" if isinstance(index, dict) else f"its top level is a {type(index).__name__}"
+            raise ConfigError(f"load_weights: {path} is not a safetensors index ({why})")
         if any(not str(f).endswith(".safetensors") for f in weight_map.values()):
             raise ConfigError(f"load_weights: {path} indexes torch .bin shards, which load_weights does not read "
                               f"sharded; convert the checkpoint to safetensors (transformers' from_pretrained, then "

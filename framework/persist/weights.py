@@ -31,6 +31,7 @@ from framework.persist.stepfolders import check_weights16, committed_step
 from framework.persist.tensorfiles import (WRITE_CHUNK, WeightsSource, Writer, is_output, nonfinite, open_weights,
                                            output_dir, plan_files, save_files)
 from framework.core.utils import dtype_name, few
+from framework.engine.step import Components
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,16 @@ def _targets(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor]
     return layout, masters, tgts
 
 
+def _components(engine, what: str) -> Components:
+    """``engine``'s components; one line for another first argument (the model itself: a plausible slip, as
+    transformers' save_pretrained is called on the model)."""
+    if not isinstance(c := getattr(engine, "components", None), Components):
+        hint = "a module: pass its engine" if isinstance(engine, nn.Module) else "not an engine"
+        raise ConfigError(f"{what}: the first argument is the engine framework.initialize returned, got a "
+                          f"{type(engine).__name__} ({hint})")
+    return c
+
+
 def load_weights(engine, source, *, strict: bool = True) -> None:
     """Load consolidated weights (a path, ``open_weights``, or an open ``WeightsSource``) into ``engine``'s model:
     masters, zero3 shards, buffers, not the optimizer state; a tied parameter takes any of its names, values converted
@@ -107,7 +118,7 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
                           f"{type(source).__name__}; a {{name: tensor}} dict in memory goes into the module before "
                           f"initialize (module.load_state_dict), engine.state_dict's into engine.load_state_dict(state, "
                           f"[sd])")
-    c = engine.components
+    c = _components(engine, "load_weights")
     c.stage.rebind()   # (parameters replaced on the module, ``assign=True``: the load's targets are the stage's)
     # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
     with engine.mapped_state(engine.state, write=True, agreed="load_weights: swap file map") as (mapped, fmap), \
@@ -250,7 +261,7 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
 def _save_weights(engine, out_dir, dtype, max_shard_size, check, what: str, config: bool) -> list[Path]:
     """``save_weights`` (``what``: the caller, named by the folder check); ``config``: the caller writes a
     config.json (one already in ``out_dir`` is replaced, no warning)."""
-    dist = engine.components.dist
+    dist = _components(engine, what).dist
     out_dir = output_dir(out_dir, dtype, what)
     agree(dist, lambda: check_output(out_dir, what, overwrite=True, config=config) if dist.is_main else None,
           f"{what}: output folder")
@@ -285,7 +296,8 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
                     max_shard_size: int | str = "5GB", check: bool = True) -> list[Path]:
     """``save_weights`` plus a Hugging Face model's config (and generation config), for ``from_pretrained``.
     Collective."""
-    module, dist = engine.components.module, engine.components.dist
+    c = _components(engine, "save_pretrained")
+    module, dist = c.module, c.dist
     config = getattr(module, "config", None)
     hf = False
     if is_hf_model(module):   # (a subclass of a transformers model too; transformers is not imported otherwise)

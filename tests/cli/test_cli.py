@@ -119,6 +119,9 @@ def test_help_shows_how_to_compose_a_job(forkrun, tmp_path):
     assert p.returncode == 0, p.stderr
     assert all(s in p.stdout for s in ("+stage=zero3", "dist.nproc=2", "--cfg job", " -m ", "stage: ddp, zero1")), p.stdout
     assert "group=option" not in p.stdout and not (tmp_path / "run").exists()
+    # its examples run as written from the checkout: a DeepSpeed config it names exists (no placeholder)
+    repo = Path(__file__).resolve().parents[2]
+    assert all((repo / f).is_file() for f in re.findall(r"ds_config=(\S+)", p.stdout)) and "ds_config=" in p.stdout
     # every command's help is terminal text: its docstring's reST literal marks are not printed
     assert "``" not in p.stdout
     for module in ("estimate", "plan", "recipe", "export", "report", "ops"):

@@ -466,6 +466,8 @@ def dataclasses_replace_vocab(cfg, vocab):
      "stage.gather_unit: 'Blok' matches no module of the model (did you mean 'Block'?)"),
     (["model=gpt-mini", "gpus_per_nod=8"], "unknown key 'gpus_per_nod' (did you mean 'gpus_per_node'?)"),
     (["modle=gpt-mini"], "unknown key 'modle' (did you mean 'model'?)"),
+    (["params=1e9", "ranks=8"], "unknown key 'ranks' (did you mean 'gpus_per_node'?)"),   # plan's name, and others'
+    (["params=1e9", "world_size=8"], "unknown key 'world_size' (did you mean 'gpus_per_node'?)"),
     (["params=1e9", "nodes=1.5"], "nodes='1.5' is not a whole number"),
     (["params=1e9", "gpus_per_node=1.5"], "gpus_per_node='1.5' is not a whole number"),
     (["params=1e9", "nodes=0"], "estimate: nodes=0 must be >= 1"),
@@ -532,8 +534,10 @@ def test_hf_context_is_checked_like_training(tmp_path, capsys, monkeypatch):
     assert main([f"model={tmp_path}", "context=8", "model.activation_checkpointing=true"]) == 2
     err = capsys.readouterr().err
     assert "model.activation_checkpointing=true does not apply to model=" in err and err.count("\n") == 1, err
-    # Any model.* key: the config.json is built as it states (context= is its sequence length)
-    for key, needle in (("model.context=8", "set its sequence length with context=N"),
+    # Any model.* key: the config.json is built as it states (context= is its sequence length; training's spelling,
+    # model=hf model.config=..., takes model=hf's keys)
+    for key, needle in (("model.context=8", f"use context=N, or name it as training does: model=hf "
+                                            f"model.config={tmp_path} model.context=8"),
                         ("model.n_layer=40", "edit the config.json to change the model")):
         assert main([f"model={tmp_path}", key]) == 2
         err = capsys.readouterr().err

@@ -324,6 +324,8 @@ def test_steps_is_checked_and_needs_verify(capsys):
     (["ranks=1", "micro_batches=3", "gpu_mem=80G", "cpu_mem=64G"],
      "plan: no micro batch divides the per-rank batch 16 (global batch 16 over 1 rank)\n"),
     (["gpu_mme=8G"], "plan: unknown key 'gpu_mme' (did you mean 'gpu_mem'?); plan's keys: model, gpu_mem,"),
+    (["gpus=8"], "plan: unknown key 'gpus' (did you mean 'ranks'?)"),   # (not gpu_mem: bytes)
+    (["gpus_per_node=8"], "plan: unknown key 'gpus_per_node' (did you mean 'ranks'?)"),
     # A command-line choice the DeepSpeed file refuses: the candidates' own composition's line, before the probe.
     (["+stage=zero3", f"ds_config={ROOT}/tests/config/ds/hf_zero2_cpu_offload.json"],
      "ds_config: stage=zero3 on the command line, but zero_optimization.stage in the file means stage=zero2"),

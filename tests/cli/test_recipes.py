@@ -109,11 +109,11 @@ def test_report_of_a_multirun(equivalence, tmp_path, forkrun):
     for png in ("loss.png", "throughput_memory.png"):
         assert (tmp_path / "rep" / png).read_bytes()[:8] == PNG
     p = forkrun.run("framework.report", [str(tmp_path / "nothing")], cwd=tmp_path, timeout=60)
-    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and "multirun" in p.stderr
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "multirun" in p.stderr
 
 
 def test_report_of_a_wrong_folder_makes_nothing(tmp_path, capsys):
-    """A missing folder, or one without jobs, is one line and exit 1, with or without --out, and
+    """A missing folder, or one without jobs, is one line and exit 2 (a refused argument), with or without --out, and
     neither the folder nor --out is created."""
     (tmp_path / "empty").mkdir()
     for folder, says in (("nothing", "is not a folder"), ("empty", "no job under")):
@@ -121,7 +121,7 @@ def test_report_of_a_wrong_folder_makes_nothing(tmp_path, capsys):
             with pytest.raises(SystemExit) as e:
                 report.main([str(tmp_path / folder), *extra])
             err = capsys.readouterr().err
-            assert e.value.code == 1 and says in err and len(err.strip().splitlines()) == 1, err
+            assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
 
 
@@ -137,7 +137,7 @@ def test_report_of_malformed_job_files_or_a_file_as_out_is_one_line(tmp_path, ca
         with pytest.raises(SystemExit) as e:
             report.main([str(tmp_path), "--out", str(tmp_path / "rep")])
         err = capsys.readouterr().err
-        assert e.value.code == 1 and f"{job / name} is malformed" in err and len(err.strip().splitlines()) == 1, err
+        assert e.value.code == 2 and f"{job / name} is malformed" in err and len(err.strip().splitlines()) == 1, err
         (job / name).write_text("{}" if name == "summary.json" else "")
     assert not (tmp_path / "rep").exists()
     pytest.importorskip("matplotlib")   # (checked before the folder is made)
@@ -145,7 +145,7 @@ def test_report_of_malformed_job_files_or_a_file_as_out_is_one_line(tmp_path, ca
     with pytest.raises(SystemExit) as e:
         report.main([str(tmp_path), "--out", str(tmp_path / "rep")])
     err = capsys.readouterr().err
-    assert e.value.code == 1 and "cannot make the output folder" in err and len(err.strip().splitlines()) == 1, err
+    assert e.value.code == 2 and "cannot make the output folder" in err and len(err.strip().splitlines()) == 1, err
     assert (tmp_path / "rep").read_text() == "a file"
 
 

@@ -156,7 +156,7 @@ def test_report_of_a_summary_of_the_wrong_shape(tmp_path, capsys, name, text, sa
     with pytest.raises(SystemExit) as e:
         report.main([str(tmp_path), "--out", str(tmp_path / "rep")])
     err = capsys.readouterr().err
-    assert e.value.code == 1 and err == f"error: report: {job / name} is malformed ({says}); fix or remove it\n"
+    assert e.value.code == 2 and err == f"error: report: {job / name} is malformed ({says}); fix or remove it\n"
 
 
 def test_report_into_a_folder_it_cannot_write(tmp_path, capsys):
@@ -170,7 +170,7 @@ def test_report_into_a_folder_it_cannot_write(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         report.main([str(tmp_path), "--out", out])
     err = capsys.readouterr().err
-    assert e.value.code == 1 and err.startswith(f"error: report: cannot write in {out} (") and err.endswith(
+    assert e.value.code == 2 and err.startswith(f"error: report: cannot write in {out} (") and err.endswith(
         "); fix its permissions or pass a writable folder with --out\n"), err
 
 

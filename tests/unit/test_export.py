@@ -104,7 +104,7 @@ def test_a_signalled_export_leaves_nothing_and_says_so_in_one_line(tmp_path, cap
 
 
 def test_export_errors_are_one_line(tmp_path, capsys):
-    assert main([str(tmp_path), "--to", str(tmp_path / "out")]) == 1
+    assert main([str(tmp_path), "--to", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: export: ") and "\n" not in err and "is not a checkpoint" in err
     _dcp_save({"optim.step": torch.tensor(1)}, tmp_path / "nomodel")
@@ -322,7 +322,7 @@ def test_a_missing_checkpoint_says_so_and_lists_the_steps(tmp_path, capsys):
     for where, want in ((tmp_path / "ckpt" / "step-99", f"error: export: {tmp_path / 'ckpt' / 'step-99'} does not "
                                                         f"exist; the committed checkpoints in {tmp_path / 'ckpt'}: step-3\n"),
                         (tmp_path / "nothing", f"error: export: {tmp_path / 'nothing'} does not exist\n")):
-        assert main([str(where), "--to", str(tmp_path / "out")]) == 1
+        assert main([str(where), "--to", str(tmp_path / "out")]) == 2
         assert capsys.readouterr().err == want
     assert not (tmp_path / "out").exists()
 
@@ -339,7 +339,7 @@ def test_a_folder_holding_another_models_files_is_refused(tmp_path, capsys):
     for name, text in theirs.items():
         (out / name).write_text(text)
     capsys.readouterr()
-    assert main([str(tmp_path / "ckpt"), "--to", str(out)]) == 1
+    assert main([str(tmp_path / "ckpt"), "--to", str(out)]) == 2
     err = capsys.readouterr().err
     assert err == (f"error: export: {out} already holds model-00001-of-00002.safetensors, model-00002-of-00002.safetensors "
                    f"and 2 more: choose an empty folder, or give --overwrite to replace the weights there (its config.json "
@@ -348,7 +348,7 @@ def test_a_folder_holding_another_models_files_is_refused(tmp_path, capsys):
     (out / "config.json").unlink()
     (out / "model.safetensors.index.json").unlink()
     (out / "pytorch_model.bin").write_text("c")
-    assert main([str(tmp_path / "ckpt"), "--to", str(out), "--overwrite"]) == 1
+    assert main([str(tmp_path / "ckpt"), "--to", str(out), "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert err == (f"error: export: {out} holds pytorch_model.bin: weights the export would leave beside its own; "
                    f"choose an empty folder (or remove them)\n"), err
@@ -361,7 +361,7 @@ def test_a_folder_holding_another_models_files_is_refused(tmp_path, capsys):
     # A config.json alone is refused too (it would not describe the export); so is an earlier export's folder.
     (out / "model.safetensors").unlink()
     for held in ("config.json", "model.safetensors"):
-        assert main([str(tmp_path / "ckpt"), "--to", str(out)]) == 1
+        assert main([str(tmp_path / "ckpt"), "--to", str(out)]) == 2
         assert f"already holds {held}: choose an empty folder, or give --overwrite" in capsys.readouterr().err
         (out / "config.json").unlink(missing_ok=True)
         assert main([str(tmp_path / "ckpt"), "--to", str(out), "--overwrite"]) == 0
@@ -374,7 +374,7 @@ def test_export_into_a_committed_checkpoint_step_is_refused(tmp_path, capsys):
     (step / "model_16bit" / "model.safetensors").write_text("its 16-bit weights")   # (refused as in a step)
     (step / "manifest.json").write_text("{}")
     for where in (step, step / "model_16bit"):
-        assert main([str(tmp_path / "ckpt"), "--to", str(where)]) == 1
+        assert main([str(tmp_path / "ckpt"), "--to", str(where)]) == 2
         err = capsys.readouterr().err
         assert err == f"error: export: {where} is in the committed checkpoint {step}: writing there would make it " \
                       f"differ from its manifest.json; choose a folder outside the checkpoint\n", err
@@ -389,7 +389,7 @@ def test_an_empty_to_is_refused_not_the_current_directory(tmp_path, capsys, monk
     (tmp_path / "model.safetensors.index.json").write_text("{}")
     (tmp_path / "model-00001-of-00002.safetensors").write_text("kept")
     before = sorted(os.listdir(tmp_path))
-    assert main([str(tmp_path / "ckpt"), "--to", ""]) == 1
+    assert main([str(tmp_path / "ckpt"), "--to", ""]) == 2
     assert capsys.readouterr().err == "error: export: the output folder is empty (''); name a folder\n"
     assert sorted(os.listdir(tmp_path)) == before
 
@@ -402,7 +402,7 @@ def test_a_latest_that_loops_is_refused_in_one_line(tmp_path, capsys, loop):
         (tmp_path / "ckpt" / "latest").write_text(target)
     else:
         (tmp_path / "ckpt" / "latest").symlink_to(target)
-    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "out")]) == 1
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: export: ") and err.count("\n") == 1, err
     assert err.endswith(("(a loop); point it at a step folder (e.g. step-100), or give the step folder itself\n",

@@ -100,6 +100,16 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path):
         with pytest.raises(ConfigError, match=r"refused .*weights_only=True"):
             load_weights(engine, tmp_path / name)
     assert not marker.exists()
+    # torch's own reason, in one line of ours: no colour codes, no advice to load with weights_only=False.
+    import argparse
+    torch.save({"wte.weight": torch.zeros(2), "args": argparse.Namespace(a=1)}, tmp_path / "ns.pt")
+    (tmp_path / "junk.pt").write_bytes(b"garbage\n")
+    for name, want in (("ns.pt", r"refused .*holds objects other than tensors .*GLOBAL argparse\.Namespace.*if you "
+                                 r"trust the file"),
+                       ("junk.pt", r"not a torch state-dict file \(corrupt or another format; .*Unsupported operand")):
+        with pytest.raises(ConfigError, match=want) as e:
+            load_weights(engine, tmp_path / name)
+        assert "\n" not in str(e.value) and "\x1b" not in str(e.value) and "weights_only=False" not in str(e.value)
 
 
 def test_not_a_state_dict_and_missing_paths(tmp_path):
@@ -117,6 +127,14 @@ def test_not_a_state_dict_and_missing_paths(tmp_path):
     index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}}))
     with pytest.raises(ConfigError, match=r"names 1 tensor that is not in their files: b"):
         load_weights(engine, tmp_path)
+    for bad, why in (([1, 2], "its top level is a list"), ({"weight_map": None}, "no weight_map object")):
+        index.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=f"is not a safetensors index \\({why}"):
+            load_weights(engine, index)
+    # The model in place of its engine (as transformers' save_pretrained is called): one line, both ways.
+    for call in (load_weights, save_weights):
+        with pytest.raises(ConfigError, match=r"first argument is the engine .*got a GPT \(a module: pass its engine"):
+            call(engine.components.module, tmp_path / "s1.safetensors")
     index.write_text(json.dumps({"weight_map": {"a": "s2.safetensors"}}))
     with pytest.raises(ConfigError, match="shard\\(s\\) that do not exist"):
         load_weights(engine, index)
