@@ -45,7 +45,8 @@ def fail(error: object, code: int) -> int:
 
 
 def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: dict,
-                body: Callable[[dict[str, str], list[str], dict], None], aliases: Mapping[str, str] | None = None) -> int:
+                body: Callable[[dict[str, str], list[str], dict], None],
+                aliases: Mapping[str, str] | None = None) -> int:
     """A ``key=value`` command's frame: ``-h``/``--help`` prints ``doc`` as plain text; ``body(own, overrides, flags)``
     gets the arguments whose key is in ``own_keys``, the rest as Hydra overrides, and the ``--name``
     flags (a flag whose default is an int takes a whole number >= 1); a ``FrameworkError`` is one

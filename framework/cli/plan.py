@@ -108,7 +108,8 @@ def _plan_yaml(c: Candidate, from_file: frozenset[str] = frozenset()) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(__doc__, argv, "plan", OWN_KEYS, {"top": 20, "verify": 0, "reprobe": False, "json": False}, _run, ALIASES)
+    flags = {"top": 20, "verify": 0, "reprobe": False, "json": False}
+    return run_command(__doc__, argv, "plan", OWN_KEYS, flags, _run, ALIASES)
 
 
 def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:

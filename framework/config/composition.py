@@ -197,7 +197,8 @@ def _ambiguous(message: str, overrides: list[str], primary: Path) -> str:
         return ""
     key, value = m.groups()
     other = [f"a list as {key}=[{value}]", f"a string as {key}='{value}'"]
-    other = [o for o, kind in zip(other, ("list", "str")) if kind in _takes(plainconf.override_key(key), overrides, primary)]
+    takes = _takes(plainconf.override_key(key), overrides, primary)
+    other = [o for o, kind in zip(other, ("list", "str")) if kind in takes]
     return (f"{key}={value} is several values: add -m (--multirun) to run one job each"
             + (f", or give {' or '.join(other)}" if other else ""))
 

@@ -126,7 +126,7 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
                               f"format; torch says: {why or first_line(e)})") from None
         raise ConfigError(f"load_weights: refused {path}: it holds objects other than tensors (torch says: {why}; "
                           f"read with weights_only=True, so nothing in it ran); if you trust the file, load it "
-                          f"yourself and save its flat {{name: tensor}} state dict (e.g. obj['model']) to load") from None
+                          f"yourself and save its flat {{name: tensor}} state dict (e.g. obj['model'])") from None
     except (RuntimeError, OSError, EOFError) as e:
         raise ConfigError(f"load_weights: cannot read {path} as a torch state dict: "
                           f"{first_line(e)}") from None
@@ -162,8 +162,9 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
             index = json.loads(path.read_text())
         except ValueError as e:
             raise ConfigError(f"load_weights: {path} is not a safetensors index ({e})") from None
-        if not isinstance(weight_map := index.get("weight_map") if isinstance(index, dict) else None, dict):
-            why = "no weight_map object in it" if isinstance(index, dict) else f"its top level is a {type(index).__name__}"
+        top = type(index).__name__
+        if not isinstance(weight_map := index.get("weight_map") if top == "dict" else None, dict):
+            why = "no weight_map object in it" if top == "dict" else f"its top level is a {top}"
             raise ConfigError(f"load_weights: {path} is not a safetensors index ({why})")
         if any(not str(f).endswith(".safetensors") for f in weight_map.values()):
             raise ConfigError(f"load_weights: {path} indexes torch .bin shards, which load_weights does not read "

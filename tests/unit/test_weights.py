@@ -368,7 +368,7 @@ def test_a_full_disk_names_the_folder_and_keeps_the_earlier_save(tmp_path):
         assert "\n" not in str(e.value)
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     ckpt = Checkpointer(cfg, engine)
-    with file_size_limit(4000), pytest.raises(CheckpointError, match=r"checkpoint: not saving step 0: save_weights: "
+    with file_size_limit(4000), pytest.raises(CheckpointError, match=r"checkpoint: not saving step 0: save_pretrained: "
                                               r"cannot write .*step-0\.model_16bit \(.*the previous checkpoints"):
         ckpt.save(engine.state)
     ckpt.close()
