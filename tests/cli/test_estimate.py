@@ -330,17 +330,22 @@ def test_the_per_rank_tables_sums_are_not_under_device():
     from framework.memory.model import Prediction
 
     cfg = compose(["+stage=zero3", "offload=nvme", "logger=none"])
-    pred = Prediction(items={"params": (MiB, 0), "nvme_param_pool": (0, 3 * MiB)}, disk={"params": 2 * MiB},
+    pred = Prediction(items={"params": (MiB, 0), "bucket_buffers": (MiB, 0), "nvme_param_pool": (0, 3 * MiB)},
+                      disk={"params": 2 * MiB},
                       world=2, params=10, transient={"zero3_grad_partitions": MiB}, host_slack_fraction=0.0)
     lines = format_prediction(cfg, pred).splitlines()
     edge = {name: lines[1].index(name) + len(name) for name in ("device", "host", "NVMe", "device+host")}
     at = {line.split("  ")[1].strip(): line for line in lines[2:] if not line.startswith("  note")}
     for name, column, value in (("params", "device", "1.0 MiB"), ("nvme_param_pool", "host", "3.0 MiB"),
                                 ("params (NVMe)", "NVMe", "2.0 MiB"), ("zero3_grad_partitions (peak)", "device", "1.0 MiB"),
-                                ("model states", "device+host", "4.0 MiB"), ("peak", "device+host", "5.0 MiB")):
+                                ("model states", "device+host", "4.0 MiB"), ("peak", "device+host", "6.0 MiB")):
         assert at[name][:edge[column]].endswith(value), (name, lines)
     for name in ("model states", "allocator slack", "peak"):   # (nothing under device, host or NVMe)
         assert "MiB" not in at[name][:edge["NVMe"]], lines
+    # Items outside the model states (zero2's bucket buffers) are printed below their sum, not among its terms.
+    order = [line.split("  ")[1].strip() for line in lines[2:]]
+    assert order.index("params") < order.index("nvme_param_pool") < order.index("model states") < \
+        order.index("bucket_buffers"), lines
 
 
 def test_cuda_peak_traces_attention_as_the_fused_kernels_hold_it():
