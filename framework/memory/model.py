@@ -379,7 +379,8 @@ def _step_transients(pred: Prediction, policy, stage: str, shards: list[int], sw
     summed = policy.grad_accum_dtype if accumulated else policy.param_dtype
     if summed == policy.master_dtype:
         return
-    pred.transient["step_grads_master"] = pred.items.get("master_params", (0, 0))[0]
+    if on_device := pred.items.get("master_params", (0, 0))[0]:   # (host pieces: the offload tier's buffers)
+        pred.transient["step_grads_master"] = on_device
     if stage != "ddp" and not swapped and summed not in (torch.float32, torch.float64):   # (ddp: the norm of the copy)
         pred.transient["grad_norm_upcast"] = 4 * min(SQ_NORM_ROW << 14, max(shards, default=0))
 
