@@ -377,8 +377,12 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
     row = lambda name, device="", host="", nvme="", total="": (   # noqa: E731
         f"  {name:{w}s} {device:>14s} {host:>14s}" + (f" {nvme:>14s}" if disk else "") + f" {total:>14s}").rstrip()
     lines = [head, row("", "device", "host", "NVMe", "device+host")]
-    lines += [row(name, mib(d), mib(h)) for name, (d, h) in pred.items.items()]
+    # The model states' items above their sum; what else stays resident (buffers, zero2's bucket buffers, zero3's
+    # persistent parameters) below it, counted in the peak with the transients.
+    states = [name in pred.MODEL_STATES for name in pred.items]
+    lines += [row(name, mib(d), mib(h)) for (name, (d, h)), s in zip(pred.items.items(), states) if s]
     lines.append(row("model states", total=mib(pred.model_states)))
+    lines += [row(name, mib(d), mib(h)) for (name, (d, h)), s in zip(pred.items.items(), states) if not s]
     lines += [row(f"{name} (NVMe)", nvme=mib(b)) for name, b in pred.disk.items()]
     lines += [row(f"{name} (peak)", mib(b)) for name, b in pred.transient.items()]
     recompute = (f" + {pred.recompute_slack_fraction:.0%} of the activations under checkpointing"

@@ -19,7 +19,7 @@ from framework.core.errors import ConfigError, FrameworkError, first_line
 from framework.core.footprint import Footprint
 from framework.core.registry import registry
 from framework.core.units import MiB
-from framework.core.utils import dtype_name, tensors_in, to_device
+from framework.core.utils import SQ_NORM_ROW, dtype_name, tensors_in, to_device
 from framework.config import override_key
 from framework.engine.build import component
 from framework.memory.tables import count_module
@@ -149,6 +149,9 @@ class Prediction(Footprint):
     recompute_slack_fraction: float = 0.0   # of the activations, on the host (RECOMPUTE_SLACK_FRACTION)
     # The activations' peak with CUDA's fused attention; the "activations" transient is the CPU's math path.
     cuda_activations: int | None = None
+    # The optimizer step's transients, made once backward has freed the activations (``_step_transients``); of
+    # them the host code path's only, none on an accelerator.
+    AFTER_BACKWARD, HOST_ONLY = ("step_grads_master", "grad_norm_upcast"), ("grad_norm_upcast",)
 
     MODEL_STATES = ("params", "frozen_params", "grads", "grad_accumulator", "master_params", "optimizer_state",
                     "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool",
@@ -177,8 +180,11 @@ class Prediction(Footprint):
         dev, transient = sum(d for d, _ in self.items.values()), sum(self.transient.values())
         if not cuda:
             return dev + transient + self.slack
+        step = sum(self.transient.get(k, 0) for k in self.AFTER_BACKWARD if k not in self.HOST_ONLY)
+        transient -= step + sum(self.transient.get(k, 0) for k in self.HOST_ONLY)
         if self.cuda_activations is not None:   # attention as CUDA's fused kernels hold it
             transient += self.cuda_activations - self.transient.get("activations", 0)
+        transient = max(transient, step)   # the caching allocator hands the step the activations' freed blocks
         return dev + transient + int(SLACK_FRACTION * transient) + CUDA_FIXED_SLACK   # the caching allocator's slack
 
     def host_total(self) -> int:
@@ -311,6 +317,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         raise ConfigError(f"estimate: no memory model for stage {stage!r}")
     placement.predict_pool(pred, shards, *cut)
     whole_memory(pred, module, policy.param_dtype)   # frozen parameters and buffers, whole on every rank
+    _step_transients(pred, policy, stage, shards, placement.swap_grads(policy.grad_accum_dtype, cfg.train.grad_accum))
 
     # Activations of one micro batch, traced on meta in the working dtype.
     ctx = context or cfg.model.context
@@ -358,6 +365,25 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
                       f"{tr.saved / MiB:.1f} MiB saved after forward, {tr.peak / MiB:.1f} MiB peak"
                       + (f" ({fused.peak / MiB:.1f} MiB with CUDA's fused attention)" if device is None else ""))
     return pred
+
+
+def _step_transients(pred: Prediction, policy, stage: str, shards: list[int], swapped: bool) -> None:
+    """The optimizer step's copies: the update reads the gradients in the master dtype, so a stage whose summed
+    gradients are in another (16-bit working gradients with no wider accumulator) converts every piece the
+    device tier updates (``.to(master)``, held through the update: as many elements as the device's master
+    copy); the sharded stages' gradient norm then reads their 16-bit partitions, upcast on the host one block of
+    ``SQ_NORM_ROW << 14`` elements at a time (``core.utils.sq_norm``; on an accelerator a fused norm copies none).
+    On the host added to the activations' peak although made after backward has freed them: glibc keeps the
+    activations' small blocks in its heap while these large copies are mapped anew (measured: the peak with
+    them added 1.01-1.12x, with the larger phase alone 0.86-0.91x); on CUDA the larger phase (``device_peak``)."""
+    accumulated = stage in ("zero2", "zero3") or pred.items.get("grad_accumulator", (0, 0))[0]
+    summed = policy.grad_accum_dtype if accumulated else policy.param_dtype
+    if summed == policy.master_dtype:
+        return
+    if on_device := pred.items.get("master_params", (0, 0))[0]:   # (host pieces: the offload tier's buffers)
+        pred.transient["step_grads_master"] = on_device
+    if stage != "ddp" and not swapped and summed not in (torch.float32, torch.float64):   # (ddp: the norm of the copy)
+        pred.transient["grad_norm_upcast"] = 4 * min(SQ_NORM_ROW << 14, max(shards, default=0))
 
 
 def nvme_pools(cfg, module: nn.Module, world: int, params: str, **keys) -> Footprint:
