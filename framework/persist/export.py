@@ -18,7 +18,7 @@ from framework.core.errors import ConfigError
 from framework.core.utils import few
 from framework.persist import stepfolders
 from framework.persist.checkpoint import glue, verify
-from framework.persist.layout import StateLayout
+from framework.persist.layout import StateLayout, check_format
 from framework.persist.tensorfiles import output_dir, plan_files, save_files
 from framework.persist.weights import check_output
 
@@ -67,12 +67,19 @@ class Checkpoint:
 
     def __init__(self, checkpoint):
         d = self.step_dir = resolve(checkpoint)
-        if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
-            verify(d, resume=True)   # (as a resume, export never reads the zero3 16-bit copy: damage there is a line)
+        state = d / stepfolders.TRAIN_STATE
+        try:   # a newer version's checkpoint is refused, never read as this version's
+            if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
+                verify(d, resume=True)   # (as a resume, export never reads the zero3 16-bit copy: damage there is a line)
+            body = stepfolders.read_json(state, "train state") if state.is_file() else {}
+            if isinstance(body, dict):
+                stepfolders.train_state_versions(body, d)
+        except stepfolders.NewerVersion as e:
+            raise stepfolders.NewerVersion(f"export: {e.what}", "export it with that version") from None
+        if isinstance(body, dict) and "state_format" in body:
+            check_format(body["state_format"], f"export: {d}")
         self.metadata = glue().read_metadata(d / ".metadata")
         # {alias: name} of the tied parameters, saved once
-        state = d / stepfolders.TRAIN_STATE
-        body = stepfolders.read_json(state, "train state") if state.is_file() else {}
         tied = body.get("tied") if isinstance(body, dict) else None
         self.tied = {a: n for a, n in tied.items() if isinstance(n, str)} if isinstance(tied, dict) else {}
         self.params, self.keys = {}, {}   # name -> its DCP key's prefix

@@ -286,9 +286,11 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
         if stepfolders.check_file(folder, stepfolders.TRAIN_STATE, want) is not None:
             return cfg
         body = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")
+        if isinstance(body, dict):   # (a newer version's keys are not this one's to compare)
+            stepfolders.train_state_versions(body, folder)
         saved = body["config"]
-    except (CheckpointError, UnsafePathError, OSError, KeyError, TypeError):
-        return cfg
+    except (CheckpointError, UnsafePathError, OSError, KeyError, TypeError, stepfolders.NewerVersion):
+        return cfg   # (damage, or a newer version's: the ranks' load names it)
     # Another job's in the folder this job saves into (a path given is the user's choice; latest passed over
     # another job's elsewhere): it would take on that job's state and report it as its own.
     if c.resume in ("auto", "latest") and folder.parent.resolve() == root.resolve() and (
