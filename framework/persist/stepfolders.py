@@ -34,6 +34,7 @@ WEIGHTS16 = "model_16bit"   # the one subfolder: its files are in the manifest a
 FORMAT = 1
 # train_state.json's own "format" (its "state_format" is the state's layout: ``framework.engine.state.FORMAT``)
 TRAIN_STATE_FORMAT = 1
+LOCK = ".lock"   # the CLI's lock of the folder it saves into, naming its holder ("pid N on host H")
 SELF_SHA = "manifest_sha256"   # the manifest's checksum of its own body (older manifests have none)
 _STEP = re.compile(r"^step-(\d+)$")
 _AROUND = re.compile(r"(step-\d+)\.(tmp|old)")   # a step a commit has under way (``interrupted``)
@@ -65,6 +66,19 @@ def train_state_versions(body: dict, folder: Path) -> None:
     an export's), as a newer layout may lack or rename them."""
     check_version(body.get("format"), TRAIN_STATE_FORMAT, "train_state.json format", folder)
     check_version(body.get("state_format"), STATE_FORMAT, "state format", folder)
+
+
+def removed_while_read(step: Path, advice: str) -> str:
+    """The line for the step folder ``step`` removed while it was read: the rotation of a run saving into its folder
+    (no damage, nor a permission), named by the folder's lock where it holds a name; ``advice``: the way out."""
+    try:
+        with os.fdopen(files.open_nofollow(step.parent / LOCK, os.O_RDONLY), "rb") as f:
+            holder = f.read(200).decode(errors="replace").strip()
+    except (OSError, UnsafePathError):
+        holder = ""
+    who = (f"the run holding {step.parent / LOCK} ({holder})" if holder and holder.isprintable()
+           else f"a run saving into {step.parent}")
+    return f"{step} was removed while it was read: {who} rotates its checkpoints; {advice}"
 
 
 def files_of(folder: Path) -> list[str]:

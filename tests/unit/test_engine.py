@@ -689,6 +689,45 @@ def test_a_checkpoint_from_before_the_loss_scaler_record_resumes(tmp_path):
         assert (state.step, state.precision.skipped_steps, state.precision.cur_scale) == (1, 0, 1.0)
 
 
+def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp_path, monkeypatch):
+    """A run reading the folder another run saves into (resume=auto, saving nothing): that run's rotation may
+    remove the step being read. No damage: the folder is listed again once, its newest step then read; else one
+    line naming that run (the folder's lock) and the way out (was "every checkpoint ... is damaged")."""
+    import shutil
+
+    import framework.persist.checkpoint as package
+
+    cfg = tiny_config("train.steps=2", "train.micro_batch=2", "checkpoint.every=1", "checkpoint.keep_last=0")
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg) as engine:
+        with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
+            state = engine.state
+            for _ in range(3):
+                state, _ = engine.train_step(state, _batch(data, state))
+                ckpt.save(state)
+        root = tmp_path / "checkpoints"
+        (root / ".lock").write_text("pid 7 on host h\n")
+        doomed, load = {"step-3"}, package.load
+
+        def rotated(engine, state, folder, **kwargs):   # that run's rotation, as the check reads the step
+            if folder.name in doomed:
+                shutil.rmtree(folder)
+            return load(engine, state, folder, **kwargs)
+
+        monkeypatch.setattr(package, "load", rotated)
+        reader = tiny_config("train.steps=2", "train.micro_batch=2", f"checkpoint.dir={root}")
+        with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
+            assert ckpt.resume(engine.state).step == 2 and ckpt.resumed_from == root / "step-2"
+        doomed.update({"step-2", "step-1"})
+        with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
+            with pytest.raises(framework.FrameworkError) as e:
+                ckpt.resume(engine.state)
+        assert str(e.value) == (f"checkpoint.resume=auto: {root / 'step-1'} was removed while it was read: the run "
+                                f"holding {root / '.lock'} (pid 7 on host h) rotates its checkpoints; run again, or "
+                                "resume from a step that run keeps (checkpoint.keep_last)")
+        assert not isinstance(e.value, package.CheckpointError)   # (no damage)
+
+
 def test_an_async_save_keeps_the_warnings_filters_the_user_adds_meanwhile(tmp_path, recwarn):
     """An async save runs on the Checkpointer's thread, where ``warnings.catch_warnings`` would put back the whole
     process-wide filter list on leaving, dropping a filter the user's loop added meanwhile; DCP's one-process
