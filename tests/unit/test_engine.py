@@ -668,7 +668,8 @@ def test_a_newer_versions_checkpoint_is_refused_not_fallen_back_past_nor_replace
 def test_a_checkpoint_from_before_the_loss_scaler_record_resumes(tmp_path):
     """The first checkpoints recorded the precision policy's name alone (``"precision": "fp32"``, no loss scaler,
     no recent losses): no dynamic scaling, so no step was skipped and no scale carries over; it resumes (it was
-    refused as damage: "the loss scale None"). A save records the framework's version."""
+    refused as damage: "the loss scale None"); with dynamic scaling it is named as an earlier version's. A save
+    records the framework's version."""
     import json
     cfg = tiny_config("train.steps=2", "train.micro_batch=2", "checkpoint.every=1")
     module, data = build_gpt(cfg)
@@ -687,6 +688,14 @@ def test_a_checkpoint_from_before_the_loss_scaler_record_resumes(tmp_path):
         with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
             state = ckpt.resume(engine.state)
         assert (state.step, state.precision.skipped_steps, state.precision.cur_scale) == (1, 0, 1.0)
+        # with dynamic scaling its scale is not there: named as an earlier version's, with the way out, no damage
+        _rewrite_step(step, lambda body: body.update(dynamic_loss_scale=True))
+        with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
+            with pytest.raises(framework.FrameworkError, match=r"saved by an earlier version of the framework "
+                               r"\(train_state.json precision 'fp32', before the loss-scaler record\).*export its "
+                               r"weights \(python -m framework.export") as e:
+                ckpt.resume(engine.state)
+        assert type(e.value) is framework.FrameworkError   # (not a CheckpointError: damage)
 
 
 def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp_path, monkeypatch):

@@ -12,7 +12,8 @@ import torch
 
 from framework.config.schema import get_key
 from framework.engine.state import initial_scalars
-from framework.core.errors import CheckpointError, ConfigError, UnsafePathError, on_every_rank, say
+from framework.core.errors import (CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank,
+                                   say)
 from framework.core.registry import registry
 from framework.models.hf import architecture, without_dtype
 from framework.loggers import RUN_ONLY
@@ -258,6 +259,11 @@ def _train_state(folder: Path, manifest: dict) -> dict:
         # scaling no step was skipped, and no scale carries over (``with_saved_scalars``), so the record is the
         # scaler's initial one at that step.
         body["precision"] = asdict(PrecisionState(cur_iter=body["step"] if isinstance(body["step"], int) else 0))
+    elif isinstance(body["precision"], str):   # (with dynamic scaling: its scale is not recorded; no damage)
+        raise FrameworkError(f"checkpoint {folder} was saved by an earlier version of the framework ({path.name} "
+                             f"precision {body['precision']!r}, before the loss-scaler record), which this version "
+                             f"resumes without dynamic loss scaling only: export its weights (python -m "
+                             f"framework.export {folder} --to DIR) and start afresh from them (load_weights)")
     world = body["world"]
     if not isinstance(world, int) or world < 1 or world != manifest.get("world"):
         raise CheckpointError(f"checkpoint {folder}: {path} says world size {world!r} but {stepfolders.MANIFEST} says "
