@@ -32,6 +32,7 @@ from framework.persist.layout import StateLayout, host_copy, nonfinite_items, pi
 from framework.persist.tensorfiles import bits_sum, read_per_device
 from framework.persist.weights import save_on_model_save, tied_names, whole_tensors
 
+
 def _version() -> str | None:
     """The framework's version (pyproject's), recorded in train_state.json: a later version's refusal of a layout
     it no longer reads can name the version that wrote it. None where the package is not installed."""
