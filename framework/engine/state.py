@@ -40,7 +40,10 @@ def restore_rng(rng: tuple[torch.Tensor, ...], device: torch.device) -> None:
         torch.cuda.set_rng_state(rng[1], device)
 
 
-FORMAT = 1   # of the name-keyed state dict (``framework.persist.layout``)
+# Of the name-keyed state dict (``framework.persist.layout``) and of a checkpoint's train_state.json ("state_format"):
+# raise it whenever either's layout changes in a way this version's reader would misread or refuse as damage (a
+# key renamed or retyped), so that an older version names a newer one's state rather than calling it damaged.
+FORMAT = 1
 
 
 def optimizer_leaves(opt_state: Any, params: Sequence[torch.Tensor]) -> tuple[dict[str, list], dict[str, Any]]:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from framework.core.errors import ConfigError
+from framework.core.errors import ConfigError, FrameworkError
 from framework.core.utils import few
 from framework.persist import stepfolders
 from framework.persist.checkpoint import glue, verify
-from framework.persist.layout import StateLayout
+from framework.persist.layout import StateLayout, check_format
 from framework.persist.tensorfiles import output_dir, plan_files, save_files
 from framework.persist.weights import check_output
 
@@ -67,12 +67,19 @@ class Checkpoint:
 
     def __init__(self, checkpoint):
         d = self.step_dir = resolve(checkpoint)
-        if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
-            verify(d, resume=True)   # (as a resume, export never reads the zero3 16-bit copy: damage there is a line)
+        state = d / stepfolders.TRAIN_STATE
+        try:   # a newer version's checkpoint is refused, never read as this version's
+            if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
+                verify(d, resume=True)   # (as a resume, export never reads the zero3 16-bit copy: damage there is a line)
+            body = stepfolders.read_json(state, "train state") if state.is_file() else {}
+            if isinstance(body, dict):
+                stepfolders.train_state_versions(body, d)
+        except stepfolders.NewerVersion as e:
+            raise stepfolders.NewerVersion(f"export: {e.what}", "export it with that version") from None
+        if isinstance(body, dict) and "state_format" in body:
+            check_format(body["state_format"], f"export: {d}")
         self.metadata = glue().read_metadata(d / ".metadata")
         # {alias: name} of the tied parameters, saved once
-        state = d / stepfolders.TRAIN_STATE
-        body = stepfolders.read_json(state, "train state") if state.is_file() else {}
         tied = body.get("tied") if isinstance(body, dict) else None
         self.tied = {a: n for a, n in tied.items() if isinstance(n, str)} if isinstance(tied, dict) else {}
         self.params, self.keys = {}, {}   # name -> its DCP key's prefix
@@ -97,7 +104,10 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     replace an earlier export there (``check_output``), which stays whole if this one fails."""
     out_dir = output_dir(out_dir, dtype, "export")
     check_output(out_dir, "export", overwrite)
-    ckpt = Checkpoint(checkpoint)
+    return _reading(checkpoint, lambda ckpt: _export(ckpt, out_dir, dtype, max_shard_size))
+
+
+def _export(ckpt: Checkpoint, out_dir: Path, dtype: torch.dtype | None, max_shard_size: int | str) -> list[Path]:
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
     # The freed heap memory goes back to the OS after each tensor: glibc keeps DCP's freed read buffers, and an
     # export's footprint would ratchet up (measured: 12-34 MB instead of about one 4 MiB tensor).
@@ -120,6 +130,24 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
 def get_fp32_state_dict_from_checkpoint(checkpoint) -> dict[str, torch.Tensor]:
     """The checkpoint's consolidated fp32 weights ``{name: tensor}`` in memory (DeepSpeed's
     ``get_fp32_state_dict_from_zero_checkpoint``); a tied parameter under each of its names, as ``state_dict``."""
-    ckpt = Checkpoint(checkpoint)
-    sd = {n: t.float() if t.is_floating_point() else t for n, t in ckpt.read(list(ckpt.params)).items()}
-    return {**sd, **{alias: sd[name] for alias, name in ckpt.tied.items() if name in sd and alias not in sd}}
+    def read(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+        sd = {n: t.float() if t.is_floating_point() else t for n, t in ckpt.read(list(ckpt.params)).items()}
+        return {**sd, **{alias: sd[name] for alias, name in ckpt.tied.items() if name in sd and alias not in sd}}
+    return _reading(checkpoint, read)
+
+
+def _reading(checkpoint, fn):
+    """``fn(Checkpoint(checkpoint))``. Where its step folder is gone meanwhile (a live run saving there rotated it
+    away: no damage), the newest step then, once, where ``checkpoint`` is the folder of the steps; else one line
+    naming that run (its lock) and the way out."""
+    for again in (False, True):
+        step = resolve(checkpoint)
+        try:
+            return fn(Checkpoint(step))
+        except (FrameworkError, OSError, glue().CheckpointException):
+            if os.path.lexists(step):
+                raise
+            if not again and step.resolve() != Path(checkpoint).resolve():
+                continue
+            raise FrameworkError("export: " + stepfolders.removed_while_read(
+                step, "run the export again, or export a step that run keeps (checkpoint.keep_last)")) from None

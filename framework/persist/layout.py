@@ -156,7 +156,10 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
 
 def check_format(saved_format: Any, caller: str) -> None:
     if saved_format != FORMAT:
-        raise FrameworkError(f"{caller}: saved state of format {saved_format!r}, this version reads format {FORMAT}")
+        newer = isinstance(saved_format, int) and not isinstance(saved_format, bool) and saved_format > FORMAT
+        raise FrameworkError(f"{caller}: saved state of format {saved_format!r}, this version reads format {FORMAT}"
+                             + (" (written by a newer version of the framework: load it with that version)"
+                                if newer else ""))
 
 
 def check_ranks(saved: Sequence[dict]) -> int:

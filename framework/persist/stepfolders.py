@@ -24,17 +24,61 @@ from pathlib import Path
 from typing import Any
 
 from framework.core import files
-from framework.core.errors import CheckpointError, UnsafePathError
+from framework.core.errors import CheckpointError, ConfigError, UnsafePathError
+from framework.engine.state import FORMAT as STATE_FORMAT
 
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
 LATEST = "latest"
 WEIGHTS16 = "model_16bit"   # the one subfolder: its files are in the manifest as "model_16bit/<name>"
 FORMAT = 1
+# train_state.json's own "format" (its "state_format" is the state's layout: ``framework.engine.state.FORMAT``)
+TRAIN_STATE_FORMAT = 1
+LOCK = ".lock"   # the CLI's lock of the folder it saves into, naming its holder ("pid N on host H")
 SELF_SHA = "manifest_sha256"   # the manifest's checksum of its own body (older manifests have none)
 _STEP = re.compile(r"^step-(\d+)$")
 _AROUND = re.compile(r"(step-\d+)\.(tmp|old)")   # a step a commit has under way (``interrupted``)
 _LEFTOVER = (".tmp", ".old", ".del", f".{WEIGHTS16}")
+
+
+class NewerVersion(ConfigError):
+    """A checkpoint file a newer version of the framework wrote (a version field above the one this version reads):
+    no damage, so never fallen back past, overwritten, rotated away or read as if this version's. ``what``: the
+    line without its advice, for a caller to give its own."""
+
+    def __init__(self, what: str, advice: str = "read it with that version"):
+        super().__init__(f"{what}: {advice}")
+        self.what = what
+
+
+def check_version(value: Any, reads: int, what: str, folder: Path) -> None:
+    """NewerVersion where ``value``, the version field ``what`` of a file in the checkpoint ``folder``, is a number
+    above ``reads``; read before any other field (a newer layout may lack or rename them). A value that is no number
+    is the caller's to call damage."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > reads:
+        raise NewerVersion(f"checkpoint {folder} was saved by a newer version of the framework ({what} {value}, this "
+                           f"one reads {reads})")
+
+
+def train_state_versions(body: dict, folder: Path) -> None:
+    """``NewerVersion`` where a checkpoint's train_state.json ``body`` was written by a newer version of
+    the framework: its own format or its state's above this version's. Read before any other key (a resume's and
+    an export's), as a newer layout may lack or rename them."""
+    check_version(body.get("format"), TRAIN_STATE_FORMAT, "train_state.json format", folder)
+    check_version(body.get("state_format"), STATE_FORMAT, "state format", folder)
+
+
+def removed_while_read(step: Path, advice: str) -> str:
+    """The line for the step folder ``step`` removed while it was read: the rotation of a run saving into its folder
+    (no damage, nor a permission), named by the folder's lock where it holds a name; ``advice``: the way out."""
+    try:
+        with os.fdopen(files.open_nofollow(step.parent / LOCK, os.O_RDONLY), "rb") as f:
+            holder = f.read(200).decode(errors="replace").strip()
+    except (OSError, UnsafePathError):
+        holder = ""
+    who = (f"the run holding {step.parent / LOCK} ({holder})" if holder and holder.isprintable()
+           else f"a run saving into {step.parent}")
+    return f"{step} was removed while it was read: {who} rotates its checkpoints; {advice}"
 
 
 def files_of(folder: Path) -> list[str]:
@@ -118,6 +162,8 @@ def read_manifest(folder: Path) -> dict:
     except OSError:
         pass   # (read_json names it unreadable, with the system's reason)
     body = read_json(path, "the manifest")
+    if isinstance(body, dict):
+        check_version(body.get("format"), FORMAT, "manifest format", folder)
     if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(body.get("files"), dict):
         raise CheckpointError(f"checkpoint {folder}: {path} is not a format-{FORMAT} manifest")
     # (a manifest written before it had its own checksum is read as it was: its files are still checked)
@@ -193,6 +239,10 @@ def scan(root: Path, around: bool = False, manifests: bool = False) -> tuple[lis
             try:
                 manifest = read_manifest(p)
                 out.append((seq(manifest), int(m.group(1)), p, manifest))
+            except NewerVersion:
+                # Listed first: a resume refuses it (not a fall back to an older step whose saves would replace
+                # it); no manifest to pass on, so neither rotation nor a commit's count reads or removes it.
+                out.append((float("inf"), int(m.group(1)), p, None))
             except CheckpointError as e:
                 if os.path.lexists(p / MANIFEST):
                     out.append((-1, int(m.group(1)), p, None))
@@ -232,6 +282,16 @@ def commit(tmp: Path, final: Path, on_point) -> str | None:
     files.refuse_links(final, root / f"{final.name}.old", root / f"{LATEST}.tmp")
     aside = None
     if final.exists():  # the same step saved again (resumed from an older checkpoint)
+        try:   # (never one of a newer version: resumed from an older step of its folder)
+            read_manifest(final)
+            body = read_json(final / TRAIN_STATE, "the train state")
+            if isinstance(body, dict):
+                train_state_versions(body, final)
+        except NewerVersion as e:
+            raise NewerVersion(e.what, "not replaced by this run's save of that step; set checkpoint.dir to another "
+                               "folder") from None
+        except (CheckpointError, UnsafePathError):
+            pass   # (damage: replaced, as before)
         aside = root / f"{final.name}.old"
         _remove_tree(aside)
         os.replace(final, aside)

@@ -283,7 +283,8 @@ def test_an_error_after_a_refused_read_says_the_state_was_read_into(pools, tmp_p
     _edit_train_state(root / "step-1", lambda t: t.replace('"state_format": 1', '"state_format": 99'))
     runs = pools(2).run(_run, ZERO2, str(root), steps=3, resume="auto", keep_last=0, timeout=240)
     for r in runs:
-        assert r["error"].startswith(f"FrameworkError: checkpoint {root / 'step-1'}: saved state of format 99"), r
+        assert r["error"].startswith(f"NewerVersion: checkpoint {root / 'step-1'} was saved by a newer version of "
+                                     "the framework (state format 99, this one reads 1): resume it with that version"), r
         assert r["error"].endswith("; the state given to resume may be partly overwritten: do not train from it"), r
 
 

@@ -626,6 +626,140 @@ def test_a_checkpointer_that_saves_nothing_says_so_once(tmp_path, capsys):
     assert [p.name for p in tmp_path.rglob("step-*")] == ["step-0"] and "none saved" not in capsys.readouterr().out
 
 
+def _rewrite_step(step, train_state=None, **manifest):
+    """``step``'s train_state.json edited by ``train_state(body)`` and its manifest's fields set to ``manifest``,
+    the checksums made to match: files as another version writes them, no damage."""
+    import hashlib
+    import json
+    from framework.persist import stepfolders
+    body = json.loads((step / "train_state.json").read_text())
+    if train_state is not None:
+        train_state(body)
+    raw = json.dumps(body).encode()
+    (step / "train_state.json").write_bytes(raw)
+    m = {**json.loads((step / "manifest.json").read_text()), **manifest}
+    m["files"]["train_state.json"] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    m[stepfolders.SELF_SHA] = stepfolders._body_sha(m)
+    (step / "manifest.json").write_text(json.dumps(m))
+
+
+def _newer_layout(body):
+    body["state_format"] = 2   # and what a newer layout may rename: no key or shape check may come first
+    body["layout"] = body.pop("fragments")
+    body["config"]["model"]["layers"] = body["config"]["model"].pop("n_layer")
+
+
+@pytest.mark.parametrize("newer", ["manifest format", "train_state.json format", "state format"])
+def test_a_newer_versions_checkpoint_is_refused_not_fallen_back_past_nor_replaced(tmp_path, newer):
+    """A step a newer version of the framework saved (a version field above this one's, files intact) is no
+    damage: resume=auto stops on one line with the way out (no fall back to the step before it, whose run would
+    save over it and rotate), the version read before any other key; export refuses it; a run resumed from the
+    step before it does not replace it with its own save of that step."""
+    from framework.persist.export import get_fp32_state_dict_from_checkpoint
+    from framework.persist.stepfolders import NewerVersion
+    cfg = tiny_config("train.steps=2", "train.micro_batch=2", "checkpoint.every=1", "checkpoint.keep_last=0")
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg) as engine:
+        with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
+            state = engine.state
+            for _ in range(2):
+                state, _ = engine.train_step(state, _batch(data, state))
+                ckpt.save(state)
+        step = tmp_path / "checkpoints" / "step-2"
+        _rewrite_step(step, **{"manifest format": {"format": 2},
+                               "train_state.json format": {"train_state": lambda b: b.update(format=2)},
+                               "state format": {"train_state": _newer_layout}}[newer])
+        before = {p.name: p.read_bytes() for p in step.iterdir()}
+        with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
+            with pytest.raises(NewerVersion, match=rf"^checkpoint {step} was saved by a newer version of the framework "
+                                                   rf"\({newer} 2, this one reads 1\): resume it with that version, or "
+                                                   r"use another checkpoint.dir to start this run afresh$"):
+                ckpt.resume(engine.state)
+        with pytest.raises(NewerVersion, match=rf"^export: checkpoint {step} was saved by a newer .*: export it with "
+                                               "that version$"):
+            get_fp32_state_dict_from_checkpoint(step.parent)
+        resume = tiny_config("train.steps=2", "train.micro_batch=2", "checkpoint.every=1", "checkpoint.keep_last=0",
+                             f"checkpoint.resume={step.parent / 'step-1'}")
+        with contextlib.closing(Checkpointer(resume, engine, run_dir=tmp_path)) as ckpt:
+            state = ckpt.resume(engine.state)
+            state, _ = engine.train_step(state, _batch(data, state))
+            with pytest.raises(framework.FrameworkError, match=r"newer version .*: not replaced by this run's save"):
+                ckpt.save(state)
+        assert {p.name: p.read_bytes() for p in step.iterdir()} == before
+
+
+def test_a_checkpoint_from_before_the_loss_scaler_record_resumes(tmp_path):
+    """The first checkpoints recorded the precision policy's name alone (``"precision": "fp32"``, no loss scaler,
+    no recent losses): no dynamic scaling, so no step was skipped and no scale carries over; it resumes (it was
+    refused as damage: "the loss scale None"); with dynamic scaling it is named as an earlier version's. A save
+    records the framework's version."""
+    import json
+    cfg = tiny_config("train.steps=2", "train.micro_batch=2", "checkpoint.every=1")
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg) as engine:
+        with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
+            state, _ = engine.train_step(engine.state, _batch(data, engine.state))
+            ckpt.save(state)
+        step = tmp_path / "checkpoints" / "step-1"
+        assert json.loads((step / "train_state.json").read_text())["framework_version"] == "0.1.0"
+
+        def older(body):
+            body.update(precision="fp32")
+            for key in ("recent_losses", "precision_policy", "framework_version"):
+                body.pop(key)
+        _rewrite_step(step, older)
+        with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
+            state = ckpt.resume(engine.state)
+        assert (state.step, state.precision.skipped_steps, state.precision.cur_scale) == (1, 0, 1.0)
+        # with dynamic scaling its scale is not there: named as an earlier version's, with the way out, no damage
+        _rewrite_step(step, lambda body: body.update(dynamic_loss_scale=True))
+        with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
+            with pytest.raises(framework.FrameworkError, match=r"saved by an earlier version of the framework "
+                               r"\(train_state.json precision 'fp32', before the loss-scaler record\).*export its "
+                               r"weights \(python -m framework.export") as e:
+                ckpt.resume(engine.state)
+        assert type(e.value) is framework.FrameworkError   # (not a CheckpointError: damage)
+
+
+def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp_path, monkeypatch):
+    """A run reading the folder another run saves into (resume=auto, saving nothing): that run's rotation may
+    remove the step being read. No damage: the folder is listed again once, its newest step then read; else one
+    line naming that run (the folder's lock) and the way out (was "every checkpoint ... is damaged")."""
+    import shutil
+
+    import framework.persist.checkpoint as package
+
+    cfg = tiny_config("train.steps=2", "train.micro_batch=2", "checkpoint.every=1", "checkpoint.keep_last=0")
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg) as engine:
+        with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
+            state = engine.state
+            for _ in range(3):
+                state, _ = engine.train_step(state, _batch(data, state))
+                ckpt.save(state)
+        root = tmp_path / "checkpoints"
+        (root / ".lock").write_text("pid 7 on host h\n")
+        doomed, load = {"step-3"}, package.load
+
+        def rotated(engine, state, folder, **kwargs):   # that run's rotation, as the check reads the step
+            if folder.name in doomed:
+                shutil.rmtree(folder)
+            return load(engine, state, folder, **kwargs)
+
+        monkeypatch.setattr(package, "load", rotated)
+        reader = tiny_config("train.steps=2", "train.micro_batch=2", f"checkpoint.dir={root}")
+        with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
+            assert ckpt.resume(engine.state).step == 2 and ckpt.resumed_from == root / "step-2"
+        doomed.update({"step-2", "step-1"})
+        with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
+            with pytest.raises(framework.FrameworkError) as e:
+                ckpt.resume(engine.state)
+        assert str(e.value) == (f"checkpoint.resume=auto: {root / 'step-1'} was removed while it was read: the run "
+                                f"holding {root / '.lock'} (pid 7 on host h) rotates its checkpoints; run again, or "
+                                "resume from a step that run keeps (checkpoint.keep_last)")
+        assert not isinstance(e.value, package.CheckpointError)   # (no damage)
+
+
 def test_an_async_save_keeps_the_warnings_filters_the_user_adds_meanwhile(tmp_path, recwarn):
     """An async save runs on the Checkpointer's thread, where ``warnings.catch_warnings`` would put back the whole
     process-wide filter list on leaving, dropping a filter the user's loop added meanwhile; DCP's one-process

@@ -143,6 +143,42 @@ def test_a_damaged_checkpoint_is_refused_not_exported(tmp_path, capsys):
         get_fp32_state_dict_from_checkpoint(step)
 
 
+def test_a_step_a_live_run_rotates_away_while_it_is_read_is_no_damage(tmp_path, capsys, monkeypatch):
+    """Exporting the folder of a run that is saving there: its rotation may remove the step being read. That is
+    no damage nor a permission: the folder's newest step then is read, once; else one line naming the run (its
+    lock) and the way out, exit 1 (was "cannot read .../.metadata ...; check ... their permissions")."""
+    import shutil
+
+    from framework.persist import export as reader, stepfolders
+
+    _checkpoint(tmp_path)
+    root = tmp_path / "ckpt"
+    shutil.copytree(root / "step-3", root / "step-2")
+    for n in (2, 3):
+        step = root / f"step-{n}"
+        stepfolders.write_manifest(step, {f: stepfolders.file_entry(step, f) for f in stepfolders.files_of(step)},
+                                   step=n, seq=n)
+    (root / ".lock").write_text("pid 7 on host h\n")
+    doomed, verify = {"step-3"}, reader.verify
+
+    def rotated(d, **kwargs):   # the run's rotation, as the check reads the step
+        if d.name in doomed:
+            shutil.rmtree(d)
+        return verify(d, **kwargs)
+
+    monkeypatch.setattr(reader, "verify", rotated)
+    assert main([str(root), "--to", str(tmp_path / "out")]) == 0   # the step the run keeps
+    assert "exporting step-2" in capsys.readouterr().err
+    doomed.add("step-2")
+    shutil.copytree(root / "step-2", root / "step-3")
+    assert main([str(root), "--to", str(tmp_path / "out2")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"error: export: {root / 'step-2'} was removed while it was read: the run holding {root / '.lock'} "
+                   "(pid 7 on host h) rotates its checkpoints; run the export again, or export a step that run keeps "
+                   "(checkpoint.keep_last)"), err
+    assert not (tmp_path / "out2").exists()
+
+
 @pytest.mark.parametrize("ours", ["train_state.json", "rng-0.json"])
 def test_a_checkpoint_of_ours_without_its_manifest_is_refused(tmp_path, capsys, ours):
     """A step folder our save wrote (its train_state.json or an rng-<rank>.json) whose manifest.json

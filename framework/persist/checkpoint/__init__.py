@@ -91,7 +91,7 @@ class Checkpointer:
             if resume == "auto" and every:
                 self._say(f"resume=auto: no checkpoint in {self.root}; starting from step 0")
             return state
-        errors, spent = [], ""   # SPENT once a read began (it may have written into the state)
+        errors, spent, relisted = [], "", False   # SPENT once a read began (it may have written into the state)
         for i, folder in enumerate(folders):
             try:
                 read = load(self.engine, state, folder, group=self.group, seed=self.seed, same=(self.config, given),
@@ -105,6 +105,14 @@ class Checkpointer:
                 if final is not None and self.group.all_gather(self.rank == 0 and final.is_dir(),
                                                                "resume: step moved in")[0]:
                     folders.insert(i + 1, final)
+                    continue
+                # Gone since it was listed: a live run saving there rotated it away (no damage). The folder is
+                # listed again, once: that run's newest steps are read; else one line naming that run.
+                if self.group.all_gather(self.rank == 0 and not os.path.lexists(folder), "resume: step removed")[0]:
+                    if relisted or (again := self._relist(what, resume, every)) is None:
+                        raise on_every_rank(FrameworkError(f"checkpoint.resume={given}: " + stepfolders.removed_while_read(
+                            folder, "run again, or resume from a step that run keeps (checkpoint.keep_last)") + spent))
+                    relisted, folders[i + 1:] = True, again
                     continue
                 if resume != "auto" and len(folders) == 1:   # the one folder asked for: no other choice
                     raise on_every_rank(CheckpointError(f"{e}{spent}"), e.every_rank) from None
@@ -141,6 +149,13 @@ class Checkpointer:
         raise on_every_rank(CheckpointError(   # (each fallback came after an agreed one: so does this)
             f"checkpoint.resume={given}: every checkpoint in {folders[0].parent} is damaged or not finite (the "
             f"folders are kept; {way}): " + " | ".join(errors) + spent))
+
+    def _relist(self, what: str, resume: str, every: int) -> list[Path] | None:
+        """``choose``'s folders again (rank 0 looks, every rank gets them), None where ``resume`` names one step."""
+        if resume not in ("auto", "latest") and stepfolders.step_of(Path(user_path(resume))) >= 0:
+            return None
+        mine = agree_load(self.group, what, lambda: choose(resume, self.root, every) if self.rank == 0 else None)
+        return self.group.all_gather(mine, "resume choice")[0][0] or None
 
     def afresh(self, folder: Path) -> str:
         """What a refusal of the checkpoint ``folder`` says to start this run afresh instead (``resumed_from``: of
@@ -286,9 +301,11 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
         if stepfolders.check_file(folder, stepfolders.TRAIN_STATE, want) is not None:
             return cfg
         body = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")
+        if isinstance(body, dict):   # (a newer version's keys are not this one's to compare)
+            stepfolders.train_state_versions(body, folder)
         saved = body["config"]
-    except (CheckpointError, UnsafePathError, OSError, KeyError, TypeError):
-        return cfg
+    except (CheckpointError, UnsafePathError, OSError, KeyError, TypeError, stepfolders.NewerVersion):
+        return cfg   # (damage, or a newer version's: the ranks' load names it)
     # Another job's in the folder this job saves into (a path given is the user's choice; latest passed over
     # another job's elsewhere): it would take on that job's state and report it as its own.
     if c.resume in ("auto", "latest") and folder.parent.resolve() == root.resolve() and (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import torch
 
 from framework.config.schema import get_key
 from framework.engine.state import initial_scalars
-from framework.core.errors import CheckpointError, ConfigError, UnsafePathError, on_every_rank, say
+from framework.core.errors import (CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank,
+                                   say)
 from framework.core.registry import registry
 from framework.models.hf import architecture, without_dtype
 from framework.loggers import RUN_ONLY
@@ -21,6 +23,7 @@ from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values, optim_keys
 from framework.persist.layout import (StateLayout, check_format, nonfinite_items, pieces,
                                       with_saved_scalars)
+from framework.precision import PrecisionState
 from framework.persist.weights import whole_tensors
 from framework.core.utils import counted, few, under
 
@@ -189,6 +192,9 @@ def data_change(saved, mine) -> tuple[str, bool] | None:
     return (f"{size[0]} -> {size[1]} bytes" if size[0] != size[1] else "the same size", False) if differs else None
 
 
+_NEWER = "<newer>"   # (verify's mark of a newer version's manifest among the files' problems)
+
+
 def verify(folder: Path, group: Group | None = None, resume: bool = False) -> dict:
     """The manifest, every file checked against it (each rank a share): every rank raises one CheckpointError
     naming the bad files. ``resume`` (or an export: neither reads ``model_16bit/``): damage there is a line."""
@@ -209,12 +215,16 @@ def verify(folder: Path, group: Group | None = None, resume: bool = False) -> di
             if other := [n for n in unlisted if not stepfolders.a_save_writes(n)]:
                 # (stderr, as every warning: export prints the paths it wrote on stdout, for scripts to read)
                 say(f"checkpoint: {folder} holds {few(other)}, which no save writes: ignored")
-    except (CheckpointError, UnsafePathError, OSError) as e:
-        problems = [("", str(e))]
+    except stepfolders.NewerVersion as e:   # (no damage: one refusal, on every rank)
+        problems = [(_NEWER, e.what)]
+    except (CheckpointError, UnsafePathError, OSError) as e:   # (the folder is named once, in the line below)
+        problems = [("", str(e).removeprefix(f"checkpoint {folder}: "))]
     except (KeyError, TypeError, ValueError) as e:   # an edited manifest entry: refused on every rank like a bad file
         problems = [("", f"{folder / stepfolders.MANIFEST} has a malformed file entry ({type(e).__name__}: {e})")]
     everyone = [problems] if group is None else group.all_gather(problems, "checksum verification")
     found = {pair for part in everyone for pair in part}
+    if newer := next((p for n, p in found if n == _NEWER), None):
+        raise on_every_rank(stepfolders.NewerVersion(newer))   # (its advice: the caller's)
     unread = sorted(n for n, _ in found if resume and n.startswith(copy16))
     bad = sorted(p for n, p in found if n not in unread)
     if bad:
@@ -238,9 +248,22 @@ def _train_state(folder: Path, manifest: dict) -> dict:
     """train_state.json, checked against the manifest: a file edited or mixed from another save is refused."""
     path = folder / stepfolders.TRAIN_STATE
     body = stepfolders.read_json(path, "the train state")
+    if isinstance(body, dict):   # the versions first: a newer version's file may lack or rename any other key
+        stepfolders.train_state_versions(body, folder)
     missing = [k for k in _BODY_KEYS if k not in body] if isinstance(body, dict) else list(_BODY_KEYS)
     if missing:
         raise CheckpointError(f"checkpoint {folder}: {path} lacks {few(missing)}")
+    check_format(body["state_format"], f"checkpoint {folder}")
+    if isinstance(body["precision"], str) and body["dynamic_loss_scale"] is False:
+        # Saved before train_state.json recorded the loss scaler (the policy's name alone): without dynamic
+        # scaling no step was skipped, and no scale carries over (``with_saved_scalars``), so the record is the
+        # scaler's initial one at that step.
+        body["precision"] = asdict(PrecisionState(cur_iter=body["step"] if isinstance(body["step"], int) else 0))
+    elif isinstance(body["precision"], str):   # (with dynamic scaling: its scale is not recorded; no damage)
+        raise FrameworkError(f"checkpoint {folder} was saved by an earlier version of the framework ({path.name} "
+                             f"precision {body['precision']!r}, before the loss-scaler record), which this version "
+                             f"resumes without dynamic loss scaling only: export its weights (python -m "
+                             f"framework.export {folder} --to DIR) and start afresh from them (load_weights)")
     world = body["world"]
     if not isinstance(world, int) or world < 1 or world != manifest.get("world"):
         raise CheckpointError(f"checkpoint {folder}: {path} says world size {world!r} but {stepfolders.MANIFEST} says "
@@ -269,15 +292,21 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, way: str, same
     # Before anything is read: the checks below and the read take the trainable set from requires_grad, which a
     # change after initialize makes disagree with the stage's layout (a parameter left unread, or called missing).
     agree_load(group, "requires_grad check", lambda: engine.check_trainable("checkpoint resume"))
-    manifest = verify(folder, group, resume=True)
+    try:
+        manifest = verify(folder, group, resume=True)
+    except stepfolders.NewerVersion as e:   # (on every rank: verify's)
+        raise on_every_rank(stepfolders.NewerVersion(e.what, f"resume it with that version, or {way}")) from None
     c = engine.components
     specs = c.stage.piece_specs()
     layout = StateLayout.of(specs, rank=group.rank, world=group.world)
     whole = whole_tensors(c.module)   # buffers and frozen parameters
 
     def check():
+        try:   # (first: the versions, then the rest)
+            body = _train_state(folder, manifest)
+        except stepfolders.NewerVersion as e:
+            raise stepfolders.NewerVersion(e.what, f"resume it with that version, or {way}") from None
         _, per, scalars = pieces(state, specs)
-        body = _train_state(folder, manifest)
         md = glue().read_metadata(folder / ".metadata")
         named = same is not None and isinstance(body["config"], dict) and \
             body["config"].get("optimizer", {}).get("name") is not None
@@ -290,7 +319,6 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, way: str, same
         _fits(c, folder, body, md, layout, per, scalars, whole, way, named)   # names a parameter whose shape differs
         if same is not None and isinstance(body["config"], dict):
             same_run(folder, body["config"], *same, body.get("model_config"), architecture(c.module), way=way)
-        check_format(body["state_format"], f"checkpoint {folder}")   # before reading anything
         return body, md
 
     body, md = agree_load(group, f"checkpoint check of {folder}", check)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -30,6 +31,18 @@ from framework.core.utils import dtype_name, few, tensor_bytes
 from framework.persist.layout import StateLayout, host_copy, nonfinite_items, pieces
 from framework.persist.tensorfiles import bits_sum, read_per_device
 from framework.persist.weights import save_on_model_save, tied_names, whole_tensors
+
+
+def _version() -> str | None:
+    """The framework's version (pyproject's), recorded in train_state.json: a later version's refusal of a layout
+    it no longer reads can name the version that wrote it. None where the package is not installed."""
+    try:
+        return importlib.metadata.version("framework")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+VERSION = _version()
 
 # torch.optim's names for the per-element and scalar state of our transforms (the DCP keys).
 _TORCH_NAMES = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer", "sum_of_squares": "sum",
@@ -274,7 +287,8 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         files.write_new(tmp / f"rng-{rank}.json", json.dumps(snap["rng"]).encode())
         point("after-shard")
         if rank == 0:
-            body = {"format": 1, "state_format": STATE_FORMAT, **snap["train"], "world": group.world, **meta,
+            body = {"format": stepfolders.TRAIN_STATE_FORMAT, "state_format": STATE_FORMAT,
+                    "framework_version": VERSION, **snap["train"], "world": group.world, **meta,
                     "config": config,
                     # The saving layout: each parameter's shape and the flat ranges each rank held.
                     **snap["layout"]}
