@@ -70,7 +70,7 @@ class Checkpoint:
         state = d / stepfolders.TRAIN_STATE
         try:   # a newer version's checkpoint is refused, never read as this version's
             if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
-                verify(d, resume=True)   # (as a resume, export never reads the zero3 16-bit copy: damage there is a line)
+                verify(d, resume=True)   # (as a resume: export never reads zero3's 16-bit copy; its damage is a line)
             body = stepfolders.read_json(state, "train state") if state.is_file() else {}
             if isinstance(body, dict):
                 stepfolders.train_state_versions(body, d)

@@ -284,7 +284,8 @@ def test_an_error_after_a_refused_read_says_the_state_was_read_into(pools, tmp_p
     runs = pools(2).run(_run, ZERO2, str(root), steps=3, resume="auto", keep_last=0, timeout=240)
     for r in runs:
         assert r["error"].startswith(f"NewerVersion: checkpoint {root / 'step-1'} was saved by a newer version of "
-                                     "the framework (state format 99, this one reads 1): resume it with that version"), r
+                                     "the framework (state format 99, this one reads 1): resume it with that "
+                                     "version"), r
         assert r["error"].endswith("; the state given to resume may be partly overwritten: do not train from it"), r
 
 

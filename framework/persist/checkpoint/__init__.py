@@ -110,8 +110,9 @@ class Checkpointer:
                 # listed again, once: that run's newest steps are read; else one line naming that run.
                 if self.group.all_gather(self.rank == 0 and not os.path.lexists(folder), "resume: step removed")[0]:
                     if relisted or (again := self._relist(what, resume, every)) is None:
-                        raise on_every_rank(FrameworkError(f"checkpoint.resume={given}: " + stepfolders.removed_while_read(
-                            folder, "run again, or resume from a step that run keeps (checkpoint.keep_last)") + spent))
+                        gone = stepfolders.removed_while_read(
+                            folder, "run again, or resume from a step that run keeps (checkpoint.keep_last)")
+                        raise on_every_rank(FrameworkError(f"checkpoint.resume={given}: {gone}{spent}"))
                     relisted, folders[i + 1:] = True, again
                     continue
                 if resume != "auto" and len(folders) == 1:   # the one folder asked for: no other choice
