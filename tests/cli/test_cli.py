@@ -482,18 +482,18 @@ def test_the_ranks_of_a_torchrun_sweep_end_it_with_rank_0s_count_alone(monkeypat
 
 
 def test_a_job_without_room_for_its_records_fails_on_one_line_and_the_sweep_goes_on(tmp_path):
-    """A full disk under metrics.jsonl (here a 5 KiB file size limit, RLIMIT_FSIZE, which job 0's record
-    outgrows and job 1's does not): one line for job 0, then job 1, then the sweep's count of failed jobs.
+    """A full disk under metrics.jsonl (here an 8 KiB file size limit, RLIMIT_FSIZE, which job 0's record
+    outgrows and job 1's does not; Hydra's multirun.yaml, ~5 KiB with the help template, fits): one line for job 0, then job 1, then the sweep's count of failed jobs.
     (A fresh process, not forkrun: the limit would hold for the fork server's output files too.)"""
     import resource
 
     root = Path(__file__).resolve().parents[2]
 
     def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (5 * 1024, 5 * 1024))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 * 1024, 8 * 1024))
 
     sweep = tmp_path / "sweep"
-    p = subprocess.run([sys.executable, "-m", "framework.train", "-m", "train.steps=40,2", "train.log_every=1",
+    p = subprocess.run([sys.executable, "-m", "framework.train", "-m", "train.steps=60,2", "train.log_every=1",
                         "train.eval_every=0", "train.eval_batches=1", *SHORT[4:], "hydra.output_subdir=null",
                         f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env={**os.environ, **ENV, "PYTHONPATH": str(root)},
                        capture_output=True, text=True, timeout=240, preexec_fn=limit)

@@ -803,7 +803,7 @@ def test_a_leading_tilde_is_the_home_folder_for_every_path_setting(tmp_path, mon
             check_folder(OmegaConf.create({"hydra": {"run": {"dir": "~/r"}, "sweep": {"dir": "~/r"}}}), key)
         assert str(e.value) == (f"{key}=~/r: a leading ~ is not expanded there; write the home folder's path: "
                                 f"{key}={tmp_path / 'r'}")
-    assert export.main(["~/ck", "--to=~/out"]) == 1
+    assert export.main(["~/ck", "--to=~/out"]) == 2   # (a refused argument)
     assert capsys.readouterr().err == f"error: export: {tmp_path / 'ck'} does not exist\n"
     assert sorted(os.listdir(tmp_path)) == ["cfgs", "ds.json"]
 
