@@ -547,9 +547,22 @@ def test_eval_step_takes_any_iterable_of_micro_batches():
 @pytest.mark.parametrize("stage", ["+stage=ddp", "+stage=zero3"])
 def test_eval_step_puts_back_each_modules_own_mode_a_frozen_batch_norm_stays_frozen(stage):
     # module.train(was) on the root would turn the BatchNorm the user froze with .eval() back to training: the next
-    # steps would update its running statistics. Each flag is put back, after a loss_fn that raises too.
+    # steps would update its running statistics. Each flag is put back, after a loss_fn that raises too, and
+    # through each module's own train(): an override that drops an eval-only cache runs (as transformers'
+    # LevitAttention clears its attention-bias cache), else the next eval reads the cache of old weights.
+    class Cached(torch.nn.Linear):
+        cache = None
+
+        def train(self, mode=True):
+            super().train(mode)
+            self.cache = None if mode else self.cache
+            return self
+
+        def forward(self, x):
+            self.cache = self.cache if self.training else "filled from this eval's weights"
+            return super().forward(x)
     module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5),
-                                 torch.nn.Linear(4, 1))
+                                 Cached(4, 1))
     module[1].eval(), module[2].eval()
     micro = [(torch.randn(2, 3), torch.randn(2, 1))]
 
@@ -560,6 +573,7 @@ def test_eval_step_puts_back_each_modules_own_mode_a_frozen_batch_norm_stays_fro
     with framework.initialize(module, loss, tiny_config(stage, "train.grad_accum=1")) as engine:
         engine.eval_step(engine.state, micro)
         assert [m.training for m in module.modules()] == modes == [True, True, False, False, True]
+        assert module[3].cache is None   # its train() ran
         with pytest.raises(ZeroDivisionError):
             engine.eval_step(engine.state, [(micro[0][0], None)])
         assert [m.training for m in module.modules()] == modes
