@@ -14,6 +14,7 @@ at any moment leaves every committed folder intact. Files are owner-only, never 
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -69,14 +70,29 @@ def train_state_versions(body: dict, folder: Path) -> None:
 
 
 def removed_while_read(step: Path, advice: str) -> str:
-    """The line for the step folder ``step`` removed while it was read: the rotation of a run saving into its folder
-    (no damage, nor a permission), named by the folder's lock where it holds a name; ``advice``: the way out."""
+    """The line for the step folder ``step`` removed while it was read (no damage, nor a permission): the rotation
+    of the run that holds the folder's lock, named by the lock's text; where no run holds it, some other process
+    (a library loop saving there takes no lock, a user's ``rm``, a clean-up): the text the lock keeps then names
+    the run that held it last, which may have ended long ago. ``advice``: the way out."""
+    lock = step.parent / LOCK
     try:
-        with os.fdopen(files.open_nofollow(step.parent / LOCK, os.O_RDONLY), "rb") as f:
-            holder = f.read(200).decode(errors="replace").strip()
-    except (OSError, UnsafePathError):
-        holder = ""
-    who = (f"the run holding {step.parent / LOCK} ({holder})" if holder and holder.isprintable()
+        fd = files.open_nofollow(lock, os.O_RDONLY)
+    except (OSError, UnsafePathError):   # none (no CLI run ever saved there), or a link in its place
+        fd = None
+    held = None   # not known: a file system without locks
+    if fd is not None:
+        with os.fdopen(fd, "rb") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)   # (released as it is closed)
+                held = False
+            except BlockingIOError:
+                held = True
+            except OSError:
+                pass
+            holder = f.read(200).decode(errors="replace").strip() if held else ""
+    if held is False or fd is None:
+        return f"{step} was removed while it was read: another process removed it (no run holds {lock}); {advice}"
+    who = (f"the run holding {lock} ({holder})" if holder and holder.isprintable()
            else f"a run saving into {step.parent}")
     return f"{step} was removed while it was read: {who} rotates its checkpoints; {advice}"
 

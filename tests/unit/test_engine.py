@@ -738,7 +738,9 @@ def test_a_checkpoint_from_before_the_loss_scaler_record_resumes(tmp_path):
 def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp_path, monkeypatch):
     """A run reading the folder another run saves into (resume=auto, saving nothing): that run's rotation may
     remove the step being read. No damage: the folder is listed again once, its newest step then read; else one
-    line naming that run (the folder's lock) and the way out (was "every checkpoint ... is damaged")."""
+    line naming that run (the folder's lock, where a run holds it) and the way out (was "every checkpoint ... is
+    damaged")."""
+    import fcntl
     import shutil
 
     import framework.persist.checkpoint as package
@@ -753,6 +755,8 @@ def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp
                 ckpt.save(state)
         root = tmp_path / "checkpoints"
         (root / ".lock").write_text("pid 7 on host h\n")
+        holding = open(root / ".lock", "rb")   # that run's lock, held as cli/launch holds it
+        fcntl.flock(holding.fileno(), fcntl.LOCK_EX)
         doomed, load = {"step-3"}, package.load
 
         def rotated(engine, state, folder, **kwargs):   # that run's rotation, as the check reads the step
@@ -764,6 +768,7 @@ def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp
         reader = tiny_config("train.steps=2", "train.micro_batch=2", f"checkpoint.dir={root}")
         with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
             assert ckpt.resume(engine.state).step == 2 and ckpt.resumed_from == root / "step-2"
+        shutil.copytree(root / "step-1", tmp_path / "spare")
         doomed.update({"step-2", "step-1"})
         with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
             with pytest.raises(framework.FrameworkError) as e:
@@ -772,6 +777,15 @@ def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp
                                 f"holding {root / '.lock'} (pid 7 on host h) rotates its checkpoints; run again, or "
                                 "resume from a step that run keeps (checkpoint.keep_last)")
         assert not isinstance(e.value, package.CheckpointError)   # (no damage)
+        # No run holds the lock (the run it names ended; a user's rm, a library loop): that run is not named
+        holding.close()
+        shutil.copytree(tmp_path / "spare", root / "step-1")
+        with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
+            with pytest.raises(framework.FrameworkError) as e:
+                ckpt.resume(engine.state)
+        assert str(e.value) == (f"checkpoint.resume=auto: {root / 'step-1'} was removed while it was read: another "
+                                f"process removed it (no run holds {root / '.lock'}); run again, or resume from a "
+                                "step that run keeps (checkpoint.keep_last)")
 
 
 def test_an_async_save_keeps_the_warnings_filters_the_user_adds_meanwhile(tmp_path, recwarn):
