@@ -291,6 +291,28 @@ def step_of(folder: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
+def refuse_newer_above(step: Path) -> None:
+    """NewerVersion where the folder of ``step`` (the one a run resumes from and saves into) holds a step above it
+    that a newer version saved: this run's saves would reach it (every N steps, or the last at a stop) and never
+    replace it (``commit``), so it is refused at the start, not at that save after the training since the last."""
+    n = step_of(step)
+    for p, manifest in scan(step.parent, manifests=True)[0]:
+        if step_of(p) <= n:
+            continue
+        try:
+            if manifest is None:   # (a newer version's manifest, or damage)
+                read_manifest(p)
+            body = read_json(p / TRAIN_STATE, "the train state")
+            if isinstance(body, dict):
+                train_state_versions(body, p)
+        except NewerVersion as e:
+            raise NewerVersion(e.what, f"this run resumes from {step.name} below it and would save that step in its "
+                               "place; set checkpoint.dir to another folder (or resume that step with that "
+                               "version)") from None
+        except (CheckpointError, UnsafePathError, OSError):
+            pass   # (damage: a save replaces it, as ever)
+
+
 def commit(tmp: Path, final: Path, on_point) -> str | None:
     """Rename ``step-N.tmp`` to ``step-N`` (an older one moved aside first), then point ``latest`` at it; rank 0.
     A failure after the rename (the commit point) is returned, to warn. ``on_point(name)``: fault tests'."""

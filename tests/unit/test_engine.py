@@ -18,7 +18,7 @@ from framework.comm.accelerator import DeviceMismatch, OrderError
 from framework.core.errors import SwapIOError
 from framework.engine.state import capture_rng
 from framework.models.gpt import gpt_loss
-from framework.persist.checkpoint import Checkpointer
+from framework.persist.checkpoint import Checkpointer, preflight
 from tests._helpers import build_gpt, tiny_config
 
 
@@ -694,11 +694,18 @@ def test_a_newer_versions_checkpoint_is_refused_not_fallen_back_past_nor_replace
             get_fp32_state_dict_from_checkpoint(step.parent)
         resume = tiny_config("train.steps=2", "train.micro_batch=2", "checkpoint.every=1", "checkpoint.keep_last=0",
                              f"checkpoint.resume={step.parent / 'step-1'}")
-        with contextlib.closing(Checkpointer(resume, engine, run_dir=tmp_path)) as ckpt:
-            state = ckpt.resume(engine.state)
+        with contextlib.closing(Checkpointer(resume, engine, run_dir=tmp_path)) as ckpt:   # at the start, not
+            with pytest.raises(NewerVersion, match=rf"^checkpoint {step} was saved by a newer .*: this run resumes "
+                               r"from step-1 below it and would save that step in its place; set checkpoint.dir"):
+                ckpt.resume(engine.state)                                # at the save after the training since
+            with pytest.raises(NewerVersion, match=r"this run resumes from step-1 below it"):
+                preflight(resume, tmp_path)   # (the CLI's, before any rank starts)
+            reading = tiny_config("train.steps=2", "train.micro_batch=2", f"checkpoint.resume={step.parent / 'step-1'}")
+            with contextlib.closing(Checkpointer(reading, engine, run_dir=tmp_path)) as reader:   # (saves nothing)
+                state = reader.resume(engine.state)
             state, _ = engine.train_step(state, _batch(data, state))
             with pytest.raises(framework.FrameworkError, match=r"newer version .*: not replaced by this run's save"):
-                ckpt.save(state)
+                ckpt.save(state)   # (a loop that saves on all the same)
         assert {p.name: p.read_bytes() for p in step.iterdir()} == before
 
 
