@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +67,11 @@ class TokensSource(CropSource):
         # Crops are read with pread on a descriptor kept open, not through the mapping: a file rewritten in
         # place while a run reads it (a prepare rerun truncates the same inode) faults a mapping with SIGBUS,
         # which kills the process without a word; a short read is a DataError. (The mapping is for the checks
-        # above, at start.) One read per crop costs about what its page faults did.
-        self._file, self._size = open(path, "rb", buffering=0), path.stat().st_size
+        # above, at start.) One read per crop costs about what its page faults did. A raw descriptor closed as
+        # the source is collected: a source has no close() the data pipeline calls, and a process building many
+        # (a sweep, tests, report tools) would keep one descriptor open for each otherwise.
+        self._fd, self._size = os.open(path, os.O_RDONLY | os.O_CLOEXEC), path.stat().st_size
+        weakref.finalize(self, os.close, self._fd)
         del data
         # the checksum and characters its metadata records (prepare's), else its size alone
         chars = found.get("chars") if found is not None else None
@@ -83,8 +87,8 @@ class TokensSource(CropSource):
         out = np.empty((len(starts), self.context + 1), dtype="<u2")
         for row, start in zip(out, starts):
             offset = 2 * data[int(start)]
-            if os.preadv(self._file.fileno(), [row], offset) < row.nbytes:
-                now = os.fstat(self._file.fileno()).st_size
+            if os.preadv(self._fd, [row], offset) < row.nbytes:
+                now = os.fstat(self._fd).st_size
                 raise DataError(f"data.path={self.path} shrank from {self._size} to {now} bytes while training; "
                                 "do not rewrite a token file a run is reading (write a new file and point "
                                 "data.path at it; the checkpoints saved so far are kept)")

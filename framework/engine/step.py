@@ -166,15 +166,19 @@ _SIXTEEN = re.compile(r"BFloat16|Half|bfloat16|float16")
 @contextlib.contextmanager
 def eval_mode(module: nn.Module) -> Iterator[None]:
     """``module`` and every submodule in eval mode inside; after (an exception too), each module's own training
-    flag back: ``module.train(was)`` is recursive and would turn a submodule the user put in ``eval()`` (a
-    BatchNorm frozen for fine-tuning, a dropout turned off) back to training."""
+    flag back: ``module.train(was)`` alone is recursive and would turn a submodule the user put in ``eval()`` (a
+    BatchNorm frozen for fine-tuning, a dropout turned off) back to training. Each flag goes back through that
+    module's own ``train()`` (not by assignment), so an override runs: one that drops eval-only state (an
+    attention-bias cache filled from the weights of that eval) would otherwise serve it to the next eval.
+    ``modules()`` is preorder: a parent's recursive ``train()`` runs first and its children are corrected after."""
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         yield
     finally:
         for m, was in modes:
-            m.training = was
+            if m.training != was:
+                m.train(was)
 
 
 def same_count(dist: Dist, n: int) -> None:

@@ -134,9 +134,9 @@ class WandbLogger:
         return (run_id if isinstance(run_id, str) and run_id else None,
                 step if isinstance(step, int) and not isinstance(step, bool) else None)
 
-    def _keep(self) -> None:
+    def _keep(self, durable: bool = True) -> None:
         kept = {"id": self.run_id, "step": self.logged}
-        files.write_atomic(self.run_info.run_dir / RUN_ID, json.dumps(kept).encode())
+        files.write_atomic(self.run_info.run_dir / RUN_ID, json.dumps(kept).encode(), durable=durable)
 
     def log(self, record: dict) -> None:
         self.console.log(record)
@@ -146,7 +146,11 @@ class WandbLogger:
         run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         if self.run_id is not None and record["step"] > self.logged:   # (an evaluation logs at its step again)
             self.logged = record["step"]
-            self._keep()
+            # Rewritten at each new step, inside the training loop (every rank waits for rank 0 at the next
+            # collective): no fsync, which would cost milliseconds a log. A crash may lose the newest record
+            # (the file keeps an older step, or on some file systems is left empty): a resume then continues
+            # the old W&B run rather than starting a new one (or starts a new one), which is harmless.
+            self._keep(durable=False)
 
     def finish(self, summary: dict) -> None:
         self.console.finish(summary)

@@ -14,6 +14,7 @@ at any moment leaves every committed folder intact. Files are owner-only, never 
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -69,14 +70,29 @@ def train_state_versions(body: dict, folder: Path) -> None:
 
 
 def removed_while_read(step: Path, advice: str) -> str:
-    """The line for the step folder ``step`` removed while it was read: the rotation of a run saving into its folder
-    (no damage, nor a permission), named by the folder's lock where it holds a name; ``advice``: the way out."""
+    """The line for the step folder ``step`` removed while it was read (no damage, nor a permission): the rotation
+    of the run that holds the folder's lock, named by the lock's text; where no run holds it, some other process
+    (a library loop saving there takes no lock, a user's ``rm``, a clean-up): the text the lock keeps then names
+    the run that held it last, which may have ended long ago. ``advice``: the way out."""
+    lock = step.parent / LOCK
     try:
-        with os.fdopen(files.open_nofollow(step.parent / LOCK, os.O_RDONLY), "rb") as f:
-            holder = f.read(200).decode(errors="replace").strip()
-    except (OSError, UnsafePathError):
-        holder = ""
-    who = (f"the run holding {step.parent / LOCK} ({holder})" if holder and holder.isprintable()
+        fd = files.open_nofollow(lock, os.O_RDONLY)
+    except (OSError, UnsafePathError):   # none (no CLI run ever saved there), or a link in its place
+        fd = None
+    held = None   # not known: a file system without locks
+    if fd is not None:
+        with os.fdopen(fd, "rb") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)   # (released as it is closed)
+                held = False
+            except BlockingIOError:
+                held = True
+            except OSError:
+                pass
+            holder = f.read(200).decode(errors="replace").strip() if held else ""
+    if held is False or fd is None:
+        return f"{step} was removed while it was read: another process removed it (no run holds {lock}); {advice}"
+    who = (f"the run holding {lock} ({holder})" if holder and holder.isprintable()
            else f"a run saving into {step.parent}")
     return f"{step} was removed while it was read: {who} rotates its checkpoints; {advice}"
 
@@ -273,6 +289,28 @@ def held_for(folder: Path) -> Path | None:
 def step_of(folder: Path) -> int:
     m = _STEP.match(folder.name)
     return int(m.group(1)) if m else -1
+
+
+def refuse_newer_above(step: Path) -> None:
+    """NewerVersion where the folder of ``step`` (the one a run resumes from and saves into) holds a step above it
+    that a newer version saved: this run's saves would reach it (every N steps, or the last at a stop) and never
+    replace it (``commit``), so it is refused at the start, not at that save after the training since the last."""
+    n = step_of(step)
+    for p, manifest in scan(step.parent, manifests=True)[0]:
+        if step_of(p) <= n:
+            continue
+        try:
+            if manifest is None:   # (a newer version's manifest, or damage)
+                read_manifest(p)
+            body = read_json(p / TRAIN_STATE, "the train state")
+            if isinstance(body, dict):
+                train_state_versions(body, p)
+        except NewerVersion as e:
+            raise NewerVersion(e.what, f"this run resumes from {step.name} below it and would save that step in its "
+                               "place; set checkpoint.dir to another folder (or resume that step with that "
+                               "version)") from None
+        except (CheckpointError, UnsafePathError, OSError):
+            pass   # (damage: a save replaces it, as ever)
 
 
 def commit(tmp: Path, final: Path, on_point) -> str | None:

@@ -18,7 +18,7 @@ from framework.comm.accelerator import DeviceMismatch, OrderError
 from framework.core.errors import SwapIOError
 from framework.engine.state import capture_rng
 from framework.models.gpt import gpt_loss
-from framework.persist.checkpoint import Checkpointer
+from framework.persist.checkpoint import Checkpointer, preflight
 from tests._helpers import build_gpt, tiny_config
 
 
@@ -547,9 +547,22 @@ def test_eval_step_takes_any_iterable_of_micro_batches():
 @pytest.mark.parametrize("stage", ["+stage=ddp", "+stage=zero3"])
 def test_eval_step_puts_back_each_modules_own_mode_a_frozen_batch_norm_stays_frozen(stage):
     # module.train(was) on the root would turn the BatchNorm the user froze with .eval() back to training: the next
-    # steps would update its running statistics. Each flag is put back, after a loss_fn that raises too.
+    # steps would update its running statistics. Each flag is put back, after a loss_fn that raises too, and
+    # through each module's own train(): an override that drops an eval-only cache runs (as transformers'
+    # LevitAttention clears its attention-bias cache), else the next eval reads the cache of old weights.
+    class Cached(torch.nn.Linear):
+        cache = None
+
+        def train(self, mode=True):
+            super().train(mode)
+            self.cache = None if mode else self.cache
+            return self
+
+        def forward(self, x):
+            self.cache = self.cache if self.training else "filled from this eval's weights"
+            return super().forward(x)
     module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5),
-                                 torch.nn.Linear(4, 1))
+                                 Cached(4, 1))
     module[1].eval(), module[2].eval()
     micro = [(torch.randn(2, 3), torch.randn(2, 1))]
 
@@ -560,6 +573,7 @@ def test_eval_step_puts_back_each_modules_own_mode_a_frozen_batch_norm_stays_fro
     with framework.initialize(module, loss, tiny_config(stage, "train.grad_accum=1")) as engine:
         engine.eval_step(engine.state, micro)
         assert [m.training for m in module.modules()] == modes == [True, True, False, False, True]
+        assert module[3].cache is None   # its train() ran
         with pytest.raises(ZeroDivisionError):
             engine.eval_step(engine.state, [(micro[0][0], None)])
         assert [m.training for m in module.modules()] == modes
@@ -680,11 +694,18 @@ def test_a_newer_versions_checkpoint_is_refused_not_fallen_back_past_nor_replace
             get_fp32_state_dict_from_checkpoint(step.parent)
         resume = tiny_config("train.steps=2", "train.micro_batch=2", "checkpoint.every=1", "checkpoint.keep_last=0",
                              f"checkpoint.resume={step.parent / 'step-1'}")
-        with contextlib.closing(Checkpointer(resume, engine, run_dir=tmp_path)) as ckpt:
-            state = ckpt.resume(engine.state)
+        with contextlib.closing(Checkpointer(resume, engine, run_dir=tmp_path)) as ckpt:   # at the start, not
+            with pytest.raises(NewerVersion, match=rf"^checkpoint {step} was saved by a newer .*: this run resumes "
+                               r"from step-1 below it and would save that step in its place; set checkpoint.dir"):
+                ckpt.resume(engine.state)                                # at the save after the training since
+            with pytest.raises(NewerVersion, match=r"this run resumes from step-1 below it"):
+                preflight(resume, tmp_path)   # (the CLI's, before any rank starts)
+            reading = tiny_config("train.steps=2", "train.micro_batch=2", f"checkpoint.resume={step.parent / 'step-1'}")
+            with contextlib.closing(Checkpointer(reading, engine, run_dir=tmp_path)) as reader:   # (saves nothing)
+                state = reader.resume(engine.state)
             state, _ = engine.train_step(state, _batch(data, state))
             with pytest.raises(framework.FrameworkError, match=r"newer version .*: not replaced by this run's save"):
-                ckpt.save(state)
+                ckpt.save(state)   # (a loop that saves on all the same)
         assert {p.name: p.read_bytes() for p in step.iterdir()} == before
 
 
@@ -724,7 +745,9 @@ def test_a_checkpoint_from_before_the_loss_scaler_record_resumes(tmp_path):
 def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp_path, monkeypatch):
     """A run reading the folder another run saves into (resume=auto, saving nothing): that run's rotation may
     remove the step being read. No damage: the folder is listed again once, its newest step then read; else one
-    line naming that run (the folder's lock) and the way out (was "every checkpoint ... is damaged")."""
+    line naming that run (the folder's lock, where a run holds it) and the way out (was "every checkpoint ... is
+    damaged")."""
+    import fcntl
     import shutil
 
     import framework.persist.checkpoint as package
@@ -739,6 +762,8 @@ def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp
                 ckpt.save(state)
         root = tmp_path / "checkpoints"
         (root / ".lock").write_text("pid 7 on host h\n")
+        holding = open(root / ".lock", "rb")   # that run's lock, held as cli/launch holds it
+        fcntl.flock(holding.fileno(), fcntl.LOCK_EX)
         doomed, load = {"step-3"}, package.load
 
         def rotated(engine, state, folder, **kwargs):   # that run's rotation, as the check reads the step
@@ -750,6 +775,7 @@ def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp
         reader = tiny_config("train.steps=2", "train.micro_batch=2", f"checkpoint.dir={root}")
         with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
             assert ckpt.resume(engine.state).step == 2 and ckpt.resumed_from == root / "step-2"
+        shutil.copytree(root / "step-1", tmp_path / "spare")
         doomed.update({"step-2", "step-1"})
         with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
             with pytest.raises(framework.FrameworkError) as e:
@@ -758,6 +784,15 @@ def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp
                                 f"holding {root / '.lock'} (pid 7 on host h) rotates its checkpoints; run again, or "
                                 "resume from a step that run keeps (checkpoint.keep_last)")
         assert not isinstance(e.value, package.CheckpointError)   # (no damage)
+        # No run holds the lock (the run it names ended; a user's rm, a library loop): that run is not named
+        holding.close()
+        shutil.copytree(tmp_path / "spare", root / "step-1")
+        with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
+            with pytest.raises(framework.FrameworkError) as e:
+                ckpt.resume(engine.state)
+        assert str(e.value) == (f"checkpoint.resume=auto: {root / 'step-1'} was removed while it was read: another "
+                                f"process removed it (no run holds {root / '.lock'}); run again, or resume from a "
+                                "step that run keeps (checkpoint.keep_last)")
 
 
 def test_an_async_save_keeps_the_warnings_filters_the_user_adds_meanwhile(tmp_path, recwarn):

@@ -146,7 +146,9 @@ def test_a_damaged_checkpoint_is_refused_not_exported(tmp_path, capsys):
 def test_a_step_a_live_run_rotates_away_while_it_is_read_is_no_damage(tmp_path, capsys, monkeypatch):
     """Exporting the folder of a run that is saving there: its rotation may remove the step being read. That is
     no damage nor a permission: the folder's newest step then is read, once; else one line naming the run (its
-    lock) and the way out, exit 1 (was "cannot read .../.metadata ...; check ... their permissions")."""
+    lock, where a run holds it) and the way out, exit 1 (was "cannot read .../.metadata ...; check ...
+    their permissions")."""
+    import fcntl
     import shutil
 
     from framework.persist import export as reader, stepfolders
@@ -159,6 +161,8 @@ def test_a_step_a_live_run_rotates_away_while_it_is_read_is_no_damage(tmp_path, 
         stepfolders.write_manifest(step, {f: stepfolders.file_entry(step, f) for f in stepfolders.files_of(step)},
                                    step=n, seq=n)
     (root / ".lock").write_text("pid 7 on host h\n")
+    holding = open(root / ".lock", "rb")   # that run's lock, held as cli/launch holds it
+    fcntl.flock(holding.fileno(), fcntl.LOCK_EX)
     doomed, verify = {"step-3"}, reader.verify
 
     def rotated(d, **kwargs):   # the run's rotation, as the check reads the step
@@ -170,6 +174,7 @@ def test_a_step_a_live_run_rotates_away_while_it_is_read_is_no_damage(tmp_path, 
     assert main([str(root), "--to", str(tmp_path / "out")]) == 0   # the step the run keeps
     assert "exporting step-2" in capsys.readouterr().err
     doomed.add("step-2")
+    shutil.copytree(root / "step-2", tmp_path / "spare")
     shutil.copytree(root / "step-2", root / "step-3")
     assert main([str(root), "--to", str(tmp_path / "out2")]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -177,6 +182,13 @@ def test_a_step_a_live_run_rotates_away_while_it_is_read_is_no_damage(tmp_path, 
                    "(pid 7 on host h) rotates its checkpoints; run the export again, or export a step that run keeps "
                    "(checkpoint.keep_last)"), err
     assert not (tmp_path / "out2").exists()
+    holding.close()   # no run holds the lock now (the run it names ended): another process removed the step
+    for n in (2, 3):
+        shutil.copytree(tmp_path / "spare", root / f"step-{n}")
+    assert main([str(root), "--to", str(tmp_path / "out2")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: export: {root / 'step-2'} was removed while it was read: another process removed "
+                          f"it (no run holds {root / '.lock'}); "), err
 
 
 @pytest.mark.parametrize("ours", ["train_state.json", "rng-0.json"])

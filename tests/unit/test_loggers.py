@@ -570,15 +570,19 @@ def test_a_run_resumed_from_its_own_folder_continues_its_wandb_run(monkeypatch, 
     monkeypatch.setenv("WANDB_SILENT", "true")
     info = RunInfo(tmp_path / "run", None, None)
     info.run_dir.mkdir()
-    ids = []
+    ids, fsyncs, fsync = [], [], os.fsync
     # (resumed, the step it goes on from, the steps it logs): a chain 4, 12, a rollback to 9, a fresh start
     for resumed, start, steps in ((False, 0, (1, 2, 3, 4)), (True, 4, range(5, 13)), (True, 9, (10, 11, 12)),
                                   (False, 0, (1,))):
         logger = WandbLogger(WandbConfig(live=False), run=replace(info, resumed=resumed, start=start))
         logger.start({}, 12)
         ids.append(logger.run.id)
+        # the step record is rewritten at each log, in the training loop: no fsync (milliseconds each)
+        monkeypatch.setattr(os, "fsync", lambda fd: fsyncs.append(fd) or fsync(fd))
         for step in steps:
             logger.log({"step": step, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0})
+        monkeypatch.setattr(os, "fsync", fsync)
+        assert fsyncs == []
         logger.log({"step": steps[-1], "val_loss": 1.0})   # (an evaluation's record, at its step)
         logger.close()
         assert json.loads((info.run_dir / RUN_ID).read_text()) == {"id": ids[-1], "step": steps[-1]}
