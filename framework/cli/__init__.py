@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Callable, Mapping
 
-from framework.config import GROUPS, ROOT_KEYS, override_key
+from framework.config import GROUPS, ROOT_KEYS, leaf_key, override_key
 from framework.core.errors import ConfigError, FrameworkError, say
 from framework.core.registry import closest_hint
 from framework.core.utils import plain_text
@@ -46,12 +46,12 @@ def fail(error: object, code: int) -> int:
 
 def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: dict,
                 body: Callable[[dict[str, str], list[str], dict], None],
-                aliases: Mapping[str, str] | None = None) -> int:
+                aliases: Mapping[str, str | tuple[str, str]] | None = None) -> int:
     """A ``key=value`` command's frame: ``-h``/``--help`` prints ``doc`` as plain text; ``body(own, overrides, flags)``
     gets the arguments whose key is in ``own_keys``, the rest as Hydra overrides, and the ``--name``
     flags (a flag whose default is an int takes a whole number >= 1); a ``FrameworkError`` is one
     ``error:`` line on stderr and exit code 2; otherwise 0. ``aliases``: other tools' names (lower case) for
-    own keys, which an unknown key's "did you mean" names."""
+    own keys or the training config's, which an unknown key's "did you mean" names (a pair: with a note)."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(plain_text(doc))
@@ -85,10 +85,20 @@ def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: di
                     overrides.append(arg)
                 else:   # neither this tool's key nor the training config's: most likely a mistyped own key
                     valid = (*own_keys, *ROOT_KEYS, *GROUPS)
-                    raise ConfigError(f"{tool}: unknown key {top!r}{closest_hint(top, valid, aliases)}; {tool}'s keys: "
+                    raise ConfigError(f"{tool}: unknown key {top!r}{_key_hint(top, valid, aliases)}; {tool}'s keys: "
                                       f"{', '.join(own_keys)}; any other key=value overrides the training "
                                       f"config (conf/train.yaml: {', '.join((*ROOT_KEYS, *GROUPS))})")
         body(own, overrides, flags)
     except FrameworkError as e:
         return fail(e, 2)
     return 0
+
+
+def _key_hint(top: str, valid, aliases: Mapping[str, str | tuple[str, str]] | None) -> str:
+    """An unknown key's "did you mean": the tool's alias (and its note), else the training config's key of that
+    name or its common alias anywhere (``seq_len``: model.context), else the closest key by spelling."""
+    said = (aliases or {}).get(top.lower())
+    key, note = (said, "") if said is None or isinstance(said, str) else said
+    if (key := key or leaf_key(top)) is not None:
+        return f" (did you mean {key!r}?{f' {note}' if note else ''})"
+    return closest_hint(top, valid)

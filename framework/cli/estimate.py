@@ -40,7 +40,9 @@ from framework.models.gpt import GPTConfig
 
 NVME_KEYS = tuple(f.name for f in dataclasses.fields(NVMeKeys))   # NVMeKeys' defaults are DeepSpeed's
 # Other tools' names for a rank count (plan's ranks=, torchrun's nproc, world size): a world is gpus_per_node x nodes.
-ALIASES = dict.fromkeys(("ranks", "world_size", "nproc", "nproc_per_node", "gpus", "num_gpus"), "gpus_per_node")
+ALIASES = {**dict.fromkeys(("ranks", "world_size", "nproc", "nproc_per_node", "gpus", "num_gpus", "gpu", "num_gpu"),
+                           "gpus_per_node"), **dict.fromkeys(("nnodes", "num_nodes"), "nodes"),
+           **dict.fromkeys(("seq_len", "seq_length", "max_seq_len", "block_size"), "context")}   # (estimate's own)
 OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context", *NVME_KEYS)
 
 

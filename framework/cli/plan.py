@@ -48,8 +48,10 @@ from framework.memory.planner import (Candidate, Hardware, Planned, candidates, 
                                       micro_batches, plan)
 from framework.memory.tables import parse_count
 
-# Other tools' names for the rank count (estimate's gpus_per_node, torchrun's nproc, world size).
-ALIASES = dict.fromkeys(("world_size", "nproc", "nproc_per_node", "gpus", "num_gpus", "gpus_per_node"), "ranks")
+# Other tools' names for the rank count (estimate's gpus_per_node, torchrun's nproc, world size) and node count.
+ALIASES = {**dict.fromkeys(("world_size", "nproc", "nproc_per_node", "gpus", "num_gpus", "gpu", "num_gpu",
+                            "gpus_per_node"), "ranks"),
+           **dict.fromkeys(("nodes", "nnodes", "num_nodes"), ("ranks", "ranks = gpus_per_node x nodes"))}
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
             "checkpointing", "steps")
 # What each candidate's ``+plan=cN`` file sets: verify's jobs leave the command line's out (they would win).

@@ -20,6 +20,7 @@ except ImportError:   # a machine without Hydra/OmegaConf (a GPU image): framewo
 from framework.config import plainconf
 from framework.config.schema import COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema, reads_grad_accum_dtype
 from framework.core.errors import ConfigError
+from framework.core.paths import conf_dir
 from framework.core.registry import GROUPS, closest, closest_hint, registry
 from framework.core.utils import counted
 
@@ -29,7 +30,7 @@ KEY_ALIASES = {"batch_size": "micro_batch", "micro_batch_size": "micro_batch", "
                "num_steps": "steps", "gradient_accumulation_steps": "grad_accum", "max_grad_norm": "grad_clip",
                "n_embd": "d_model", "hidden_size": "d_model", "n_layers": "n_layer", "num_layers": "n_layer",
                "num_hidden_layers": "n_layer", "n_heads": "n_head", "num_heads": "n_head",
-               "num_attention_heads": "n_head", "block_size": "context", "seq_len": "context",
+               "num_attention_heads": "n_head", "block_size": "context", "seq_len": "context", "seq_length": "context",
                "max_seq_len": "context", "learning_rate": "lr", "per_device_train_batch_size": "micro_batch",
                "save_steps": "every", "logging_steps": "log_every", "eval_steps": "eval_every", "world_size": "nproc",
                "adam_epsilon": "eps", "adam_beta1": "beta1", "adam_beta2": "beta2",
@@ -196,11 +197,19 @@ def refuse_inert(config: Config) -> Config:
 def _root_hint(key: str, value: Any, choices: Mapping[str, str]) -> str:
     """The "did you mean" of an unknown top-level key: the key of that name (or another tool's name for it,
     ``max_steps``) anywhere (``steps=5``: train.steps), the run's chosen components' keys included, else a
-    top-level key or group close to it (a mapping given: only those). Leaves match by name only: a
-    hundred of them hold many similar names (``save_steps`` is not train.steps)."""
+    top-level key or group close to it (a mapping given: only those)."""
     roots = [*ROOT_KEYS, *GROUPS]
-    if isinstance(value, Mapping):
-        return closest_hint(key, roots)
+    if not isinstance(value, Mapping) and (leaf := leaf_key(key, choices)) is not None:
+        return f" (did you mean '{leaf}'?)"
+    return closest_hint(key, roots)
+
+
+def leaf_key(key: str, choices: Mapping[str, str] | None = None) -> str | None:
+    """The dotted key whose last name is ``key`` or another tool's name for it (``seq_len``: model.context) in
+    the config of ``choices`` (None: conf/train.yaml's defaults); None: no such key. Leaves match by name only:
+    a hundred of them hold many similar names (``save_steps`` is not train.steps)."""
+    if choices is None:
+        choices = {g: n for g in GROUPS if (n := plainconf.default_choice(conf_dir() / "train.yaml", g)) is not None}
     by_leaf = {}
     schemas = [("", RootSchema), *((f"{g}.", registry(g).get(n).config) for g in GROUPS
                                    if (n := choices.get(g) or (DEFAULT_STAGE if g == "stage" else None)))]
@@ -213,7 +222,7 @@ def _root_hint(key: str, value: Any, choices: Mapping[str, str]) -> str:
             else:
                 by_leaf.setdefault(name, prefix + name)
     match = closest(key, by_leaf, 1.0, KEY_ALIASES)
-    return f" (did you mean '{by_leaf[match]}'?)" if match else closest_hint(key, roots)
+    return by_leaf[match] if match else None
 
 
 def _refuse_hydra_resolver(node: Any, prefix: str) -> None:

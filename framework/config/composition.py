@@ -67,7 +67,7 @@ def search_order(config_dir: str | None, config_name: str,
     paths, rest = [], []
     for o in overrides:
         key, (_, eq, value) = plainconf.override_key(o), o.partition("=")
-        if key == "hydra.searchpath" and value.startswith("[") and value.endswith("]"):
+        if key == "hydra.searchpath" and o[0] != "~" and value.startswith("[") and value.endswith("]"):
             paths += [x.strip() for x in value[1:-1].split(",") if x.strip()]
         elif (key in CONFIG_DIR and eq) or (rest and rest[-1] in CONFIG_DIR):   # (Hydra's own read keeps a ~)
             rest.append(f"{key}={given}" if eq else str(given))

@@ -26,9 +26,9 @@ class Override:
 
 
 def override_key(override: str) -> str:
-    """An override's key as every reader compares it: without its ``+``/``++``/``~`` prefix, a group's leading
-    ``/`` (Hydra's ``+/stage=zero3``) or its value."""
-    return override.partition("=")[0].lstrip("+~").removeprefix("/")
+    """An override's key as every reader compares it: without its ``+``/``++``/``~`` prefix or its value. A
+    leading ``/`` stays: Hydra's grammar refuses it (``+/stage=zero3``), so every tool calls that key unknown."""
+    return override.partition("=")[0].lstrip("+~")
 
 
 def parse(line: str) -> Override:

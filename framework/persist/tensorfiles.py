@@ -112,7 +112,7 @@ class WeightsSource(contextlib.AbstractContextManager):
 
 def _torch_file(path: Path) -> dict[str, torch.Tensor]:
     """A torch state-dict file, loaded ``weights_only`` (nothing in it runs) and memory-mapped where the format
-    allows, so reads touch only their ranges."""
+    allows, so reads touch only their ranges. Another format's bytes, read as pickle, raise bare errors too."""
     try:
         try:
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -120,7 +120,7 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
             if "mmap" not in str(e):  # legacy (non-zip) files cannot be mapped: read them whole
                 raise
             sd = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
+    except (pickle.UnpicklingError, LookupError, ValueError, TypeError, struct.error) as e:
         if "GLOBAL" not in (why := _unpickle_reason(e)):
             raise ConfigError(f"load_weights: cannot read {path}: not a torch state-dict file (corrupt or another "
                               f"format; torch says: {why or first_line(e)})") from None
@@ -128,8 +128,7 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
                           f"read with weights_only=True, so nothing in it ran); if you trust the file, load it "
                           f"yourself and save its flat {{name: tensor}} state dict (e.g. obj['model'])") from None
     except (RuntimeError, OSError, EOFError) as e:
-        raise ConfigError(f"load_weights: cannot read {path} as a torch state dict: "
-                          f"{first_line(e)}") from None
+        raise ConfigError(f"load_weights: cannot read {path} as a torch state dict: {first_line(e)}") from None
     bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)] if isinstance(sd, dict) else None
     if bad is None or bad:
         what = type(sd).__name__ if bad is None else f"non-tensor entries {few(bad, 20, str)}"
@@ -140,10 +139,11 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
 
 def _unpickle_reason(error: BaseException) -> str:
     """torch's own reason for a ``weights_only`` refusal, first sentence: without its advice (which offers
-    ``weights_only=False``, the unsafe load refused here) or its terminal colour codes."""
+    ``weights_only=False``, the unsafe load refused here) or its terminal colour codes; a bare error, named."""
+    said = str(error) if isinstance(error, pickle.UnpicklingError) else f"{type(error).__name__}: {error}"
     advice = ("Weights only load failed", "(1)", "(2)", "Please file an issue", "Check the documentation")
     lines = (re.sub(r"\x1b\[[0-9;]*m", "", ln).strip().removeprefix("WeightsUnpickler error:").strip()
-             for ln in str(error).splitlines())
+             for ln in said.splitlines())
     return re.split(r"\.(?:\s|$)", next((ln for ln in lines if ln and not ln.startswith(advice)), ""))[0]
 
 

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from framework.config import override_key
 from framework.core.errors import FrameworkError
 
 HERE = Path(__file__).resolve().parent
@@ -119,7 +120,7 @@ def ram_total() -> int:
 def unread(overrides: list[str]) -> str | None:
     """The message refusing the first override of a key the script does not read (None: all are read)."""
     for o in overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
+        key = override_key(o)
         hit = next((k for k in UNREAD if key == k or key.startswith(k + ".")), None)
         if hit is not None:
             return f"{o}: capacity.py does not read {key}; {UNREAD[hit]}"

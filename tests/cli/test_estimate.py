@@ -495,6 +495,11 @@ def dataclasses_replace_vocab(cfg, vocab):
     (["modle=gpt-mini"], "unknown key 'modle' (did you mean 'model'?)"),
     (["params=1e9", "ranks=8"], "unknown key 'ranks' (did you mean 'gpus_per_node'?)"),   # plan's name, and others'
     (["params=1e9", "world_size=8"], "unknown key 'world_size' (did you mean 'gpus_per_node'?)"),
+    (["params=1e9", "gpu=8"], "unknown key 'gpu' (did you mean 'gpus_per_node'?)"),
+    (["params=1e9", "nnodes=2"], "unknown key 'nnodes' (did you mean 'nodes'?)"),
+    (["model=gpt-nano", "seq_len=256"], "unknown key 'seq_len' (did you mean 'context'?)"),   # (not 'seed')
+    # another tool's name for a training config key: that key, wherever it is (not 'sub_group_size')
+    (["model=gpt-nano", "batch_size=4"], "unknown key 'batch_size' (did you mean 'train.micro_batch'?)"),
     (["params=1e9", "nodes=1.5"], "nodes='1.5' is not a whole number"),
     (["params=1e9", "gpus_per_node=1.5"], "gpus_per_node='1.5' is not a whole number"),
     (["params=1e9", "nodes=0"], "estimate: nodes=0 must be >= 1"),

@@ -326,6 +326,13 @@ def test_steps_is_checked_and_needs_verify(capsys):
     (["gpu_mme=8G"], "plan: unknown key 'gpu_mme' (did you mean 'gpu_mem'?); plan's keys: model, gpu_mem,"),
     (["gpus=8"], "plan: unknown key 'gpus' (did you mean 'ranks'?)"),   # (not gpu_mem: bytes)
     (["gpus_per_node=8"], "plan: unknown key 'gpus_per_node' (did you mean 'ranks'?)"),
+    (["gpu=8"], "plan: unknown key 'gpu' (did you mean 'ranks'?)"),
+    (["nodes=2"], "plan: unknown key 'nodes' (did you mean 'ranks'? ranks = gpus_per_node x nodes)"),   # (not 'model')
+    (["seq_len=256"], "plan: unknown key 'seq_len' (did you mean 'model.context'?)"),   # (not 'seed')
+    (["context=256"], "plan: unknown key 'context' (did you mean 'model.context'?)"),   # (estimate's own key)
+    # Hydra's grammar has no leading / in a key (train refuses these): not a stage choice here either
+    (["+/stage=zero3"], "plan: unknown key '/stage' (did you mean 'stage'?)"),
+    (["/stage=zero3"], "plan: unknown key '/stage' (did you mean 'stage'?)"),
     # A command-line choice the DeepSpeed file refuses: the candidates' own composition's line, before the probe.
     (["+stage=zero3", f"ds_config={ROOT}/tests/config/ds/hf_zero2_cpu_offload.json"],
      "ds_config: stage=zero3 on the command line, but zero_optimization.stage in the file means stage=zero2"),

@@ -221,6 +221,12 @@ def test_a_config_dir_file_of_a_conf_name_is_used_with_a_note_or_refused_where_c
     assert cfg.train.steps == 2 and f"note: config: {mine} is used in place of {conf} (" in " ".join(cfg.notices)
     with pytest.raises(ConfigError, match=f"^config: {mine} is hidden by {conf}, which comes first"):
         compose([f"hydra.searchpath=[file://{tmp_path / 't'}]"], config_dir=str(tmp_path / "o"), config_name="other")
+    # a deletion (~) of hydra.searchpath adds no folder: it stays an override of its own, as Hydra reads it
+    from framework.config import search_order
+
+    delete = f"~hydra.searchpath=[file://{tmp_path / 't'}]"
+    assert search_order(str(tmp_path / "o"), "other", [delete]) == (
+        str(tmp_path / "o"), [delete], [f"hydra.searchpath=[file://{conf_dir()}]"])
 
 
 def test_a_bad_model_file_is_named(tmp_path):

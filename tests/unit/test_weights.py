@@ -104,9 +104,14 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path):
     import argparse
     torch.save({"wte.weight": torch.zeros(2), "args": argparse.Namespace(a=1)}, tmp_path / "ns.pt")
     (tmp_path / "junk.pt").write_bytes(b"garbage\n")
+    # text whose first byte is a pickle opcode the unpickler runs: it raises a bare IndexError or KeyError
+    (tmp_path / "text.pt").write_text("the weights are elsewhere\n")
+    (tmp_path / "h.bin").write_text("hf_xxx")
     for name, want in (("ns.pt", r"refused .*holds objects other than tensors .*GLOBAL argparse\.Namespace.*if you "
                                  r"trust the file"),
-                       ("junk.pt", r"not a torch state-dict file \(corrupt or another format; .*Unsupported operand")):
+                       ("junk.pt", r"not a torch state-dict file \(corrupt or another format; .*Unsupported operand"),
+                       ("text.pt", r"cannot read .*text\.pt: not a torch state-dict file .*IndexError"),
+                       ("h.bin", r"cannot read .*h\.bin: not a torch state-dict file .*KeyError")):
         with pytest.raises(ConfigError, match=want) as e:
             load_weights(engine, tmp_path / name)
         assert "\n" not in str(e.value) and "\x1b" not in str(e.value) and "weights_only=False" not in str(e.value)
