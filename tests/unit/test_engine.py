@@ -32,6 +32,16 @@ def _batch(data, state):
     return data.train_batch(state.data, micro_batch=2, grad_accum=1, rank=0, world=1)
 
 
+def _saved(engine, data, cfg, run_dir, n):
+    """``n`` steps from the engine's state, each saved in ``run_dir``'s checkpoint folder."""
+    with contextlib.closing(Checkpointer(cfg, engine, run_dir=run_dir)) as ckpt:
+        state = engine.state
+        for _ in range(n):
+            state, _ = engine.train_step(state, _batch(data, state))
+            ckpt.save(state)
+    return state
+
+
 def _steps(engine, data, state, n):
     """``n`` steps from ``state``: the last state and the losses."""
     losses = []
@@ -674,11 +684,7 @@ def test_a_newer_versions_checkpoint_is_refused_not_fallen_back_past_nor_replace
     cfg = tiny_config("train.steps=2", "train.micro_batch=2", "checkpoint.every=1", "checkpoint.keep_last=0")
     module, data = build_gpt(cfg)
     with framework.initialize(module, gpt_loss, cfg) as engine:
-        with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
-            state = engine.state
-            for _ in range(2):
-                state, _ = engine.train_step(state, _batch(data, state))
-                ckpt.save(state)
+        _saved(engine, data, cfg, tmp_path, 2)
         step = tmp_path / "checkpoints" / "step-2"
         _rewrite_step(step, **{"manifest format": {"format": 2},
                                "train_state.json format": {"train_state": lambda b: b.update(format=2)},
@@ -718,9 +724,7 @@ def test_a_checkpoint_from_before_the_loss_scaler_record_resumes(tmp_path):
     cfg = tiny_config("train.steps=2", "train.micro_batch=2", "checkpoint.every=1")
     module, data = build_gpt(cfg)
     with framework.initialize(module, gpt_loss, cfg) as engine:
-        with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
-            state, _ = engine.train_step(engine.state, _batch(data, engine.state))
-            ckpt.save(state)
+        _saved(engine, data, cfg, tmp_path, 1)
         step = tmp_path / "checkpoints" / "step-1"
         assert json.loads((step / "train_state.json").read_text())["framework_version"] == "0.1.0"
 
@@ -755,11 +759,7 @@ def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp
     cfg = tiny_config("train.steps=2", "train.micro_batch=2", "checkpoint.every=1", "checkpoint.keep_last=0")
     module, data = build_gpt(cfg)
     with framework.initialize(module, gpt_loss, cfg) as engine:
-        with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
-            state = engine.state
-            for _ in range(3):
-                state, _ = engine.train_step(state, _batch(data, state))
-                ckpt.save(state)
+        _saved(engine, data, cfg, tmp_path, 3)
         root = tmp_path / "checkpoints"
         (root / ".lock").write_text("pid 7 on host h\n")
         holding = open(root / ".lock", "rb")   # that run's lock, held as cli/launch holds it
@@ -775,24 +775,26 @@ def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp
         reader = tiny_config("train.steps=2", "train.micro_batch=2", f"checkpoint.dir={root}")
         with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
             assert ckpt.resume(engine.state).step == 2 and ckpt.resumed_from == root / "step-2"
+
+        def refused():   # (a resume of the folder)
+            with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
+                with pytest.raises(framework.FrameworkError) as e:
+                    ckpt.resume(engine.state)
+            return e.value
+
         shutil.copytree(root / "step-1", tmp_path / "spare")
         doomed.update({"step-2", "step-1"})
-        with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
-            with pytest.raises(framework.FrameworkError) as e:
-                ckpt.resume(engine.state)
-        assert str(e.value) == (f"checkpoint.resume=auto: {root / 'step-1'} was removed while it was read: the run "
-                                f"holding {root / '.lock'} (pid 7 on host h) rotates its checkpoints; run again, or "
-                                "resume from a step that run keeps (checkpoint.keep_last)")
-        assert not isinstance(e.value, package.CheckpointError)   # (no damage)
+        error = refused()
+        assert str(error) == (f"checkpoint.resume=auto: {root / 'step-1'} was removed while it was read: the run "
+                              f"holding {root / '.lock'} (pid 7 on host h) rotates its checkpoints; run again, or "
+                              "resume from a step that run keeps (checkpoint.keep_last)")
+        assert not isinstance(error, package.CheckpointError)   # (no damage)
         # No run holds the lock (the run it names ended; a user's rm, a library loop): that run is not named
         holding.close()
         shutil.copytree(tmp_path / "spare", root / "step-1")
-        with contextlib.closing(Checkpointer(reader, engine, run_dir=tmp_path)) as ckpt:
-            with pytest.raises(framework.FrameworkError) as e:
-                ckpt.resume(engine.state)
-        assert str(e.value) == (f"checkpoint.resume=auto: {root / 'step-1'} was removed while it was read: another "
-                                f"process removed it (no run holds {root / '.lock'}); run again, or resume from a "
-                                "step that run keeps (checkpoint.keep_last)")
+        assert str(refused()) == (f"checkpoint.resume=auto: {root / 'step-1'} was removed while it was read: "
+                                  f"another process removed it (no run holds {root / '.lock'}); run again, or "
+                                  "resume from a step that run keeps (checkpoint.keep_last)")
 
 
 def test_an_async_save_keeps_the_warnings_filters_the_user_adds_meanwhile(tmp_path, recwarn):
