@@ -34,7 +34,8 @@ from framework.core.registry import closest_hint
 from framework.core.utils import plain_text
 from framework.cli import fail, hydra_missing, report
 from framework.cli.recipe_checks import RecipeError, evaluate, plot_deviation, plot_memory_scaling, validate_checks
-from framework.config import compose, override_key, parse_overrides
+from framework.config import compose, have_hydra, override_key, parse_overrides
+from framework.config.plainconf import parse as plain_parse
 from framework.config.schema import get_key
 from framework.data import resolve_path
 from framework.data.text import prepare_chars
@@ -123,19 +124,24 @@ def merge_overrides(*groups: list[str]) -> list[str]:
 
 def compose_jobs(recipe: Recipe, overrides: list[str]):
     """Every job's typed config for one run's overrides (sweeps expanded): fails before any run."""
+    jobs, *_ = _sweep_jobs()(["-m", *[_fill(o, {"recipe": str(recipe.dir)}) for o in overrides]])
+    return [compose(job, config_dir=str(recipe.dir), config_name="config") for job in jobs]
+
+
+def _sweep_jobs():
+    """train's sweep expansion; without Hydra, the one line naming it and how to install it."""
     try:
         from framework.cli.train import _jobs   # (Hydra's import: only where a recipe runs)
     except ModuleNotFoundError as e:
         raise ConfigError(hydra_missing(e, "recipe")) from None
-
-    jobs, *_ = _jobs(["-m", *[_fill(o, {"recipe": str(recipe.dir)}) for o in overrides]])
-    return [compose(job, config_dir=str(recipe.dir), config_name="config") for job in jobs]
+    return _jobs
 
 
 def _source(override: str) -> str:
     """data.path's value parsed by Hydra's grammar as train's is (quotes, escapes); an interpolation resolved on its
-    own (``${oc.env:..}``: the config's keys are not composed here); anything but one value is one line."""
-    value = parse_overrides([override])[0].value()
+    own (``${oc.env:..}``: the config's keys are not composed here); anything but one value is one line. Without
+    Hydra (the GPU image) plainconf's parser reads it, as train's command line: prepare composes nothing."""
+    value = parse_overrides([override])[0].value() if have_hydra() else plain_parse(override).value
     if value is None or not isinstance(value, (str, int, float)):   # a sweep (a,b), a list ([a]), null, a dict
         raise RecipeError(f"{override}: prepare takes one file: data.path=FILE (quote a path with a comma: "
                           "data.path='a,b'; a sweep, -m, is not run here)")
@@ -179,6 +185,7 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
     """Run every job of the recipe into ``out``, write the report, check it; return the verdict."""
     stream = stream or sys.stdout
     recipe.checks(quick)   # a malformed expected.json: before anything trains
+    _sweep_jobs()   # Hydra, which every run needs, named first (docs/gpu.md); then the report's optional extra:
     report.require_matplotlib()   # (the report's plots, after every job)
     if not quick and recipe.spec.get("requires") == "cuda" and gpu_count() == 0:
         # (on the CPU its full run would go on for hours and then fail the GPU's expected numbers)

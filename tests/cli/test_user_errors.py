@@ -643,8 +643,12 @@ def run(*argv):
     except SystemExit as e:
         return e.code if isinstance(e.code, (int, str)) else 0
     return 0
+sys.modules["matplotlib"] = None   # (nor matplotlib, as on the GPU image: Hydra, which a run needs, is named first)
 out = {"train": run("train", "train.steps=1"),
        "recipe": run("recipe", "zero_equivalence", "--quick", "--out", sys.argv[1])}
+(HERE / "text.txt").write_text("to be, or not to be: that is the question\n" * 50)   # prepare composes nothing
+out["prepare"] = run("recipe", "shakespeare_char_cpu", "prepare", f"data.path='{HERE / 'text.txt'}'",
+                     "--out", str(HERE / "tokens.bin"))
 out["estimate"] = run("estimate", "model=conf/model/gpt-nano.yaml", "model.n_layer=3", "--json")
 out["estimate_bad"] = run("estimate", "model=conf/model/gpt-nano.yaml", "model.n_layer=2.5")
 for name, text in (("bad", "n_layer: two\nbias: false"), ("nobias", "n_layer: 2")):   # errors in the model YAML
@@ -662,7 +666,8 @@ print("\n" + json.dumps(out))
 
 def test_the_commands_without_hydra_say_what_to_install_and_estimate_runs(tmp_path):
     """Where Hydra, OmegaConf and W&B are not installed (the GPU image): train and recipe, which compose with Hydra,
-    are one line naming the package and how to install it; estimate reads a model YAML without OmegaConf;
+    are one line naming the package and how to install it (before matplotlib, which the image lacks too); recipe's
+    prepare, which composes nothing, runs; estimate reads a model YAML without OmegaConf;
     logger=wandb is refused in one line."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests' / 'without_hydra'}"}
@@ -676,6 +681,7 @@ def test_the_commands_without_hydra_say_what_to_install_and_estimate_runs(tmp_pa
                f"install -e . (from the checkout; or pip install 'hydra-core>=1.3.2,<1.4')"
         assert line in (out[command] if command == "train" else p.stderr), (command, out, p.stderr)
     assert out["recipe"] == 2 and out["estimate"] == 0 and out["estimate_bad"] == 2, out
+    assert out["prepare"] == 0 and f"wrote {tmp_path / 'tokens.bin'} (2,100 tokens, vocab" in p.stdout, p.stdout[-2000:]
     # an error in the model YAML names the file, as with OmegaConf (tests/cli/test_estimate.py)
     assert out["estimate_bad"] == out["estimate_nobias"] == 2, out
     assert (f"error: estimate: {tmp_path / 'bad.yaml'} is not a GPT model config: model.n_layer takes an integer (5e8 "

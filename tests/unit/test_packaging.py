@@ -87,3 +87,21 @@ def test_every_hint_to_install_an_extra_is_the_one_that_works_from_a_checkout():
                 if names is None or not set(names.group(1).split(",")) <= set(extras):
                     wrong.append(f"{path.relative_to(REPO_ROOT)}: {hint}")
     assert not wrong, wrong
+
+
+def test_checkpoints_record_pyprojects_version_also_from_a_checkout_not_installed(monkeypatch):
+    """train_state.json's framework_version: the installed package's, and pyproject.toml's where the checkout is run
+    by PYTHONPATH without pip install (the GPU image: no package metadata; it recorded null)."""
+    import importlib.metadata
+    import tomllib
+
+    from framework.persist.checkpoint import _save
+
+    version = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert _save.VERSION == _save._version() == version
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert _save._version() == version

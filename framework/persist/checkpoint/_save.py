@@ -19,6 +19,7 @@ import torch
 
 from framework.core import files
 from framework.core.errors import CheckpointError, FrameworkError, TrainingError, on_every_rank
+from framework.core.paths import REPO_ROOT
 from framework.core.room import Claim, shortfalls
 from framework.core.units import MiB
 from framework.engine.state import FORMAT as STATE_FORMAT
@@ -35,11 +36,20 @@ from framework.persist.weights import save_on_model_save, tied_names, whole_tens
 
 def _version() -> str | None:
     """The framework's version (pyproject's), recorded in train_state.json: a later version's refusal of a layout
-    it no longer reads can name the version that wrote it. None where the package is not installed."""
+    it no longer reads can name the version that wrote it. A checkout run by PYTHONPATH, not pip-installed (the
+    GPU image, gpu_check.sh), has no package metadata: its pyproject.toml next to the package says it. None where
+    neither does (Python 3.10 has no tomllib)."""
     try:
         return importlib.metadata.version("framework")
     except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+
+        project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text()).get("project", {})
+    except (ImportError, OSError, ValueError):   # (no tomllib, no file, not TOML)
         return None
+    return project.get("version") if project.get("name") == "framework" else None
 
 
 VERSION = _version()
