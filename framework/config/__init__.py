@@ -13,5 +13,6 @@ from framework.config.plainconf import override_key
 from framework.config.schema import COMPATIBLE, ROOT_KEYS, Config
 from framework.core.registry import GROUPS
 
-__all__ = ["COMPATIBLE", "GROUPS", "ROOT_KEYS", "Config", "app_composer", "check_batch_world", "check_compatible", "choice_override", "compose", "compose_layers",
-           "have_hydra", "leaf_key", "override_key", "parse_overrides", "search_order", "standalone_composer", "validate"]
+__all__ = ["COMPATIBLE", "GROUPS", "ROOT_KEYS", "Config", "app_composer", "check_batch_world", "check_compatible",
+           "choice_override", "compose", "compose_layers", "have_hydra", "leaf_key", "override_key", "parse_overrides",
+           "search_order", "standalone_composer", "validate"]
