@@ -291,6 +291,16 @@ def step_of(folder: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
+def _step_versions(folder: Path, manifest: dict | None = None) -> None:
+    """NewerVersion where the step ``folder``'s manifest (unless ``manifest``, read already) or its train state was
+    written by a newer version; CheckpointError/UnsafePathError/OSError where either cannot be read."""
+    if manifest is None:
+        read_manifest(folder)
+    body = read_json(folder / TRAIN_STATE, "the train state")
+    if isinstance(body, dict):
+        train_state_versions(body, folder)
+
+
 def refuse_newer_above(step: Path) -> None:
     """NewerVersion where the folder of ``step`` (the one a run resumes from and saves into) holds a step above it
     that a newer version saved: this run's saves would reach it (every N steps, or the last at a stop) and never
@@ -300,11 +310,7 @@ def refuse_newer_above(step: Path) -> None:
         if step_of(p) <= n:
             continue
         try:
-            if manifest is None:   # (a newer version's manifest, or damage)
-                read_manifest(p)
-            body = read_json(p / TRAIN_STATE, "the train state")
-            if isinstance(body, dict):
-                train_state_versions(body, p)
+            _step_versions(p, manifest)   # (no manifest passed: a newer version's, or damage)
         except NewerVersion as e:
             raise NewerVersion(e.what, f"this run resumes from {step.name} below it and would save that step in its "
                                "place; set checkpoint.dir to another folder (or resume that step with that "
@@ -321,10 +327,7 @@ def commit(tmp: Path, final: Path, on_point) -> str | None:
     aside = None
     if final.exists():  # the same step saved again (resumed from an older checkpoint)
         try:   # (never one of a newer version: resumed from an older step of its folder)
-            read_manifest(final)
-            body = read_json(final / TRAIN_STATE, "the train state")
-            if isinstance(body, dict):
-                train_state_versions(body, final)
+            _step_versions(final)
         except NewerVersion as e:
             raise NewerVersion(e.what, "not replaced by this run's save of that step; set checkpoint.dir to another "
                                "folder") from None
