@@ -77,9 +77,8 @@ class TokensSource(CropSource):
         chars = found.get("chars") if found is not None else None
         stamp = {"sha256": found["tokens_sha256"]} if found is not None else {}
         super().__init__(train=range(split), val=range(split, self._size // 2), vocab_size=vocab, seed=seed,
-                         context=context,
-                         kind="tokens", path=path, identity={"vocab": chars if isinstance(chars, str) else None,
-                                                             "bytes": self._size, **stamp},
+                         context=context, kind="tokens", path=path,
+                         identity={"vocab": chars if isinstance(chars, str) else None, "bytes": self._size, **stamp},
                          val_fraction=cfg.val_fraction)
 
     def _crops(self, data: range, starts: np.ndarray) -> np.ndarray:
