@@ -1,9 +1,8 @@
 """The Dist value (rank, world size, device, its accelerator and collectives), made by ``connect``.
 
-Collectives are no-ops at world size 1. Each names what it waits for, so a timeout (a dead or
-stalled peer) ends the surviving ranks with one line naming it; on NCCL, whose ``wait`` only
-orders the compute stream, the watchdog aborts a waiting rank after ``timeout_s`` (SIGABRT),
-which the launcher names.
+Collectives are no-ops at world size 1. Each names what it waits for, so a timeout (a dead or stalled peer) ends the
+surviving ranks with one line naming it; on NCCL, whose ``wait`` only orders the compute stream, the watchdog aborts
+a waiting rank after ``timeout_s`` (SIGABRT), which the launcher names.
 """
 from __future__ import annotations
 
@@ -18,15 +17,16 @@ from typing import Callable
 
 import torch
 import torch.distributed as tdist
-# torch.distributed.nn.functional binds group.WORLD as default arguments when imported (torch._dynamo
-# imports it lazily): after init_process_group that pins the group past destroy_process_group, and a
-# gloo worker may then drop its last work during interpreter shutdown ("terminate called without an
-# active exception"). Imported here, before any group exists, those defaults are None.
+# torch.distributed.nn.functional binds group.WORLD as default arguments when imported (torch._dynamo imports it
+# lazily): after init_process_group that pins the group past destroy_process_group, and a gloo worker may then drop
+# its last work during interpreter shutdown ("terminate called without an active exception"). Imported here, before
+# any group exists, those defaults are None.
 import torch.distributed.nn.functional  # noqa: F401  (import order matters, see above)
 
 from framework.comm.accelerator import Accelerator, for_device
 from framework.comm.collectives import CheckedWork, Collectives, collectives_for
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line, on_every_rank
+from framework.core.room import descriptors_in
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,8 @@ class Dist:
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:  # gloo/NCCL report timeouts and dead peers as RuntimeError
+            if (few_files := descriptors_in(e)) is not None:   # gloo's sockets hit the limit: no peer to blame
+                raise DistributedError(f"rank {self.rank}/{self.world}: {what}: {few_files}") from e
             lost, stalled = self._blame()
             who = _blamed(lost, stalled)
             if lost:   # its closed connections failed the collective at once: no wait, nothing the backend adds
@@ -103,9 +105,8 @@ class Dist:
 
     def wait(self, works, what: str) -> None:
         """Wait for async collectives (None entries are the no-ops of world size 1)."""
-        for w in works:
-            if w is not None:
-                self._run(what, w.wait)
+        for w in (w for w in works if w is not None):
+            self._run(what, w.wait)
 
     def all_gather_object(self, obj, what: str = "all_gather_object", group=None,
                           limit: tuple[float, str] | None = None) -> list:
@@ -121,9 +122,9 @@ class Dist:
             self._issue(what, tdist.broadcast, t, src=src)
 
     def gloo_group(self, timeout_s: float, what: str):
-        """A new gloo group of every rank (None at world size 1) whose collectives wait up to ``timeout_s``.
-        Making it is a collective of this Dist's: a peer that never arrives is waited for ``timeout_s`` of
-        this Dist and named, as any collective's."""
+        """A new gloo group of every rank (None at world size 1) whose collectives wait up to ``timeout_s``. Making
+        it is a collective of this Dist's: a peer that never arrives is waited for ``timeout_s`` of this Dist and
+        named, as any collective's."""
         if self.world == 1:
             return None
         pg = self._run(what, tdist.new_group, backend="gloo", timeout=timedelta(seconds=self.timeout_s))
@@ -178,8 +179,7 @@ def process_state(pid: int) -> str:
 
 def env_int(name: str, default: int | None) -> int | None:
     """The environment variable ``name`` as an integer (``default`` if unset or empty); one line otherwise."""
-    text = os.environ.get(name, "")
-    return default if not text else _launcher_int(name, text)
+    return _launcher_int(name, text) if (text := os.environ.get(name, "")) else default
 
 
 def run_world(nproc: int) -> int:
@@ -337,8 +337,8 @@ def pick_device(backend: str, local_rank: int, device: str = "auto") -> torch.de
 
 
 def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) of the joined group (an environment disagreeing with it is refused), else of
-    RANK and WORLD_SIZE (unset: a single process)."""
+    """(rank, world size) of the joined group (an environment disagreeing with it is refused), else of RANK and
+    WORLD_SIZE (unset: a single process)."""
     if not tdist.is_initialized():
         return env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     group = tdist.get_rank(), tdist.get_world_size()

@@ -87,6 +87,15 @@ def descriptors_line(e: OSError) -> str:
     return f"too many open files{at}: this process may have {soft} open (ulimit -n); {fix}"
 
 
+def descriptors_in(error: BaseException) -> str | None:
+    """``descriptors_line`` where ``error``, a backend's RuntimeError (gloo's sockets, epoll), says the process ran
+    out of descriptors; else None."""
+    for code in (errno.ENFILE, errno.EMFILE):   # (the host's table first: its text holds the other's)
+        if os.strerror(code) in str(error):
+            return descriptors_line(OSError(code, os.strerror(code)))
+    return None
+
+
 @contextlib.contextmanager
 def descriptors_named() -> Iterator[None]:
     """Within the block, an OSError of too many open files is a FrameworkError of one line (``descriptors_line``)."""

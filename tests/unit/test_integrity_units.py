@@ -811,6 +811,19 @@ def test_too_many_open_files_in_a_save_or_a_run_is_one_line_with_the_limit(tmp_p
     assert got.value.__cause__ is None and got.value.__suppress_context__
     with pytest.raises(OSError, match="No such file"), descriptors_named():   # any other OSError: as it was
         open(tmp_path / "missing")
+    # gloo's sockets out of descriptors (a RuntimeError naming no file): that line, not a peer blamed or waited for
+    from framework.comm.distributed import Dist
+
+    def gloo(text):
+        raise RuntimeError(f"[enforce fail at ../gloo/transport/tcp/socket.cc:24] {text}")
+    dist = Dist(rank=1, world=2, local_rank=1, device=torch.device("cpu"), backend="gloo", timeout_s=300.0)
+    with pytest.raises(DistributedError, match=rf"^rank 1/2: group creation: too many open files: this process may "
+                                               rf"have {soft} open \(ulimit -n\);") as got:
+        dist._run("group creation", gloo, "socket: Too many open files")
+    assert not got.value.waited
+    with pytest.raises(DistributedError, match=r"^rank 1/2: group creation: too many open files on this host: .*"
+                                               r"fs.file-max"):
+        dist._run("group creation", gloo, "epoll_create: Too many open files in system")
 
 
 def test_a_malformed_manifest_entry_is_refused_on_every_rank(tmp_path):
