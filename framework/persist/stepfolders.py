@@ -301,20 +301,22 @@ def _step_versions(folder: Path, manifest: dict | None = None) -> None:
         train_state_versions(body, folder)
 
 
-def refuse_newer_above(step: Path) -> None:
-    """NewerVersion where the folder of ``step`` (the one a run resumes from and saves into) holds a step above it
-    that a newer version saved: this run's saves would reach it (every N steps, or the last at a stop) and never
-    replace it (``commit``), so it is refused at the start, not at that save after the training since the last."""
+def refuse_newer_above(step: Path, last: int) -> None:
+    """NewerVersion where the folder of ``step`` (the one a run resumes from and saves into) holds a step above it,
+    and at or below the run's last step ``last`` (train.steps), that a newer version saved: this run's saves could
+    reach it (every N steps, or one at a stop, which lands at or below ``last``) and never replace it (``commit``),
+    so it is refused at the start, not at that save after the training since the last. A newer step above ``last``
+    is no save of this run's: it is left alone, as rotation leaves it."""
     n = step_of(step)
     for p, manifest in scan(step.parent, manifests=True)[0]:
-        if step_of(p) <= n:
+        if not n < step_of(p) <= last:
             continue
         try:
             _step_versions(p, manifest)   # (no manifest passed: a newer version's, or damage)
         except NewerVersion as e:
-            raise NewerVersion(e.what, f"this run resumes from {step.name} below it and would save that step in its "
-                               "place; set checkpoint.dir to another folder (or resume that step with that "
-                               "version)") from None
+            raise NewerVersion(e.what, f"this run resumes from {step.name} below it and trains to step {last}, so "
+                               "it would save that step in its place; set checkpoint.dir to another folder or "
+                               f"train.steps below {step_of(p)} (or resume that step with that version)") from None
         except (CheckpointError, UnsafePathError, OSError):
             pass   # (damage: a save replaces it, as ever)
 

@@ -702,10 +702,16 @@ def test_a_newer_versions_checkpoint_is_refused_not_fallen_back_past_nor_replace
                              f"checkpoint.resume={step.parent / 'step-1'}")
         with contextlib.closing(Checkpointer(resume, engine, run_dir=tmp_path)) as ckpt:   # at the start, not
             with pytest.raises(NewerVersion, match=rf"^checkpoint {step} was saved by a newer .*: this run resumes "
-                               r"from step-1 below it and would save that step in its place; set checkpoint.dir"):
+                               r"from step-1 below it and trains to step 2, so it would save that step in its place; "
+                               r"set checkpoint.dir to another folder or train.steps below 2 \(or"):
                 ckpt.resume(engine.state)                                # at the save after the training since
             with pytest.raises(NewerVersion, match=r"this run resumes from step-1 below it"):
                 preflight(resume, tmp_path)   # (the CLI's, before any rank starts)
+            short = tiny_config("train.steps=1", "train.micro_batch=2", "checkpoint.every=1", "checkpoint.keep_last=0",
+                                f"checkpoint.resume={step.parent / 'step-1'}")   # (never saves step-2: left alone)
+            preflight(short, tmp_path)
+            with contextlib.closing(Checkpointer(short, engine, run_dir=tmp_path)) as above:
+                assert above.resume(engine.state).step == 1
             reading = tiny_config("train.steps=2", "train.micro_batch=2", f"checkpoint.resume={step.parent / 'step-1'}")
             with contextlib.closing(Checkpointer(reading, engine, run_dir=tmp_path)) as reader:   # (saves nothing)
                 state = reader.resume(engine.state)
