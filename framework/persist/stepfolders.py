@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import stat
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,8 @@ def removed_while_read(step: Path, advice: str) -> str:
     """The line for the step folder ``step`` removed while it was read (no damage, nor a permission): the rotation
     of the run that holds the folder's lock, named by the lock's text; where no run holds it, some other process
     (a library loop saving there takes no lock, a user's ``rm``, a clean-up): the text the lock keeps then names
-    the run that held it last, which may have ended long ago. ``advice``: the way out."""
+    the run that held it last, which may have ended long ago; where this process holds it, another process too (this
+    run rotates nothing before it saves). ``advice``: the way out."""
     lock = step.parent / LOCK
     try:
         fd = files.open_nofollow(lock, os.O_RDONLY)
@@ -92,6 +94,9 @@ def removed_while_read(step: Path, advice: str) -> str:
             holder = f.read(200).decode(errors="replace").strip() if held else ""
     if held is False or fd is None:
         return f"{step} was removed while it was read: another process removed it (no run holds {lock}); {advice}"
+    if holder == f"pid {os.getpid()} on host {socket.gethostname()}":   # (files.lock's text)
+        # The reader's own lock (a CLI run resuming from the folder it saves into): it has saved nothing yet
+        return f"{step} was removed while it was read: another process removed it (this run holds {lock}); {advice}"
     who = (f"the run holding {lock} ({holder})" if holder and holder.isprintable()
            else f"a run saving into {step.parent}")
     return f"{step} was removed while it was read: {who} rotates its checkpoints; {advice}"

@@ -795,6 +795,15 @@ def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp
                               f"holding {root / '.lock'} (pid 7 on host h) rotates its checkpoints; run again, or "
                               "resume from a step that run keeps (checkpoint.keep_last)")
         assert not isinstance(error, package.CheckpointError)   # (no damage)
+        # This process holds the lock (a CLI run resuming from its own folder): it rotated nothing, so not named
+        import os
+        import socket
+
+        from framework.persist.stepfolders import removed_while_read
+        (root / ".lock").write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        assert removed_while_read(root / "step-1", "run again") == (
+            f"{root / 'step-1'} was removed while it was read: another process removed it (this run holds "
+            f"{root / '.lock'}); run again")
         # No run holds the lock (the run it names ended; a user's rm, a library loop): that run is not named
         holding.close()
         shutil.copytree(tmp_path / "spare", root / "step-1")
