@@ -70,8 +70,7 @@ class TokensSource(CropSource):
         # above, at start.) One read per crop costs about what its page faults did. A raw descriptor closed as
         # the source is collected: a source has no close() the data pipeline calls, and a process building many
         # (a sweep, tests, report tools) would keep one descriptor open for each otherwise.
-        self._fd, self._size = os.open(path, os.O_RDONLY | os.O_CLOEXEC), path.stat().st_size
-        weakref.finalize(self, os.close, self._fd)
+        self._file, self._size = _OpenFile(path), path.stat().st_size
         del data
         # the checksum and characters its metadata records (prepare's), else its size alone
         chars = found.get("chars") if found is not None else None
@@ -86,12 +85,31 @@ class TokensSource(CropSource):
         out = np.empty((len(starts), self.context + 1), dtype="<u2")
         for row, start in zip(out, starts):
             offset = 2 * data[int(start)]
-            if os.preadv(self._fd, [row], offset) < row.nbytes:
-                now = os.fstat(self._fd).st_size
+            if os.preadv(self._file.fd, [row], offset) < row.nbytes:
+                now = os.fstat(self._file.fd).st_size
                 raise DataError(f"data.path={self.path} shrank from {self._size} to {now} bytes while training; "
                                 "do not rewrite a token file a run is reading (write a new file and point "
                                 "data.path at it; the checkpoints saved so far are kept)")
         return out
+
+
+class _OpenFile:
+    """A read-only descriptor of ``path``, closed as the last object holding it is collected. Copies of a source
+    (copy.copy, deepcopy) share this holder, so the descriptor lives as long as any of them: a copy of a bare int
+    would outlive its close and read whatever file a later open() got that number for. A pickle reopens the path."""
+
+    def __init__(self, path: Path):
+        self.path, self.fd = path, os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        weakref.finalize(self, os.close, self.fd)
+
+    def __copy__(self) -> _OpenFile:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> _OpenFile:
+        return self
+
+    def __reduce__(self):
+        return _OpenFile, (self.path,)
 
 
 def meta_path(path: Path) -> Path:

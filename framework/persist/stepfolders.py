@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import stat
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,8 @@ def removed_while_read(step: Path, advice: str) -> str:
     """The line for the step folder ``step`` removed while it was read (no damage, nor a permission): the rotation
     of the run that holds the folder's lock, named by the lock's text; where no run holds it, some other process
     (a library loop saving there takes no lock, a user's ``rm``, a clean-up): the text the lock keeps then names
-    the run that held it last, which may have ended long ago. ``advice``: the way out."""
+    the run that held it last, which may have ended long ago; where this process holds it, another process too (this
+    run rotates nothing before it saves). ``advice``: the way out."""
     lock = step.parent / LOCK
     try:
         fd = files.open_nofollow(lock, os.O_RDONLY)
@@ -92,6 +94,9 @@ def removed_while_read(step: Path, advice: str) -> str:
             holder = f.read(200).decode(errors="replace").strip() if held else ""
     if held is False or fd is None:
         return f"{step} was removed while it was read: another process removed it (no run holds {lock}); {advice}"
+    if holder == f"pid {os.getpid()} on host {socket.gethostname()}":   # (files.lock's text)
+        # The reader's own lock (a CLI run resuming from the folder it saves into): it has saved nothing yet
+        return f"{step} was removed while it was read: another process removed it (this run holds {lock}); {advice}"
     who = (f"the run holding {lock} ({holder})" if holder and holder.isprintable()
            else f"a run saving into {step.parent}")
     return f"{step} was removed while it was read: {who} rotates its checkpoints; {advice}"
@@ -301,20 +306,22 @@ def _step_versions(folder: Path, manifest: dict | None = None) -> None:
         train_state_versions(body, folder)
 
 
-def refuse_newer_above(step: Path) -> None:
-    """NewerVersion where the folder of ``step`` (the one a run resumes from and saves into) holds a step above it
-    that a newer version saved: this run's saves would reach it (every N steps, or the last at a stop) and never
-    replace it (``commit``), so it is refused at the start, not at that save after the training since the last."""
+def refuse_newer_above(step: Path, last: int) -> None:
+    """NewerVersion where the folder of ``step`` (the one a run resumes from and saves into) holds a step above it,
+    and at or below the run's last step ``last`` (train.steps), that a newer version saved: this run's saves could
+    reach it (every N steps, or one at a stop, which lands at or below ``last``) and never replace it (``commit``),
+    so it is refused at the start, not at that save after the training since the last. A newer step above ``last``
+    is no save of this run's: it is left alone, as rotation leaves it."""
     n = step_of(step)
     for p, manifest in scan(step.parent, manifests=True)[0]:
-        if step_of(p) <= n:
+        if not n < step_of(p) <= last:
             continue
         try:
             _step_versions(p, manifest)   # (no manifest passed: a newer version's, or damage)
         except NewerVersion as e:
-            raise NewerVersion(e.what, f"this run resumes from {step.name} below it and would save that step in its "
-                               "place; set checkpoint.dir to another folder (or resume that step with that "
-                               "version)") from None
+            raise NewerVersion(e.what, f"this run resumes from {step.name} below it and trains to step {last}, so "
+                               "it would save that step in its place; set checkpoint.dir to another folder or "
+                               f"train.steps below {step_of(p)} (or resume that step with that version)") from None
         except (CheckpointError, UnsafePathError, OSError):
             pass   # (damage: a save replaces it, as ever)
 

@@ -254,6 +254,26 @@ def test_a_tokens_source_closes_its_file_as_it_is_collected(tmp_path):
     assert len(os.listdir("/proc/self/fd")) == before and not [w for w in caught if w.category is ResourceWarning]
 
 
+def test_a_copy_of_a_tokens_source_reads_its_own_file_after_the_original_is_collected(tmp_path):
+    # A copy kept the bare descriptor number, closed with the original: a later open() got that number and the
+    # copy read the other file's bytes as training data, with no error.
+    import copy
+    import gc
+    import pickle
+
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    np.arange(1000, dtype="<u2").tofile(a)
+    np.full(1000, 7, dtype="<u2").tofile(b)
+    src = tokens.TokensSource(tokens.TokensConfig(path=str(a), vocab_size=1000), seed=0, context=8)
+    want = src.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1).micro[0][0]
+    twins = [copy.copy(src), copy.deepcopy(src), pickle.loads(pickle.dumps(src))]
+    del src
+    gc.collect()
+    with open(b, "rb"), open(b, "rb"):   # (takes a freed descriptor number, if any)
+        for twin in twins:
+            assert torch.equal(twin.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1).micro[0][0], want)
+
+
 def test_tokens_out_of_vocab_and_bad_files(token_file, tmp_path, monkeypatch):
     # A token id past data.vocab_size is refused when the source is built, however rare: not when (and on
     # whichever rank) a random crop first reaches it.

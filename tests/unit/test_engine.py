@@ -702,10 +702,16 @@ def test_a_newer_versions_checkpoint_is_refused_not_fallen_back_past_nor_replace
                              f"checkpoint.resume={step.parent / 'step-1'}")
         with contextlib.closing(Checkpointer(resume, engine, run_dir=tmp_path)) as ckpt:   # at the start, not
             with pytest.raises(NewerVersion, match=rf"^checkpoint {step} was saved by a newer .*: this run resumes "
-                               r"from step-1 below it and would save that step in its place; set checkpoint.dir"):
+                               r"from step-1 below it and trains to step 2, so it would save that step in its place; "
+                               r"set checkpoint.dir to another folder or train.steps below 2 \(or"):
                 ckpt.resume(engine.state)                                # at the save after the training since
             with pytest.raises(NewerVersion, match=r"this run resumes from step-1 below it"):
                 preflight(resume, tmp_path)   # (the CLI's, before any rank starts)
+            short = tiny_config("train.steps=1", "train.micro_batch=2", "checkpoint.every=1", "checkpoint.keep_last=0",
+                                f"checkpoint.resume={step.parent / 'step-1'}")   # (never saves step-2: left alone)
+            preflight(short, tmp_path)
+            with contextlib.closing(Checkpointer(short, engine, run_dir=tmp_path)) as above:
+                assert above.resume(engine.state).step == 1
             reading = tiny_config("train.steps=2", "train.micro_batch=2", f"checkpoint.resume={step.parent / 'step-1'}")
             with contextlib.closing(Checkpointer(reading, engine, run_dir=tmp_path)) as reader:   # (saves nothing)
                 state = reader.resume(engine.state)
@@ -789,6 +795,15 @@ def test_a_step_a_live_run_rotates_away_while_a_resume_reads_it_is_no_damage(tmp
                               f"holding {root / '.lock'} (pid 7 on host h) rotates its checkpoints; run again, or "
                               "resume from a step that run keeps (checkpoint.keep_last)")
         assert not isinstance(error, package.CheckpointError)   # (no damage)
+        # This process holds the lock (a CLI run resuming from its own folder): it rotated nothing, so not named
+        import os
+        import socket
+
+        from framework.persist.stepfolders import removed_while_read
+        (root / ".lock").write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        assert removed_while_read(root / "step-1", "run again") == (
+            f"{root / 'step-1'} was removed while it was read: another process removed it (this run holds "
+            f"{root / '.lock'}); run again")
         # No run holds the lock (the run it names ended; a user's rm, a library loop): that run is not named
         holding.close()
         shutil.copytree(tmp_path / "spare", root / "step-1")

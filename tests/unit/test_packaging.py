@@ -90,8 +90,8 @@ def test_every_hint_to_install_an_extra_is_the_one_that_works_from_a_checkout():
 
 
 def test_checkpoints_record_pyprojects_version_also_from_a_checkout_not_installed(monkeypatch):
-    """train_state.json's framework_version: the installed package's, and pyproject.toml's where the checkout is run
-    by PYTHONPATH without pip install (the GPU image: no package metadata; it recorded null)."""
+    """train_state.json's framework_version: the checkout's pyproject.toml's, also where it is run by PYTHONPATH
+    without pip install (the GPU image: no package metadata; it recorded null) or beside an older install."""
     import importlib.metadata
     import tomllib
 
@@ -104,4 +104,7 @@ def test_checkpoints_record_pyprojects_version_also_from_a_checkout_not_installe
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert _save._version() == version
+    # An older install in the same environment is not the checkout that runs: its metadata is not the version.
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1")
     assert _save._version() == version

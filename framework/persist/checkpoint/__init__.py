@@ -131,7 +131,7 @@ class Checkpointer:
                    if body["stage"] != self.config["stage"]["name"] else "same layout")
             if every and Path(folder).parent.resolve() == self.root.resolve():   # (preflight's check, for a loop)
                 agree_load(self.group, "resume: newer steps", lambda: stepfolders.refuse_newer_above(
-                    Path(folder)) if self.rank == 0 else None)
+                    Path(folder), self.config["train"]["steps"]) if self.rank == 0 else None)
             self.resumed_from = Path(folder)
             losses = body.get("recent_losses")   # (none in a checkpoint of an older version)
             self.recent_losses = [x for x in losses if isinstance(x, (int, float)) and not isinstance(x, bool)] \
@@ -301,7 +301,7 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
         return cfg
     folder = folders[0]   # the one every rank reads first
     if c.every and folder.parent.resolve() == root.resolve():   # a step of a newer version this run's saves reach
-        stepfolders.refuse_newer_above(folder)
+        stepfolders.refuse_newer_above(folder, cfg.train.steps)
     try:   # a train state that fails its manifest check is damage: the ranks name it and fall back
         want = stepfolders.read_manifest(folder)["files"][stepfolders.TRAIN_STATE]
         if stepfolders.check_file(folder, stepfolders.TRAIN_STATE, want) is not None:

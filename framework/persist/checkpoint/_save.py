@@ -36,20 +36,22 @@ from framework.persist.weights import save_on_model_save, tied_names, whole_tens
 
 def _version() -> str | None:
     """The framework's version (pyproject's), recorded in train_state.json: a later version's refusal of a layout
-    it no longer reads can name the version that wrote it. A checkout run by PYTHONPATH, not pip-installed (the
-    GPU image, gpu_check.sh), has no package metadata: its pyproject.toml next to the package says it. None where
-    neither does (Python 3.10 has no tomllib)."""
-    try:
-        return importlib.metadata.version("framework")
-    except importlib.metadata.PackageNotFoundError:
-        pass
+    it no longer reads can name the version that wrote it. The checkout's pyproject.toml next to the package first:
+    a checkout run by PYTHONPATH (the GPU image, gpu_check.sh) has no package metadata, or the metadata of another,
+    older install in the same environment, which is not the code that runs. The installed package's metadata where
+    there is no such file (a wheel install); None where neither says (Python 3.10 has no tomllib)."""
     try:
         import tomllib
 
         project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text()).get("project", {})
     except (ImportError, OSError, ValueError):   # (no tomllib, no file, not TOML)
+        project = {}
+    if project.get("name") == "framework" and isinstance(project.get("version"), str):
+        return project["version"]
+    try:
+        return importlib.metadata.version("framework")
+    except importlib.metadata.PackageNotFoundError:
         return None
-    return project.get("version") if project.get("name") == "framework" else None
 
 
 VERSION = _version()
