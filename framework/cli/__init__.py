@@ -38,6 +38,10 @@ def open_closed_streams() -> None:
             setattr(sys, name, open(fd, mode, closefd=False))
 
 
+# Other tools' names for a rank count (torchrun's nproc, a world size, a GPU count): estimate's and plan's hints.
+RANK_NAMES = ("world_size", "nproc", "nproc_per_node", "gpus", "num_gpus", "gpu", "num_gpu")
+
+
 def fail(error: object, code: int) -> int:
     """Print ``error`` as one ``error:`` line on stderr; return the exit status ``code``."""
     say(f"error: {error}")

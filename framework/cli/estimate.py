@@ -30,8 +30,9 @@ from framework.memory.model import build_vocab, data_vocab, nvme_pools, predict,
 from framework.models import hf as hf_lib
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
-from framework.cli import run_command
+from framework.cli import RANK_NAMES, run_command
 from framework.config import compose, override_key
+from framework.config.checks import KEY_ALIASES
 from framework.config.plainconf import library_line, load_yaml, parse, set_key, typed
 from framework.core.errors import ConfigError, FrameworkError, typed_line
 from framework.core.registry import closest_hint, registry
@@ -40,9 +41,8 @@ from framework.models.gpt import GPTConfig
 
 NVME_KEYS = tuple(f.name for f in dataclasses.fields(NVMeKeys))   # NVMeKeys' defaults are DeepSpeed's
 # Other tools' names for a rank count (plan's ranks=, torchrun's nproc, world size): a world is gpus_per_node x nodes.
-ALIASES = {**dict.fromkeys(("ranks", "world_size", "nproc", "nproc_per_node", "gpus", "num_gpus", "gpu", "num_gpu"),
-                           "gpus_per_node"), **dict.fromkeys(("nnodes", "num_nodes"), "nodes"),
-           **dict.fromkeys(("seq_len", "seq_length", "max_seq_len", "block_size"), "context")}   # (estimate's own)
+ALIASES = {**dict.fromkeys(("ranks", *RANK_NAMES), "gpus_per_node"), **dict.fromkeys(("nnodes", "num_nodes"), "nodes"),
+           **{a: k for a, k in KEY_ALIASES.items() if k == "context"}}   # (estimate's own context=)
 OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context", *NVME_KEYS)
 
 

@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from framework.cli import run_command
+from framework.cli import RANK_NAMES, run_command
 from framework.cli.estimate import model_kind
 from framework.cli.report import load_jobs
 from framework.config import compose, override_key
@@ -49,8 +49,7 @@ from framework.memory.planner import (Candidate, Hardware, Planned, candidates, 
 from framework.memory.tables import parse_count
 
 # Other tools' names for the rank count (estimate's gpus_per_node, torchrun's nproc, world size) and node count.
-ALIASES = {**dict.fromkeys(("world_size", "nproc", "nproc_per_node", "gpus", "num_gpus", "gpu", "num_gpu",
-                            "gpus_per_node"), "ranks"),
+ALIASES = {**dict.fromkeys((*RANK_NAMES, "gpus_per_node"), "ranks"),
            **dict.fromkeys(("nodes", "nnodes", "num_nodes"), ("ranks", "ranks = gpus_per_node x nodes"))}
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
             "checkpointing", "steps")

@@ -168,6 +168,17 @@ def remove_made(made: list[Path]) -> None:
             break
 
 
+def holder_text() -> str:
+    """What ``lock`` writes in the file it holds: this process, as another process's refusal names it."""
+    return f"pid {os.getpid()} on host {socket.gethostname()}"
+
+
+def read_holder(fd: int) -> str:
+    """The holder ``lock`` wrote in the file open at ``fd`` ("" where it is none or not printable text)."""
+    holder = os.read(fd, 200).decode(errors="replace").strip()
+    return holder if holder.isprintable() else ""
+
+
 def lock(path: os.PathLike | str, busy: Callable[[str], str], undetected: str | None) -> int:
     """A descriptor holding an exclusive ``flock`` on ``path`` (made if missing, this process's id written in it)
     while open; FrameworkError ``busy(" (pid N on host H)")`` where another process holds it; a note where the
@@ -178,9 +189,9 @@ def lock(path: os.PathLike | str, busy: Callable[[str], str], undetected: str | 
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 200).decode(errors="replace").strip()
+            holder = read_holder(fd)
             os.close(fd)
-            raise FrameworkError(busy(f" ({holder})" if holder.isprintable() and holder else "")) from None
+            raise FrameworkError(busy(f" ({holder})" if holder else "")) from None
         except OSError as e:   # a file system without flock (Lustre without -o flock, NFS without lockd): unlocked
             if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
                 os.close(fd)
@@ -197,7 +208,7 @@ def lock(path: os.PathLike | str, busy: Callable[[str], str], undetected: str | 
         os.close(fd)
     with contextlib.suppress(OSError):   # (only said to a process it stops: a full disk keeps the lock)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        os.pwrite(fd, f"{holder_text()}\n".encode(), 0)
     return fd
 
 

@@ -46,6 +46,11 @@ def restore_rng(rng: tuple[torch.Tensor, ...], device: torch.device) -> None:
 FORMAT = 1
 
 
+def is_newer(version: Any, reads: int) -> bool:
+    """Whether a saved file's ``version`` field is a number above ``reads``, the one this version reads."""
+    return isinstance(version, int) and not isinstance(version, bool) and version > reads
+
+
 def optimizer_leaves(opt_state: Any, params: Sequence[torch.Tensor]) -> tuple[dict[str, list], dict[str, Any]]:
     """An optimizer state's leaves by path (``'0.mu'``: chain index, then field name): (per-element
     leaves: tensor lists aligned with ``params``, scalar leaves: everything else)."""

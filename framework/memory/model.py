@@ -149,9 +149,6 @@ class Prediction(Footprint):
     recompute_slack_fraction: float = 0.0   # of the activations, on the host (RECOMPUTE_SLACK_FRACTION)
     # The activations' peak with CUDA's fused attention; the "activations" transient is the CPU's math path.
     cuda_activations: int | None = None
-    # The optimizer step's transients, made once backward has freed the activations (``_step_transients``); of
-    # them the host code path's only, none on an accelerator.
-    AFTER_BACKWARD, HOST_ONLY = ("step_grads_master", "grad_norm_upcast"), ("grad_norm_upcast",)
 
     MODEL_STATES = ("params", "frozen_params", "grads", "grad_accumulator", "master_params", "optimizer_state",
                     "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool",
@@ -180,8 +177,10 @@ class Prediction(Footprint):
         dev, transient = sum(d for d, _ in self.items.values()), sum(self.transient.values())
         if not cuda:
             return dev + transient + self.slack
-        step = sum(self.transient.get(k, 0) for k in self.AFTER_BACKWARD if k not in self.HOST_ONLY)
-        transient -= step + sum(self.transient.get(k, 0) for k in self.HOST_ONLY)
+        # The optimizer step's copy (``_step_transients``), made once backward freed the activations; the host
+        # norm's upcast block is none on an accelerator.
+        step = self.transient.get("step_grads_master", 0)
+        transient -= step + self.transient.get("grad_norm_upcast", 0)
         if self.cuda_activations is not None:   # attention as CUDA's fused kernels hold it
             transient += self.cuda_activations - self.transient.get("activations", 0)
         transient = max(transient, step)   # the caching allocator hands the step the activations' freed blocks

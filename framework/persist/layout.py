@@ -15,7 +15,7 @@ import torch
 
 from framework.comm.distributed import agree
 from framework.core.errors import FrameworkError, on_every_rank
-from framework.engine.state import FORMAT, TrainState, optimizer_leaves, with_scalars
+from framework.engine.state import FORMAT, TrainState, is_newer, optimizer_leaves, with_scalars
 from framework.precision import Policy, PrecisionState
 from framework.stages import PieceSpec, check_shape, cover
 from framework.core.utils import counted, few
@@ -156,7 +156,7 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
 
 def check_format(saved_format: Any, caller: str) -> None:
     if saved_format != FORMAT:
-        newer = isinstance(saved_format, int) and not isinstance(saved_format, bool) and saved_format > FORMAT
+        newer = is_newer(saved_format, FORMAT)
         raise FrameworkError(f"{caller}: saved state of format {saved_format!r}, this version reads format {FORMAT}"
                              + (" (written by a newer version of the framework: load it with that version)"
                                 if newer else ""))

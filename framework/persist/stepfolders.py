@@ -20,14 +20,13 @@ import json
 import os
 import re
 import shutil
-import socket
 import stat
 from pathlib import Path
 from typing import Any
 
 from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, UnsafePathError
-from framework.engine.state import FORMAT as STATE_FORMAT
+from framework.engine.state import FORMAT as STATE_FORMAT, is_newer
 
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
@@ -57,7 +56,7 @@ def check_version(value: Any, reads: int, what: str, folder: Path) -> None:
     """NewerVersion where ``value``, the version field ``what`` of a file in the checkpoint ``folder``, is a number
     above ``reads``; read before any other field (a newer layout may lack or rename them). A value that is no number
     is the caller's to call damage."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > reads:
+    if is_newer(value, reads):
         raise NewerVersion(f"checkpoint {folder} was saved by a newer version of the framework ({what} {value}, this "
                            f"one reads {reads})")
 
@@ -91,14 +90,13 @@ def removed_while_read(step: Path, advice: str) -> str:
                 held = True
             except OSError:
                 pass
-            holder = f.read(200).decode(errors="replace").strip() if held else ""
+            holder = files.read_holder(f.fileno()) if held else ""
     if held is False or fd is None:
         return f"{step} was removed while it was read: another process removed it (no run holds {lock}); {advice}"
-    if holder == f"pid {os.getpid()} on host {socket.gethostname()}":   # (files.lock's text)
+    if holder == files.holder_text():
         # The reader's own lock (a CLI run resuming from the folder it saves into): it has saved nothing yet
         return f"{step} was removed while it was read: another process removed it (this run holds {lock}); {advice}"
-    who = (f"the run holding {lock} ({holder})" if holder and holder.isprintable()
-           else f"a run saving into {step.parent}")
+    who = f"the run holding {lock} ({holder})" if holder else f"a run saving into {step.parent}"
     return f"{step} was removed while it was read: {who} rotates its checkpoints; {advice}"
 
 

@@ -80,11 +80,9 @@ class Checkpointer:
         """The state loaded from the checkpoint ``checkpoint.resume`` selects, or ``state`` (saying why). Collective."""
         self._check_open("resume")
         resume, every, given = self.cfg.resume, self.cfg.every, self.resume_given
-        # Rank 0 looks, every rank gets its answer (or its error: no rank is left waiting).
         what = "checkpoint.resume=off" if resume == "off" else \
             f"looking for checkpoint.resume={resume} in {self.root} (another checkpoint.dir starts afresh)"
-        mine = agree_load(self.group, what, lambda: choose(resume, self.root, every) if self.rank == 0 else None)
-        folders, notes = self.group.all_gather(mine, "resume choice")[0]
+        folders, notes = self._choose(what, resume, every)
         for note in notes:   # never passed over silently
             self._say(note)
         if not folders:
@@ -158,8 +156,12 @@ class Checkpointer:
         """``choose``'s folders again (rank 0 looks, every rank gets them), None where ``resume`` names one step."""
         if resume not in ("auto", "latest") and stepfolders.step_of(Path(user_path(resume))) >= 0:
             return None
+        return self._choose(what, resume, every)[0] or None
+
+    def _choose(self, what: str, resume: str, every: int) -> tuple[list[Path], list[str]]:
+        """``choose``'s (folders, notes): rank 0 looks, every rank gets its answer (or its error: none left waiting)."""
         mine = agree_load(self.group, what, lambda: choose(resume, self.root, every) if self.rank == 0 else None)
-        return self.group.all_gather(mine, "resume choice")[0][0] or None
+        return self.group.all_gather(mine, "resume choice")[0]
 
     def afresh(self, folder: Path) -> str:
         """What a refusal of the checkpoint ``folder`` says to start this run afresh instead (``resumed_from``: of
