@@ -72,6 +72,30 @@ def test_fp16_overflow_skips_step_and_leaves_everything_untouched():
         assert torch.equal(a, b)
     for a, b in zip(moments, framework.core.utils.tensors_in(state.opt_state)):
         assert torch.equal(a, b)
+    bomb["on"], lr_skipped = False, m["lr"]
+    state, m = engine.train_step(state, batch)
+    assert not m["skipped"] and m["lr"] == lr_skipped   # the next applied step takes the skipped step's lr
+
+
+def _first_sgd_step(*over):
+    # Plain SGD, constant lr, clipping active: a gradient (or a norm) off by the loss scale shows in the
+    # parameters and the logged norm (Adam's scale invariance would hide it).
+    cfg = tiny_config("optimizer=sgd", "optimizer.lr=0.5", "scheduler=constant", "train.grad_clip=0.05",
+                      "train.steps=1", *over)
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg)
+    batch = data.train_batch(0, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum, rank=0, world=1)
+    _, m = engine.train_step(engine.state, batch)
+    return m, flat_params(module)
+
+
+def test_fp16_grad_norm_and_clipping_are_of_the_unscaled_gradients():
+    ref, ref_p = _first_sgd_step()
+    m, p = _first_sgd_step("precision=fp16", "precision.initial_scale_power=8")
+    assert m["loss_scale"] == 256 and not m["skipped"]
+    assert ref["grad_norm"] > 0.05   # so clipping is active in both runs
+    assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2)
+    torch.testing.assert_close(p, ref_p, rtol=0, atol=2e-3)
 
 
 def test_an_overflowing_step_has_one_number_with_and_without_loss_scaling():
