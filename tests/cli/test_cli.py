@@ -309,6 +309,8 @@ def test_an_fp16_run_with_skipped_steps_writes_strict_json(tmp_path):
     steps, norms = job.curve("grad_norm")
     assert steps == [1, 2, 3]
     assert all(n != n for n in norms)   # every step overflowed: NaN, as before it was written as null
+    losses = job.curve("loss")[1]
+    assert len(set(losses)) == 3, losses   # unchanged weights: each skipped step still took the next batch
     res = recipe.evaluate([job], {"checks": [{"metric": "min:grad_norm", "max": 1e30},
                                              {"metric": "min:loss", "max": 1e30}]})
     assert [r["passed"] for r in res] == [False, True], res   # (no finite grad norm to bound)
