@@ -100,17 +100,18 @@ def test_prefetch_on_and_off_identical_and_hits(pools):
     assert max(off["hits"]) < on["hits"][-1]
 
 
-# (loss, gradient norm) relative tolerances against ddp. Measured on world 2 over 10 steps: bf16
-# 1.6e-5 and 5.4e-4, fp16 1.8e-6 and 6.6e-5 (each micro batch's gradients are rounded on the wire).
-# About 10x (norm 5x) margin for another CPU's kernels; a rank whose gradients go missing halves the
-# norm long before Adam shows it in a loss.
+# (loss, gradient norm) relative tolerances against ddp. Measured on world 2 over 10 steps at the constant
+# lr: bf16 3.4e-5 and 4.2e-4, fp16 7.1e-6 and 4.8e-5 (each micro batch's gradients are rounded on the
+# wire). 3x-10x margin for another CPU's kernels; a rank whose gradients go missing halves the norm long
+# before Adam shows it in a loss. The constant lr (not the warm-up's, <1e-4) moves the 16-bit LayerNorm
+# weights, so a stage that never wrote them back would fail (bf16: loss 5e-4, norm 7e-3 off).
 LOW_PRECISION_RTOL = {"bf16": (2e-4, 3e-3), "fp16": (2e-5, 5e-4)}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_low_precision_close_to_ddp(pools, precision):
-    res = pools(2).run(_compare, [f"precision={precision}", "train.grad_accum=2", "train.steps=10"],
-                       timeout=240)[0]
+    res = pools(2).run(_compare, [f"precision={precision}", "train.grad_accum=2", "train.steps=10",
+                                  "scheduler=constant"], timeout=240)[0]
     loss_rtol, norm_rtol = LOW_PRECISION_RTOL[precision]
     for i, (a, b) in enumerate(zip(res["zero3"]["norms"], res["ddp"]["norms"])):
         assert a == pytest.approx(b, rel=norm_rtol), f"{precision} step {i}: zero3 grad_norm {a} vs ddp {b}"
