@@ -2,7 +2,7 @@
 
 zero1/2/3 + offload=nvme are bitwise equal to offload=cpu (the same host kernels step the same
 values; only where they live between steps differs) and within 1e-6 of offload=none, on 1 and 2
-ranks (zero2 on 4 too), fp32 and bf16, with gradient accumulation (2 micro batches), with pipeline_read and
+ranks (one nvme case of each stage on 4 too), fp32 and bf16, with gradient accumulation (2 micro batches), with pipeline_read and
 pipeline_write on and off (bitwise equal to each other), and zero3 parameter shards on none, cpu and
 nvme (also with the optimizer in host memory). Tiles are small (sub_group_size=1024, a few buffers) so every step swaps many of them. One
 pool call per world size runs every case. Also: an IO error on one rank (a corrupted extent of the
@@ -62,8 +62,8 @@ CASES = {
     "zero3 bf16 nvme params=nvme": (["+stage=zero3", "precision=bf16", *NVME], "zero3 bf16 cpu params=cpu"),
 }
 # offload=nvme within 1e-6 of offload=none (the reference of each nvme case's reference chain)
-PLAIN = {"zero1 nvme": "zero1 none", "zero2 nvme": "zero1 none", "zero2 bf16 nvme": "zero2 bf16 none",
-         "zero3 nvme": "zero3 none", "zero3 nvme params=nvme": "zero3 none"}
+PLAIN = {"zero1 nvme": "zero1 none", "zero2 nvme": "zero1 none", "zero2 nvme piped": "zero1 none",
+         "zero2 bf16 nvme": "zero2 bf16 none", "zero3 nvme": "zero3 none", "zero3 nvme params=nvme": "zero3 none"}
 
 
 def _run(dist, overrides, folder):
@@ -98,9 +98,11 @@ def _local():
     return connect("gloo")
 
 
-# On 4 ranks (gloo reduces to each owner; 2 ranks all-reduce) one case of each stage and its reference
-# (test_offload compares offload=cpu with none on 4 ranks), so every stage runs each offload target at 1, 2 and 4.
-WORLD_4 = ("zero1 cpu", "zero1 nvme", "zero2 cpu", "zero2 nvme piped", "zero3 cpu params=cpu", "zero3 nvme params=nvme")
+# On 4 ranks (gloo reduces to each owner; 2 ranks all-reduce) one nvme case of each stage against offload=none
+# (PLAIN), and zero2 cpu = nvme bitwise. zero1 cpu = nvme and zero3 params=cpu = params=nvme bitwise are checked
+# on 1 and 2 ranks; test_offload compares offload=cpu with none on 4 ranks for zero2 (offload ratio 0.5) and
+# zero3 params=cpu only.
+WORLD_4 = ("zero1 none", "zero1 nvme", "zero2 cpu", "zero2 nvme piped", "zero3 none", "zero3 nvme params=nvme")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -111,7 +113,7 @@ def test_nvme_equals_cpu_bitwise_and_none_within_1e6(pools, world):
         for name in names:
             losses, full, _, left = res[name]
             assert left == [], f"{name}: swap files left behind: {left}"
-            if (ref := CASES[name][1]) is not None:
+            if (ref := CASES[name][1]) in res:   # (not every reference runs on 4 ranks)
                 assert losses == res[ref][0], f"rank {rank} {name} vs {ref}: losses differ"
                 assert torch.equal(full, res[ref][1]), f"rank {rank} {name} vs {ref}: parameters differ (bitwise)"
         for name, plain in PLAIN.items():
