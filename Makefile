@@ -32,7 +32,7 @@ TEST_JOBS ?= 2
 test: setup lint
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m framework.ops build --if-needed \
 		|| echo "make test: the C++ CPU optimizer kernels did not build (the reason is above); the tests use the fallback"
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder \
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder --durations=30 \
 		$(PYTEST_ARGS)
 
 # pyflakes + pycodestyle through ruff (settings in pyproject.toml); part of `make test`.

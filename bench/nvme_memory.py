@@ -1,7 +1,7 @@
 """Measured host memory of offload=nvme against offload=cpu: peak RSS (the kernel's VmHWM) of one rank.
 
-    .venv/bin/python -m bench.nvme_memory     # gpt2-small, zero2, 2 steps (about 2 min here; the test suite runs it)
-    .venv/bin/python -m bench.nvme_memory --model gpt-mini --sub-group-size 1000000   # quicker (about 40 s)
+    .venv/bin/python -m bench.nvme_memory     # gpt2-small, zero2, 2 steps (about 2 min here)
+    .venv/bin/python -m bench.nvme_memory --model gpt-mini --sub-group-size 1000000   # quicker (the test suite's)
 
 gpt-mini (30 M parameters with this vocabulary) is only 3 tiles at the default ``sub_group_size``, all of
 them resident at once in the default pool of 4: a smaller tile is what shows the saving (measured

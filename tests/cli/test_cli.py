@@ -614,7 +614,8 @@ def test_a_run_refused_in_training_keeps_an_earlier_runs_record(forkrun, tmp_pat
 
 # FRAMEWORK_SLOW_TESTS only: test_zero_stages_from_the_command_line launches 2 local ranks the same way and
 # checks the same (Hydra's record written by rank 0, world 2, both ranks' memory); ddp at 2 local ranks from
-# the command line is also the README test's `python -m framework.train +stage=ddp dist.nproc=2`.
+# the command line is also test_recipes.py's memory_scaling twin (a sweep's job; the README test's
+# `python -m framework.train +stage=ddp dist.nproc=2` is that one, tests/cli/test_readme.py COVERED).
 @slow
 def test_two_local_ranks(forkrun, tmp_path):
     p = cli(forkrun, tmp_path, *SHORT, "dist.nproc=2")
@@ -709,7 +710,8 @@ def test_failing_rank_exits_nonzero_with_message(forkrun, tmp_path):
     assert "missing.txt" in p.stderr and "exited with code 1" in p.stderr
 
 
-# zero1 and zero2 at 2 local ranks from the command line are the README test's (docs/stages.md, README.md); their
+# zero1 and zero2 at 2 local ranks from the command line are the README test's (docs/stages.md, README.md; its
+# `+stage=zero3 dist.nproc=2` is this test's zero3, tests/cli/test_readme.py COVERED); their
 # launch, records and parameter count (a plain module's: the first test here) are the same code as zero3's here,
 # whose count is the one that differs (its parameters are empty between uses).
 @pytest.mark.parametrize("stage", ["zero3"])

@@ -11,8 +11,10 @@ Shortening: ``train.steps`` and the step counts checkpoints are named after beco
 evaluations happen every step, a recipe runs its ``--quick`` twin. ``python -m framework.*`` commands,
 and torchrun (as ``python -m torch.distributed.run``, which is what its script runs), run in a fork
 server that has imported the framework once (tests/cli/_forkrun.py); the ranks they start are fresh
-processes, as always. The few commands that cannot run here are listed in SKIP with the reason, and
-each must still be in a document.
+processes, as always. The few commands that cannot run here are listed in SKIP with the reason, those
+another test runs with more overrides and more checks in COVERED with that test, and each must still be in a
+document; a line an earlier run of this test holds with only a checkpoint interval or a run folder more is not
+run again (ONLY_MORE).
 """
 from __future__ import annotations
 
@@ -41,6 +43,17 @@ SKIP = {
     "python -m framework.plan model=gpt-mini --verify 3":
         "runs three setups for minutes; tests/cli/test_plan.py runs --verify on a shortened config",
 }
+# Lines another test runs as printed with only more overrides (a smaller model, a shorter run) and checks more of
+# than its exit status: they are not spawned twice. Each must still be in a document and its test still there.
+COVERED = {
+    "python -m framework.train +stage=zero3 dist.nproc=2":
+        ("tests/cli/test_cli.py", "test_zero_stages_from_the_command_line"),   # (+ the 16-bit export it loads)
+    "python -m framework.train +stage=ddp dist.nproc=2":
+        ("tests/cli/test_recipes.py", "test_memory_scaling_quick"),   # (its ddp job on 2 ranks, +stage=ddp,zero3)
+}
+# A line whose words an earlier run line of this test holds, with only these more (a checkpoint every N steps, a
+# named run folder), ran there: stages.md's `+stage=zero2 dist.nproc=2` is the README's checkpointed zero2 run.
+ONLY_MORE = re.compile(r"^(checkpoint\.every|hydra\.run\.dir)=")
 # Recipes run their --quick twin, which tests/cli/test_recipes.py runs for every recipe.
 RECIPE_RUN = re.compile(r"^python -m framework\.recipe (\w+)( --quick)?$")
 PLACEHOLDER = re.compile(r"\b(NAME|DIR|FILE)\b|key=value \.\.\.")
@@ -115,6 +128,8 @@ def test_every_documented_command_runs(clone, forkrun):
     cmds = commands()
     assert len(cmds) > 40, len(cmds)
     skipped = {k: False for k in SKIP}
+    covered = {k: False for k in COVERED}
+    runs: list[list[str]] = []   # the word lists of the lines run so far
     failures, ran, started = [], 0, 0
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     before, here = Counter(), Counter()   # lines of the earlier documents, of this one so far
@@ -131,6 +146,12 @@ def test_every_documented_command_runs(clone, forkrun):
             continue   # the syntax lines of recipes/README.md; their concrete forms are in the docs
         if here[line] <= before[line]:
             continue   # a page repeating a README command: it ran there, on the same files
+        if line in COVERED:
+            covered[line] = True
+            continue
+        if here[line] == 1 and any(r[:3] == line.split()[:3] and set(line.split()) < set(r)
+                                   and all(ONLY_MORE.match(w) for w in set(r) - set(line.split())) for r in runs):
+            continue
         words = shlex.split(line.replace("path/to/input.txt", str(SHAKESPEARE if SHAKESPEARE.is_file()
                                                                   else ROOT / "README.md")))
         assigned = {}
@@ -164,8 +185,12 @@ def test_every_documented_command_runs(clone, forkrun):
         else:
             raise AssertionError(f"{doc}: no rule to run {line!r}")
         ran += 1
+        runs.append(line.split())
         if p.returncode != 0:
             failures.append(f"{doc}: {line}\n  -> rc {p.returncode}: {p.stderr[-1500:]}")
     assert not failures, "\n".join(failures)
     assert all(skipped.values()), f"SKIP entries no document holds any more: {skipped}"
+    assert all(covered.values()), f"COVERED entries no document holds any more: {covered}"
+    for path, test in COVERED.values():
+        assert f"def {test}(" in (ROOT / path).read_text(), f"{path} has no {test} any more: run its line here"
     assert ran > 35

@@ -43,26 +43,42 @@ NVME = ["offload=nvme", "offload.sub_group_size=500000", "offload.buffer_count=4
 CPU = ["offload=cpu", "offload.params=cpu"]
 
 
-def _measure(overrides: list[str]) -> tuple[int, int]:
-    """(peak, built): the run's peak resident set and the one right after initialize, over the baseline."""
-    spec = json.dumps({"overrides": overrides, "steps": 2})
+PHASES = ("save_peak", "load_peak", "weights_save_peak", "weights_load_peak")
+# bytes: each phase's peak growth allowed for 7x the parameters (measured for 4x: 0-1.3 MiB; with the
+# whole files mapped instead: 19-90 MiB)
+CKPT_SLACK = 8 << 20
+
+
+def _measure(overrides: list[str], checkpoint: str | None = None) -> tuple[int, int, dict[str, int]]:
+    """(peak, built, checkpoint peaks): the run's peak resident set and the one right after initialize, over the
+    baseline; with ``checkpoint`` (a folder), after the steps (their peak already read) each of PHASES' peaks above
+    the resident set just before it, in the same process."""
+    spec = json.dumps({"overrides": overrides, "steps": 2, **({"checkpoint": checkpoint} if checkpoint else {})})
     run = subprocess.run([sys.executable, "-m", "tests.cli._memrun", spec], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])[0]
-    return r["peak"] - r["base"], r["built"] - r["base"]
+    return r["peak"] - r["base"], r["built"] - r["base"], {k: r[k] for k in PHASES if k in r}
 
 
 def test_nvme_peak_rss_does_not_grow_with_the_model_and_cpu_does():
-    with tempfile.TemporaryDirectory(prefix="nvme-mem-") as folder:
-        nvme = [*NVME, f"offload.nvme_path={folder}"]
-        pairs, built = [], []
+    """Also, in the first pair's processes once their steps are done: a checkpoint save and load of the swapped
+    state, and save_weights / load_weights (safetensors) of it, read and write the swap file through a map whose
+    pages leave the process range by range, and the safetensors file by positioned reads: each one's peak (above
+    the resident set just before it) stays within a fixed slack for 7x the parameters (about 25 vs 175 MB of fp32
+    master + Adam, 6 vs 44 MB of fp32 weights, which a whole-file map would hold)."""
+    with tempfile.TemporaryDirectory(prefix="nvme-mem-") as folder, \
+            tempfile.TemporaryDirectory(prefix="nvme-ckpt-mem-") as ckpt:
+        nvme = [*NVME, f"offload.nvme_path={folder}", "checkpoint.keep_last=1"]
+        pairs, built, peaks = [], [], []
         while len(pairs) < 3 and (not pairs or min(pairs) >= SLACK):   # a pair measured on a busy machine: again
-            small, large = (_measure([*SIZE, *nvme, f"model.n_layer={n}"]) for n in (SMALL, LARGE))
+            small, large = (_measure([*SIZE, *nvme, f"model.n_layer={n}"], None if peaks else f"{ckpt}/{n}")
+                            for n in (SMALL, LARGE))
             pairs.append(large[0] - small[0])
             built.append(large[1] - small[1])
+            peaks = peaks or [small[2], large[2]]
         assert os.listdir(folder) == []
-    (cpu_small, _), (cpu_large, _) = (_measure([*SIZE, *CPU, f"model.n_layer={n}"]) for n in (SMALL, LARGE))
+    (cpu_small, _, _), (cpu_large, _, _) = (_measure([*SIZE, *CPU, f"model.n_layer={n}"]) for n in (SMALL, LARGE))
     grown, cpu_grown = min(pairs), cpu_large - cpu_small
     assert grown < SLACK, (f"offload=nvme: peak RSS grew {', '.join(f'{g / 2**20:.1f}' for g in pairs)} MiB "
                            f"from {SMALL} to {LARGE} layers")
@@ -71,39 +87,11 @@ def test_nvme_peak_rss_does_not_grow_with_the_model_and_cpu_does():
     # step's transients yet) does not: zero3's 16-bit shards kept in host memory are caught here.
     assert min(built) < BUILT_SLACK, (f"offload=nvme: the resident set after setup grew "
                                       f"{min(built) / 2**20:.1f} MiB from {SMALL} to {LARGE} layers")
-
-
-PHASES = ("save_peak", "load_peak", "weights_save_peak", "weights_load_peak")
-# bytes: each phase's peak growth allowed for 4x the parameters (measured: 0-1.3 MiB; with the
-# whole files mapped instead: 19-90 MiB)
-CKPT_SLACK = 8 << 20
-
-
-def _checkpoint_peaks(overrides: list[str], folder: str) -> dict[str, int]:
-    spec = json.dumps({"overrides": overrides, "steps": 1, "checkpoint": folder})
-    run = subprocess.run([sys.executable, "-m", "tests.cli._memrun", spec], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    r = json.loads(run.stdout.strip().splitlines()[-1])[0]
-    return {k: r[k] for k in PHASES}
-
-
-def test_nvme_checkpoint_and_weights_peak_rss_does_not_grow_with_the_model():
-    """A checkpoint save and load of a swapped state, and save_weights / load_weights (safetensors)
-    of it, read and write the swap file through a map whose pages leave the process range by
-    range, and the safetensors file by positioned reads: each one's peak (above the resident set
-    just before it) stays within a fixed slack for 4x the parameters (2 vs 8 layers of d_model
-    256: about 25 vs 100 MB of fp32 master + Adam, 6 vs 25 MB of fp32 weights, which a whole-file
-    map would hold)."""
-    peaks = []
-    for n in (2, 8):
-        with tempfile.TemporaryDirectory(prefix="nvme-ckpt-mem-") as folder:
-            nvme = [*NVME, f"offload.nvme_path={folder}/swap", "checkpoint.keep_last=1"]
-            peaks.append(_checkpoint_peaks([*SIZE, *nvme, f"model.n_layer={n}"], f"{folder}/ckpt"))
     small, large = peaks
+    assert set(small) == set(large) == set(PHASES), peaks
     for what in PHASES:
         grown = large[what] - small[what]
-        assert grown < CKPT_SLACK, (f"{what}: peak RSS grew {grown / 2**20:.1f} MiB for 4x the parameters "
+        assert grown < CKPT_SLACK, (f"{what}: peak RSS grew {grown / 2**20:.1f} MiB for 7x the parameters "
                                     f"({small[what] / 2**20:.1f} -> {large[what] / 2**20:.1f} MiB)")
 
 

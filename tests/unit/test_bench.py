@@ -146,17 +146,18 @@ def test_checkpoint_bench_runs_tiny(tmp_path, monkeypatch):
     assert imported_at_save == [True, True]   # (sync, async) the import was not inside the timed save
 
 
-def test_nvme_memory_gpt2_small_one_gb_below_cpu(tmp_path):
-    """The NVMe memory claim, measured: gpt2-small (124 M parameters), zero2, one rank,
-    ``offload=nvme`` with its defaults peaks (VmHWM of each run's own process) at least 1 GB below
-    ``offload=cpu``, with the same loss and no swap file left behind. The fp32 master + Adam moments
-    are 1.49 GB; measured drop 1.13 GB on a quiet machine (BENCHMARKS.md). Two fresh processes at
-    once, about 30-40 s."""
+def test_nvme_memory_below_cpu_by_most_of_the_swapped_state(tmp_path):
+    """The NVMe memory claim, measured (bench.nvme_memory's quick twin, the command in its docstring):
+    gpt-mini (30 M parameters with gpt2's vocabulary), zero2, one rank, ``offload=nvme`` in 1 M-element
+    tiles peaks (VmHWM of each run's own process) at least 2/3 of the fp32 master + Adam moments it swaps
+    below ``offload=cpu``, with the same loss and no swap file left behind. 2/3 is the full run's
+    assertion scaled: gpt2-small at the default tiles, at least 1 GB of its 1.49 GB (measured drop
+    1.13 GB, BENCHMARKS.md); here measured 323 MB of 360 MB. Two fresh processes at once, about 10 s."""
     from bench.nvme_memory import compare
 
-    r = compare("gpt2-small", folder=str(tmp_path / "swap"))   # (a --dir not there yet: created)
+    r = compare("gpt-mini", sub_group_size=1_000_000, folder=str(tmp_path / "swap"))   # (a --dir not there yet: created)
     assert r["nvme"]["train_loss"] == r["cpu"]["train_loss"]
-    assert r["drop_bytes"] >= 1e9, r
+    assert r["drop_bytes"] >= 2 / 3 * r["adam_state_bytes"], r
     assert r["nvme"]["run_dir_left"] == r["cpu"]["run_dir_left"], r   # the nvme folder went with its files
 
 
