@@ -2,10 +2,11 @@
 
 zero1/2/3 + offload=nvme are bitwise equal to offload=cpu (the same host kernels step the same
 values; only where they live between steps differs) and within 1e-6 of offload=none, on 1 and 2
-ranks (one nvme case of each stage on 4 too), fp32, bf16 and fp16, with gradient accumulation (2 micro batches), with pipeline_read and
-pipeline_write on and off (bitwise equal to each other), and zero3 parameter shards on none, cpu and
-nvme (also with the optimizer in host memory). Tiles are small (sub_group_size=1024, a few buffers) so every step swaps many of them. One
-pool call per world size runs every case. Also: an IO error on one rank (a corrupted extent of the
+ranks (one nvme case of each stage on 4 too), fp32, bf16 and fp16, with gradient accumulation (2 micro
+batches), with pipeline_read and pipeline_write on and off (bitwise equal to each other), and zero3
+parameter shards on none, cpu and nvme (also with the optimizer in host memory). Tiles are small
+(sub_group_size=1024, a few buffers) so every step swaps many of them. One pool call per world size
+runs every case. Also: an IO error on one rank (a corrupted extent of the
 optimizer's or of zero3's parameter swap file) fails every rank with the error, not a hang, in a step, a
 checkpoint save or a weights export (both read the mapped swap file after checking it), as do a
 failed zero3 shard read before eval_step, framework.gathered or consolidated_state_dict hands out its

@@ -155,7 +155,8 @@ def test_nvme_memory_below_cpu_by_most_of_the_swapped_state(tmp_path):
     1.13 GB, BENCHMARKS.md); here measured 323 MB of 360 MB. Two fresh processes at once, about 10 s."""
     from bench.nvme_memory import compare
 
-    r = compare("gpt-mini", sub_group_size=1_000_000, folder=str(tmp_path / "swap"))   # (a --dir not there yet: created)
+    # (a --dir not there yet: created)
+    r = compare("gpt-mini", sub_group_size=1_000_000, folder=str(tmp_path / "swap"))
     assert r["nvme"]["train_loss"] == r["cpu"]["train_loss"]
     assert r["drop_bytes"] >= 2 / 3 * r["adam_state_bytes"], r
     assert r["nvme"]["run_dir_left"] == r["cpu"]["run_dir_left"], r   # the nvme folder went with its files
