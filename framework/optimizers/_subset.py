@@ -1,6 +1,8 @@
-"""One optimizer step over some of the groups (pipelined host steps): every other group is passed as an empty
-slice, which kernels and transforms skip. State tensors update in place, so disjoint subsets land in one
-state; only scalar leaves (step counts) come from the returned state."""
+"""One optimizer step over some of the groups (pipelined host steps, one per piece: thousands a step with a
+small bucket): the transformation's ``subset`` over those groups alone, or, without one, every other group
+passed as an empty slice, which kernels and transforms skip (work that grows with the group count). State
+tensors update in place, so disjoint subsets land in one state; only scalar leaves (step counts) come from
+the returned state."""
 from __future__ import annotations
 
 import itertools
@@ -16,7 +18,8 @@ def _zip_map(n: int, on_groups: Callable[..., Any], *states: Any,
     """States of one layout walked together: ``on_groups(*lists)`` at each list of ``n`` tensors,
     ``on_scalars(*leaves)`` (default: the first's) at other leaves, tuples rebuilt."""
     first = states[0]
-    if isinstance(first, list) and len(first) == n and all(isinstance(t, Tensor) for t in first):
+    # (the first tensor only: a walk per call is run once per piece and step, with thousands of groups)
+    if isinstance(first, list) and len(first) == n and (n == 0 or isinstance(first[0], Tensor)):
         return on_groups(*states)
     if isinstance(first, tuple):
         items = [_zip_map(n, on_groups, *parts, on_scalars=on_scalars) for parts in zip(*states, strict=True)]
@@ -64,6 +67,11 @@ def step_groups(tx: GradientTransformation, grads: Mapping[int, Tensor], state: 
     (step counts advanced once). ``out16``: as for ``step``, one per group."""
 
     n = len(params)
+    if tx.subset is not None:   # the groups stepped alone: a piece's step does not grow with the piece count
+        groups = list(grads)
+        new = step(tx.subset(groups), [grads[i] for i in groups], _zip_map(n, lambda ts: [ts[i] for i in groups], state),
+                   [params[i] for i in groups], lr, None if out16 is None else [out16[i] for i in groups])
+        return merge_scalars(state, new, n)
 
     def only(ts: Sequence[Tensor]) -> list[Tensor]:
         return [t if i in grads else t.reshape(-1)[:0] for i, t in enumerate(ts)]

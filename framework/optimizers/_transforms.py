@@ -25,6 +25,10 @@ class GradientTransformation(NamedTuple):
     # Optional fast path doing what ``step`` does (``fused(grads, state, params, lr, out16) -> state``), or
     # None, nothing changed, where it cannot take the tensors: one pass over memory instead of ~10.
     fused: Callable[..., Any] | None = None
+    # Optional ``subset(indices)``: this transformation over those groups only (what depends on a group's
+    # position, the decay mask, re-indexed), so a step of a few groups costs their size, not the group count
+    # (``step_groups``; without it the other groups go in as empty slices).
+    subset: Callable[[Sequence[int]], "GradientTransformation"] | None = None
 
 
 def step(tx: GradientTransformation, grads: list[Tensor], state: Any, params: Sequence[Tensor],
@@ -76,6 +80,8 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
     decay = add_decayed_weights(cfg.weight_decay, mask)
     inner = [] if direction is None else [direction]
     tx = chain(*inner, decay, scale_by_lr()) if decoupled else chain(decay, *inner, scale_by_lr())
+    tx = tx._replace(subset=lambda groups: optimizer(cfg, [decay_mask[i] for i in groups], direction,
+                                                     decoupled=decoupled, kernel=kernel, hyper=hyper, cuda=cuda))
     if kernel is None:
         return tx
     index = 0 if decoupled else 1   # where the direction's state sits in the chain

@@ -21,6 +21,17 @@ def test_round_robin_gradients_is_accepted():
     assert compose(["+stage=zero1", "stage.round_robin_gradients=false"]).notices == ()
 
 
+def test_a_tiny_bucket_gets_one_note():
+    """A bucket of a few elements is one collective (and with offload one host step) each: thousands a step.
+    (zero1 makes the same note.)"""
+    stage = "zero2"
+    cfg = compose([f"+stage={stage}", "stage.reduce_bucket_size=20", "stage.allgather_bucket_size=999"])
+    assert len(cfg.notices) == 1 and cfg.notices[0].startswith(
+        "note: stage.reduce_bucket_size=20 and stage.allgather_bucket_size=999 (elements): one collective per bucket"), \
+        cfg.notices
+    assert compose([f"+stage={stage}", "stage.reduce_bucket_size=1000"]).notices == ()
+
+
 def test_zero1_contiguous_gradients_false_is_refused():
     with pytest.raises(ConfigError, match=r"stage\.contiguous_gradients=false has no effect with stage=zero1 .*"
                                           r"remove it, or use \+stage=zero2$"):

@@ -332,3 +332,30 @@ def test_step_groups_equals_one_step_over_all_groups(monkeypatch, name, kernels)
     for i in range(len(sizes)):
         assert all(torch.equal(a, b) for a, b in zip(group_state(s_whole, 4, i), group_state(s_parts, 4, i)))
     assert type(s_parts) is type(s_whole)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_step_groups_hands_the_optimizer_only_its_groups(monkeypatch, name):
+    """A host piece's step sees its own group alone, not empty slices of all the others: with a small
+    reduce_bucket_size a partition has thousands of pieces, one step each, and that made a training step
+    quadratic in the piece count. Same numbers as the empty-slice path (a transform without ``subset``)."""
+    from framework.optimizers import _subset
+
+    seen, real = [], _subset.step
+    monkeypatch.setattr(_subset, "step", lambda tx, grads, *a: (seen.append(len(grads)), real(tx, grads, *a))[1])
+    comp = registry("optimizer").get(name)
+    mask = [i % 3 != 1 for i in range(40)]
+    runs = []
+    for tx in (comp.build(comp.config(), decay_mask=mask), comp.build(comp.config(), decay_mask=mask)._replace(subset=None)):
+        gen = torch.Generator().manual_seed(1)
+        params = [torch.randn(5, generator=torch.Generator().manual_seed(i)) for i in range(40)]
+        state = tx.init(params)
+        for _ in range(2):
+            for i in (7, 1, 30):
+                state = _subset.step_groups(tx, {i: torch.randn(5, generator=gen)}, state, params, 1e-2)
+        runs.append((params, state))
+    assert seen[:6] == [1] * 6 and seen[6:] == [40] * 6, seen
+    (a, s_a), (b, s_b) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for i in (7, 1, 30):
+        assert all(torch.equal(x, y) for x, y in zip(_subset.group_state(s_a, 40, i), _subset.group_state(s_b, 40, i)))
