@@ -69,8 +69,9 @@ def step_groups(tx: GradientTransformation, grads: Mapping[int, Tensor], state: 
     n = len(params)
     if tx.subset is not None:   # the groups stepped alone: a piece's step does not grow with the piece count
         groups = list(grads)
-        new = step(tx.subset(groups), [grads[i] for i in groups], _zip_map(n, lambda ts: [ts[i] for i in groups], state),
-                   [params[i] for i in groups], lr, None if out16 is None else [out16[i] for i in groups])
+        picked = _zip_map(n, lambda ts: [ts[i] for i in groups], state)
+        new = step(tx.subset(groups), [grads[i] for i in groups], picked, [params[i] for i in groups], lr,
+                   None if out16 is None else [out16[i] for i in groups])
         return merge_scalars(state, new, n)
 
     def only(ts: Sequence[Tensor]) -> list[Tensor]:

@@ -346,7 +346,8 @@ def test_step_groups_hands_the_optimizer_only_its_groups(monkeypatch, name):
     comp = registry("optimizer").get(name)
     mask = [i % 3 != 1 for i in range(40)]
     runs = []
-    for tx in (comp.build(comp.config(), decay_mask=mask), comp.build(comp.config(), decay_mask=mask)._replace(subset=None)):
+    built = comp.build(comp.config(), decay_mask=mask)
+    for tx in (built, comp.build(comp.config(), decay_mask=mask)._replace(subset=None)):
         gen = torch.Generator().manual_seed(1)
         params = [torch.randn(5, generator=torch.Generator().manual_seed(i)) for i in range(40)]
         state = tx.init(params)
