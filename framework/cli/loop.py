@@ -27,6 +27,7 @@ from framework.memory.probe import rss_now, rss_peak
 from framework.stages import param_count
 from framework.engine.state import capture_rng
 from framework.core.utils import to_device
+from framework.persist.rng import fresh_seed
 from framework.persist.weights import load_weights, save_on_model_save
 
 
@@ -70,7 +71,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     weights = model.weights(cfg.model)
     if weights is not None:  # pretrained: each rank reads only the ranges its shards hold
         load_weights(engine, weights)
-    torch.manual_seed(cfg.seed + dist.rank)  # dropout streams differ per rank, fixed per run
+    torch.manual_seed(fresh_seed(cfg.seed, dist.rank))  # dropout streams differ per rank, fixed per run
     state = replace(engine.state, rng=capture_rng(dist.device))
 
     t = cfg.train

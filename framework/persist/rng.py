@@ -11,6 +11,14 @@ import torch
 from framework.data import seeded
 
 RNG_STREAM = 7  # a key of its own for re-derived generators (framework.data._base.seeded)
+FRESH_STREAM = 8   # and one for a new run's
+
+
+def fresh_seed(seed: int, rank: int) -> int:
+    """The torch seed of ``rank`` at a run's start: keyed by (seed, rank), so ranks draw different dropout masks
+    and no two (seed, rank) pairs share a stream (``seed + rank`` gave rank 1 of seed 1 the masks of rank 0 of
+    seed 2: a multi-rank seed sweep would reuse them across its runs)."""
+    return seeded(FRESH_STREAM, seed, rank).initial_seed()
 
 
 def _host(py: tuple, np_state: tuple) -> dict:

@@ -22,6 +22,7 @@ import framework
 from framework.core.errors import ConfigError
 from framework.persist.checkpoint import Checkpointer, CheckpointError
 from framework.persist.export import get_fp32_state_dict_from_checkpoint
+from framework.persist.rng import fresh_seed
 from framework.models.gpt import gpt_loss
 from framework.engine.state import capture_rng
 from tests._fault_train import fault
@@ -61,7 +62,7 @@ def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_
     module, data = build_gpt(cfg, seed)
     loss = OverflowAt(dist.rank, overflow_at) if overflow_at is not None else gpt_loss
     with framework.initialize(module, loss, cfg, dist) as engine:
-        torch.manual_seed(cfg.seed + dist.rank)
+        torch.manual_seed(fresh_seed(cfg.seed, dist.rank))   # as the CLI's loop
         state = replace(engine.state, rng=capture_rng(dist.device))
         # the fault tests' kill points inside a save (FRAMEWORK_FAULT=save-<N>:<point>@<rank>)
         ckpt = Checkpointer(cfg, engine, on_point=lambda point: fault(point, dist.rank),

@@ -220,6 +220,16 @@ def test_replicated_saves_load_and_rng_follows_the_rank():
     assert not torch.equal(got, saved[0]["rng"][0])
 
 
+def test_a_new_runs_rank_streams_are_keyed_by_seed_and_rank():
+    """The torch seed each rank of a new run starts from (framework.cli.loop): no two (seed, rank) pairs share
+    one, where ``seed + rank`` gave rank 1 of seed 1 rank 0's dropout masks of seed 2 (a seed sweep's runs)."""
+    from framework.persist.rng import fresh_seed
+    seeds = {(seed, rank): fresh_seed(seed, rank) for seed in range(64) for rank in range(8)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert all(0 <= s < 2 ** 63 for s in seeds.values())
+    assert fresh_seed(1337, 0) == fresh_seed(1337, 0)   # fixed per run
+
+
 def _unchanged_after(fn, state):
     before = [t.clone() for t in state.params]
     fn()
