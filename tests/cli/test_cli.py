@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._helpers import wandb_summaries
+
 SHORT = ["train.steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
          "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=16"]
 
@@ -758,6 +760,10 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     assert log.startswith(first.stdout.splitlines()[0]) and "done: 4 steps" in log, log
     assert (run / "checkpoints" / "step-4" / "manifest.json").is_file()
     assert not (tmp_path / "checkpoints").exists()
+    # W&B's summary has the run's tokens/s, not the last log window's that committing the step-4 row writes there
+    [wb] = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    rates = [s["tokens_per_s"] for s in wandb_summaries(wb) if "tokens_per_s" in s]
+    assert rates[-1] == json.loads((run / "summary.json").read_text())["tokens_per_s"], rates
 
     other = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/b")
     assert other.returncode == 0 and "resumed" not in other.stdout, other.stdout
