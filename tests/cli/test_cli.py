@@ -763,7 +763,14 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     # W&B's summary has the run's tokens/s, not the last log window's that committing the step-4 row writes there
     [wb] = (run / "wandb").glob("offline-run-*/run-*.wandb")
     rates = [s["tokens_per_s"] for s in wandb_summaries(wb) if "tokens_per_s" in s]
-    assert rates[-1] == json.loads((run / "summary.json").read_text())["tokens_per_s"], rates
+    summary = json.loads((run / "summary.json").read_text())
+    assert rates[-1] == summary["tokens_per_s"], rates
+    # tokens/s over the training time, as the log windows' are: the evaluations' and the saves' seconds left out
+    c = summary["config"]
+    tokens = c["train"]["micro_batch"] * c["train"]["grad_accum"] * c["model"]["context"] * summary["steps_run"]
+    assert summary["eval_s"] > 0 and summary["save_s"] > 0, summary
+    assert summary["tokens_per_s"] == pytest.approx(
+        tokens / (summary["elapsed_s"] - summary["eval_s"] - summary["save_s"]), rel=1e-9), summary
 
     other = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/b")
     assert other.returncode == 0 and "resumed" not in other.stdout, other.stdout
