@@ -149,9 +149,9 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             # where this process trained none.
             **train_loss([*carried, *losses] if losses else [], t.log_every),
             "val_loss": evals[-1] if evals else math.nan,
-            # Over the training time (as each log window's)
+            # Over the training time (as each log window's); none measured where this process trained no step
             "tokens_per_s": tokens_per_step * (state.step - first) / (elapsed - eval_s - save_s)
-                            if state.step > first else 0.0,
+                            if state.step > first else None,
             "steps_run": state.step - first,   # by this process (fewer than steps after a resume)
             "skipped_steps": state.precision.skipped_steps,
             "elapsed_s": elapsed,   # the loop's wall time: training, evaluating (eval_s) and saving (save_s)
