@@ -242,3 +242,30 @@ def fake_wandb(asked: dict, wait_s: float = 0.0, viewer_s: float = 10.0):
     fake.setup = setup
     fake.init = init
     return fake
+
+
+def wandb_summaries(path) -> list[dict]:
+    """The summary records of an offline run's ``.wandb`` file, in order (the last one is what W&B shows): key ->
+    JSON-decoded value (a nested key joined by "/"). The file is W&B's record log: 32 KiB blocks of chunks (crc, length, type: 1 whole, 2-4 first,
+    middle, last part of a record) after a 7-byte header."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, part, out = Path(path).read_bytes(), 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:   # (a block's tail too short for a chunk header is padding)
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        part = chunk if kind in (1, 2) else part + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(part)
+            if record.WhichOneof("record_type") == "summary":
+                out.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.summary.update})
+    return out

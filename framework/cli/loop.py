@@ -108,7 +108,10 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             on_ready(run.run_dir)
         t_start = t_window = time.perf_counter()
         first = state.step   # a resumed run: throughput and ETA count only the steps this process runs
-        window, eval_s = 0, 0.0  # steps and evaluation seconds since the last log line
+        # Throughput is of training: the seconds spent evaluating and saving are left out of each log window's rate
+        # and of the summary's alike (a run that evaluates or saves more is not a slower trainer).
+        window, paused = 0, 0.0  # steps, and seconds evaluating and saving, since the last log line
+        eval_s = save_s = 0.0   # the run's
         while state.step < t.steps:
             batch = data.train_batch(state.data, micro_batch=t.micro_batch, grad_accum=t.grad_accum, **shard)
             state, m = engine.train_step(state, replace(batch, micro=to_device(batch.micro, dist.device)))
@@ -120,20 +123,26 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                 now = time.perf_counter()
                 logger.log({"step": state.step, **{k: v for k, v in m.items() if k != "skipped"},
                             "skipped_steps": state.precision.skipped_steps,
-                            "tokens_per_s": tokens_per_step * window / (now - t_window - eval_s),
+                            "tokens_per_s": tokens_per_step * window / (now - t_window - paused),
                             "eta_s": (now - t_start) / (state.step - first) * (t.steps - state.step)})
-                t_window, window, eval_s = now, 0, 0.0
+                t_window, window, paused = now, 0, 0.0
             if (t.eval_every and state.step % t.eval_every == 0) or state.step == t.steps:
                 t_eval = time.perf_counter()
                 evals.append(engine.eval_step(state, val))
-                eval_s += time.perf_counter() - t_eval
+                took = time.perf_counter() - t_eval
+                paused, eval_s = paused + took, eval_s + took
                 logger.log({"step": state.step, "val_loss": evals[-1]})
             if cfg.checkpoint.every:   # (else the run's header said none are saved)
+                t_save = time.perf_counter()
                 ckpt.maybe_save(state, last=state.step == t.steps, metrics=m,
                                 losses=[*carried, *losses[-t.log_every:]][-t.log_every:])
+                took = time.perf_counter() - t_save
+                paused, save_s = paused + took, save_s + took
         if state.step == first:   # resumed at train.steps: the loaded state's numbers, not NaN
             evals.append(engine.eval_step(state, val))
-        ckpt.wait()
+        t_save = time.perf_counter()
+        ckpt.wait()   # (the last save's writing)
+        save_s += time.perf_counter() - t_save
         elapsed = time.perf_counter() - t_start
         summary = {
             "steps": state.step,
@@ -141,10 +150,14 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             # where this process trained none.
             **train_loss([*carried, *losses] if losses else [], t.log_every),
             "val_loss": evals[-1] if evals else math.nan,
-            "tokens_per_s": tokens_per_step * (state.step - first) / elapsed if state.step > first else 0.0,
+            # Over the training time (as each log window's); none measured where this process trained no step
+            "tokens_per_s": tokens_per_step * (state.step - first) / (elapsed - eval_s - save_s)
+                            if state.step > first else None,
             "steps_run": state.step - first,   # by this process (fewer than steps after a resume)
             "skipped_steps": state.precision.skipped_steps,
-            "elapsed_s": elapsed,
+            "elapsed_s": elapsed,   # the loop's wall time: training, evaluating (eval_s) and saving (save_s)
+            "eval_s": eval_s,
+            "save_s": save_s,
             "world": dist.world,
             "params": param_count(module),
             "data": data.describe(),

@@ -73,13 +73,18 @@ def summary_line(s: dict) -> str:
             + (f" (mean of last {counted(window, 'step')})" if window else "")
             + (f" | {skipped} of the {counted(s['steps'], 'step')} skipped, updating nothing"
                if (skipped := s.get("skipped_steps")) else "")
-            + f" | val loss {_nan(s['val_loss']):.4f} | {_nan(s['tokens_per_s']):,.0f} tok/s")
+            + f" | val loss {_nan(s['val_loss']):.4f} | {_rate(s['tokens_per_s'])} tok/s")
     floor = s.get("data", {}).get("entropy_floor")
     if floor is not None and s["val_loss"] is not None:
         line += f" | entropy floor {floor:.4f} (val - floor = {s['val_loss'] - floor:+.4f} nats)"
     if exported := s.get("exported"):   # (the run folder is the first line's)
         line += f" | wrote {exported}/ ({s.get('exported_dtype', 'the working dtype')})"
     return line
+
+
+def _rate(v) -> str:
+    """Tokens/s; ``-`` where none was measured (no step trained: null)."""
+    return "-" if v is None or not math.isfinite(v) else f"{v:,.0f}"
 
 
 def _nan(v):

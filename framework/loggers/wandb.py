@@ -46,6 +46,7 @@ class WandbLogger:
         self.console = Console(cfg.live)
         self.run = None
         self.finished = False   # finish(summary) reached
+        self.row_open = False   # a step logged here whose W&B row is not committed yet
         self.run_id, self.logged = None, 0   # the W&B run kept in RUN_ID (None: none kept) and its last step
 
     def start(self, config: dict, total_steps: int) -> None:
@@ -144,6 +145,7 @@ class WandbLogger:
 
     def _log(self, run, record: dict) -> None:
         run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        self.row_open = True
         if self.run_id is not None and record["step"] > self.logged:   # (an evaluation logs at its step again)
             self.logged = record["step"]
             # Rewritten at each new step, inside the training loop (every rank waits for rank 0 at the next
@@ -155,6 +157,11 @@ class WandbLogger:
     def finish(self, summary: dict) -> None:
         self.console.finish(summary)
         self.finished = True
+        # W&B keeps the last step's row open until run.finish commits it, and committing writes that row's values
+        # into the summary over ours (its tokens_per_s, one log window's, over the run's): commit it first. (Only
+        # an open one: with none, the commit would write an empty row.)
+        if self.row_open:
+            self._call(lambda run: run.log({}, commit=True))
         self._call(lambda run: run.summary.update({k: v for k, v in summary.items()
                                                    if isinstance(v, (int, float, str))}))
 

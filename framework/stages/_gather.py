@@ -48,6 +48,7 @@ class Gatherer:
         self.dropped_gather: list = []   # (works, buffers) of each gather cut by Ctrl-C: not waited for, kept
         self.live = self.peak_live = 0        # gathered (or gathering) elements, persistent excluded
         self.demands = self.hits = 0
+        self.in_step = False   # a train_step's passes are open: its statistics count from its first pass
         self.hook_handles: list = []
         self.order_checks: list = []   # (work, tensor, pass record) per backward pass (``_end_backward``)
         self.final: bool | None = None   # set by the stage's backward: whether the step's last; None outside it
@@ -198,6 +199,7 @@ class Gatherer:
 
     def abort_pass(self, wait: bool) -> None:
         """A pass cut short: its units released (not one still gathering unless ``wait``), no gradient kept."""
+        self.in_step = False   # (the next step's statistics start afresh)
         for unit in self.all_units:
             for p in unit.params:
                 p.grad = None
@@ -217,6 +219,13 @@ class Gatherer:
             self.gather_now(self.persistent)
         self.trace.begin(grad_mode, driven)
         self.mode, self.driven = grad_mode, driven
+        # stats() is the last step's: a train_step's first pass starts them afresh, so the gathers of an
+        # eval_step, a forward or a framework.gathered block since the last step (and its peak) are not counted.
+        if grad_mode and driven and not self.in_step:
+            self.demands = self.hits = 0
+            self.peak_live, self.in_step = self.live, True
+        elif not (grad_mode and driven):
+            self.in_step = False
 
     def end_pass(self) -> None:
         """An eval_step's loss_fn call (or a root forward outside the steps) returned: idle units released."""
@@ -461,6 +470,10 @@ class Gatherer:
                                 f"leave the with block before training; a forward alone is fine inside it")
 
     def stats(self) -> dict:
-        rate = self.hits / self.demands if self.demands else 0.0
+        """The prefetch hit rate and the peak of gathered elements: of the last train_step (see ``begin_pass``), or
+        of the passes since the last call outside the steps."""
+        out = {"prefetch_hit_rate": self.hits / self.demands if self.demands else 0.0,
+               "peak_gathered_elements": self.peak_live}
         self.hits = self.demands = 0
-        return {"prefetch_hit_rate": rate, "peak_gathered_elements": self.peak_live}
+        self.peak_live, self.in_step = self.live, False
+        return out

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._helpers import wandb_summaries
+
 SHORT = ["train.steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
          "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=16"]
 
@@ -762,6 +764,17 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     assert log.startswith(first.stdout.splitlines()[0]) and "done: 4 steps" in log, log
     assert (run / "checkpoints" / "step-4" / "manifest.json").is_file()
     assert not (tmp_path / "checkpoints").exists()
+    # W&B's summary has the run's tokens/s, not the last log window's that committing the step-4 row writes there
+    [wb] = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    rates = [s["tokens_per_s"] for s in wandb_summaries(wb) if "tokens_per_s" in s]
+    summary = json.loads((run / "summary.json").read_text())
+    assert rates[-1] == summary["tokens_per_s"], rates
+    # tokens/s over the training time, as the log windows' are: the evaluations' and the saves' seconds left out
+    c = summary["config"]
+    tokens = c["train"]["micro_batch"] * c["train"]["grad_accum"] * c["model"]["context"] * summary["steps_run"]
+    assert summary["eval_s"] > 0 and summary["save_s"] > 0, summary
+    assert summary["tokens_per_s"] == pytest.approx(
+        tokens / (summary["elapsed_s"] - summary["eval_s"] - summary["save_s"]), rel=1e-9), summary
 
     other = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/b")
     assert other.returncode == 0 and "resumed" not in other.stdout, other.stdout
@@ -844,7 +857,9 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     assert ("checkpoint: the checkpoint's step 6 is already past train.steps=4: nothing is trained; set train.steps "
             "above 6 to train on from it, or set checkpoint.resume=off to start this run afresh") in past.stdout
     assert "done: 6 steps | no step trained | val loss" in past.stdout and "loss nan" not in past.stdout, past.stdout
-    assert json.loads((tmp_path / "outputs" / "g" / "summary.json").read_text())["train_loss"] is None
+    assert " | - tok/s | " in past.stdout, past.stdout   # none measured, not 0
+    past_summary = json.loads((tmp_path / "outputs" / "g" / "summary.json").read_text())
+    assert past_summary["train_loss"] is None and past_summary["tokens_per_s"] is None, past_summary
 
 
 def test_an_unwritable_checkpoint_folder_is_refused_before_training(forkrun, tmp_path):

@@ -1484,6 +1484,29 @@ def test_forwards_outside_the_steps_without_a_trace_follow_their_own():
     assert g.stats()["prefetch_hit_rate"] == rates[1] and engine.eval_step(state, [_micro(9)]) == val
 
 
+def _step_stats(between: tuple[int, ...]) -> list[tuple[float, int]]:
+    """Each of 3 steps' (prefetch_hit_rate, peak_gathered_elements), with an eval_step and a framework.gathered
+    block of every parameter before the steps in ``between``."""
+    model, engine, g = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]))
+    state, stats = engine.state, []
+    for i in range(3):
+        if i in between:
+            engine.eval_step(state, [_micro(9)] * 3)
+            with framework.gathered(list(model.parameters())):
+                pass
+        state, m = engine.train_step(state, Batch((_micro(i),)))
+        stats.append((m["prefetch_hit_rate"], m["peak_gathered_elements"]))
+    engine.close()
+    return stats
+
+
+def test_a_steps_stats_are_its_own_not_those_of_an_eval_or_a_block_before_it():
+    # The step's own hit rate and peak: an eval_step's gathers and a block's (every unit at once) are not counted,
+    # nor an earlier step's peak. (A first step, with no trace to follow, prefetches nothing.)
+    plain = _step_stats(between=())
+    assert _step_stats(between=(0, 2)) == plain and plain[0][1] < plain[1][1], plain
+
+
 def test_nested_or_raising_forwards_outside_the_steps_leave_no_unit_gathered():
     # A root forward inside one (a hook's, say) is part of its pass; one that raises still ends its pass,
     # so a later block's edits are discarded.

@@ -362,7 +362,7 @@ class _DyingRun(_FakeRun):
         super().__init__()
         self.lives, self.logged = lives, []
 
-    def log(self, data, step):
+    def log(self, data, step=None, commit=None):
         if len(self.logged) == self.lives:
             raise ConnectionResetError("Connection lost")
         self.logged.append(step)
@@ -378,7 +378,9 @@ def test_wandb_failing_mid_run_is_one_note_and_the_run_goes_on(tmp_path, capsys)
     records go on to the end; closing raises nothing either."""
     from framework.loggers.wandb import WandbConfig, WandbLogger
 
-    for lives in (3, 6):   # dies while logging; dies after the last record, so that closing (run.finish) fails
+    # dies while logging; dies after the last record (6 steps, then finish's commit of the open row), so that
+    # closing (run.finish) fails
+    for lives in (3, 7):
         record = _started(RunRecord(tmp_path / str(lives)))
         record.logger = logger = WandbLogger(WandbConfig(live=False), run=RunInfo(tmp_path, None, None))
         logger.run = run = _DyingRun(lives)
@@ -387,7 +389,8 @@ def test_wandb_failing_mid_run_is_one_note_and_the_run_goes_on(tmp_path, capsys)
         record.finish({"steps": 6, "steps_run": 6, "train_loss": 1.0, "val_loss": 1.0, "tokens_per_s": 1.0})
         record.close()
         assert [r["step"] for r in _records(tmp_path / str(lives) / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
-        assert run.logged == list(range(1, lives + 1)) and bool(run.summary) == (lives == 6) and logger.run is None
+        assert run.logged == [*range(1, min(lives, 6) + 1), *[None][:lives - 6]] and logger.run is None
+        assert bool(run.summary) == (lives == 7)
         err = capsys.readouterr().err
         assert err.count("note: W&B stopped (ConnectionResetError: Connection lost); this run logs no more to W&B, "
                          "metrics.jsonl goes on\n") == 1 and "Traceback" not in err, err
