@@ -246,8 +246,8 @@ def fake_wandb(asked: dict, wait_s: float = 0.0, viewer_s: float = 10.0):
 
 def wandb_summaries(path) -> list[dict]:
     """The summary records of an offline run's ``.wandb`` file, in order (the last one is what W&B shows): key ->
-    JSON-decoded value (a nested key joined by "/"). The file is W&B's record log: 32 KiB blocks of chunks (crc, length, type: 1 whole, 2-4 first,
-    middle, last part of a record) after a 7-byte header."""
+    JSON-decoded value (a nested key joined by "/"). The file is W&B's record log: 32 KiB blocks of chunks (crc,
+    length, type: 1 whole, 2-4 first, middle, last part of a record) after a 7-byte header."""
     import json
     import struct
 
