@@ -187,8 +187,8 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkey
     under its lock (a live run holding it keeps it), and one that never held it only if it is empty.
     Another rank of a torchrun sweep (whose Hydra may make the folder again after rank 0 removed it) removes
     an empty one too, after an error every rank raised alike (not one rank 0 may still be writing into)."""
+    from framework.cli._jobfolders import remove_made as _remove_made
     from framework.cli.launch import own_run_folder
-    from framework.cli.train import _remove_made
     from framework.loggers import RunInfo
 
     run = tmp_path / "outputs" / "run"

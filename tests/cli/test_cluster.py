@@ -169,6 +169,20 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
         monkeypatch.setenv(key, value)
     assert slurm_task_env() == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}
+    # ... of which task 0 alone rewrites the sweep's multirun.yaml (read before launch sets RANK), as torchrun's rank 0
+    from framework.cli._jobfolders import first_rank
+
+    assert not first_rank()
+    monkeypatch.setenv("SUBMITIT_LOCAL_GLOBALID", "0")
+    monkeypatch.setenv("SUBMITIT_LOCAL_LOCALID", "0")
+    assert first_rank()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not first_rank()
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("SUBMITIT_LOCAL_GLOBALID", "1")
+    monkeypatch.setenv("SUBMITIT_LOCAL_LOCALID", "1")
     # ... over whose ranks a DeepSpeed file's batch is divided, as over Slurm's
     import functools
 
