@@ -2,14 +2,18 @@
 the folders made for a job refused before it trained (``made_for``, ``remove_made``)."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
 from pathlib import Path
 
-from framework.cli.launch import RUN_LOCK, slurm_task_env
+from framework.cli.launch import CHECKPOINT_LOCK, RUN_LOCK, slurm_task_env
 from framework.comm.distributed import env_int
-from framework.core import files
+
+# The run folder's own checkpoint root (checkpoint.dir unset): the pre-flight made it, holding only its lock, for a
+# run refused before its first save.
+_CHECKPOINTS = "checkpoints"
 
 
 def first_rank() -> bool:
@@ -29,20 +33,23 @@ def made_for(folder: Path, base: Path | None) -> list[Path]:
 def remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool = False) -> bool:
     """Remove the folders made for a job refused before it trained (rank 0's; every rank's where the error was
     raised ``alike``: another rank's Hydra may make the folder again after rank 0 removed it). One it ``owned``
-    goes only under its lock again and while it holds only what the job wrote; one it never held only if empty.
-    Whether the run folder was removed."""
+    goes only under its lock again (and its checkpoint folder's) and while it holds only what the job wrote; one
+    it never held only if empty. Whether the run folder was removed."""
     if not made or (env_int("RANK", 0) != 0 and not alike):   # (rank 0 may still be writing into it)
         return False
     try:
         if owned:
-            fd = files.open_nofollow(made[0] / RUN_LOCK, os.O_RDWR)
-            try:   # (locked by another run, or a file system without locks: nothing removed)
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if not {p.name for p in made[0].iterdir()} <= {"train.log", RUN_LOCK, *Path(subdir or ".").parts[:1]}:
+            with contextlib.ExitStack() as held:
+                if not _lock(held, made[0] / RUN_LOCK):
                     return False
+                names = {p.name for p in made[0].iterdir()}
+                if not names <= {"train.log", RUN_LOCK, _CHECKPOINTS, *Path(subdir or ".").parts[:1]}:
+                    return False
+                checkpoints = made[0] / _CHECKPOINTS
+                if _CHECKPOINTS in names and (checkpoints.is_symlink() or os.listdir(checkpoints) != [CHECKPOINT_LOCK]
+                                              or not _lock(held, checkpoints / CHECKPOINT_LOCK)):
+                    return False   # (a save, or another run saving there: kept)
                 shutil.rmtree(made[0], ignore_errors=True)
-            finally:
-                os.close(fd)
         else:
             made[0].rmdir()   # (not empty: another run's now)
     except OSError:
@@ -53,3 +60,15 @@ def remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool =
         except OSError:   # holds another run's folder (or a sweep's multirun.yaml)
             break
     return not made[0].exists()
+
+
+def _lock(held: contextlib.ExitStack, path: Path) -> bool:
+    """Whether the lock file at ``path`` was free and is now held until ``held`` closes (locked by another run, or
+    a file system without locks: not)."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    held.callback(os.close, fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True

@@ -167,7 +167,8 @@ def test_a_refused_run_removes_the_folders_made_for_it(forkrun, tmp_path):
     """Refused after Hydra made its (timestamped) run folder: the folders made for it are removed,
     those that were there before are kept."""
     for outputs in (False, True):
-        p = forkrun.run("framework.train", [*SHORT, "model.vocab_size=99"], cwd=tmp_path, env=ENV)
+        # (checkpoint.every: the checkpoint folder and its lock the pre-flight made go too)
+        p = forkrun.run("framework.train", [*SHORT, "model.vocab_size=99", "checkpoint.every=2"], cwd=tmp_path, env=ENV)
         assert p.returncode == 1 and "model.vocab_size=99 differs" in error_lines(p)[-1], p.stderr
         assert [q.name for q in tmp_path.iterdir()] == (["outputs"] if outputs else [])
         # The header named the folder and the files the run writes there: the folder removed is said too.
@@ -188,7 +189,7 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkey
     Another rank of a torchrun sweep (whose Hydra may make the folder again after rank 0 removed it) removes
     an empty one too, after an error every rank raised alike (not one rank 0 may still be writing into)."""
     from framework.cli._jobfolders import remove_made as _remove_made
-    from framework.cli.launch import own_run_folder
+    from framework.cli.launch import own_checkpoint_dir, own_run_folder
     from framework.loggers import RunInfo
 
     run = tmp_path / "outputs" / "run"
@@ -200,6 +201,20 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkey
     finally:
         os.close(fd)
     _remove_made([run, run.parent], ".hydra", True)   # nobody holds it: the refused run's own, removed
+    assert not (tmp_path / "outputs").exists()
+    # checkpoint.every > 0: the pre-flight's checkpoints/.lock is the job's too, removed under that lock
+    os.close(own_run_folder(RunInfo(run, None, None)))
+    fd = own_checkpoint_dir(run / "checkpoints")   # another run saving there (its checkpoint.dir)
+    try:
+        _remove_made([run, run.parent], ".hydra", True)
+        assert (run / "checkpoints" / ".lock").is_file()
+    finally:
+        os.close(fd)
+    (run / "checkpoints" / "step-2").mkdir()   # a save: kept
+    _remove_made([run, run.parent], ".hydra", True)
+    assert (run / "checkpoints" / "step-2").is_dir()
+    (run / "checkpoints" / "step-2").rmdir()
+    _remove_made([run, run.parent], ".hydra", True)
     assert not (tmp_path / "outputs").exists()
     run.mkdir(parents=True)
     _remove_made([run, run.parent], ".hydra", False)   # never held, still empty: removed
