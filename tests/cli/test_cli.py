@@ -280,6 +280,25 @@ def test_a_resumed_runs_train_loss_is_that_of_the_run_uninterrupted(tmp_path):
     assert (resumed["train_loss"], resumed["train_loss_steps"]) == (whole["train_loss"], 4)
 
 
+def test_a_submitit_requeue_while_training_is_a_line_in_train_log(tmp_path, monkeypatch):
+    """Submitit's pre-emption handler requeues the job and exits (144 on its local executor) from inside the loop:
+    train.log says where it stopped and why, with the exit status kept (about 2 s)."""
+    from framework import compose
+    from framework.cli.launch import launch
+    from framework.loggers import RunInfo
+
+    def requeued(point: str) -> None:
+        if point == "step:3":
+            sys.exit(144)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    with pytest.raises(SystemExit) as got:
+        launch(compose([*SHORT, "checkpoint.every=2", "train.eval_every=0"]), RunInfo(tmp_path / "run", None, None),
+               on_point=requeued)
+    assert got.value.code == 144 and (tmp_path / "run" / "train.log").read_text().splitlines()[-1] == (
+        "stopped at step 3: requeued by the submitit launcher (its pre-emption/time-limit signal, exit 144); the "
+        "job resumes from its last periodic save")
+
+
 def test_too_many_open_files_in_a_run_is_its_error_line(tmp_path):
     """EMFILE anywhere in the loop (a swap manifest, Hydra's record, a checkpoint file) is the run's one error line,
     in train.log too, naming the limit: not a traceback of an OSError."""
