@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import signal
 import time
 from dataclasses import replace
@@ -184,11 +185,21 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     except KeyboardInterrupt:   # Ctrl-C: one line with the last finished step (the CLI prints it)
         raise Interrupted(state.step) from None
     except SystemExit as e:   # SIGTERM (_signals.signals_unwind): the same, for this signal
-        if e.code == 128 + signal.SIGTERM and not isinstance(e, Terminated):
-            raise Terminated(state.step, e.code) from None
-        raise
+        if isinstance(e, Terminated):
+            raise
+        raise Terminated(state.step, e.code, None if e.code == 128 + signal.SIGTERM else exit_why(e.code, cfg.checkpoint.every)) from None
     finally:   # every close runs: a SIGTERM (SystemExit) inside one must not leave swap files or an unfinished W&B run
         close_all(ckpt.close, engine.close, logger.close)
+
+
+def exit_why(code, every: int) -> str:
+    """What a SystemExit raised while training (not SIGTERM's) was: inside a task Hydra's submitit launcher started,
+    its handler of the pre-emption signal (SIGUSR2; a time limit too, with retries left) exits so once it requeued
+    the job, which resumes from the last periodic save (``every``: checkpoint.every); else some code's exit."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return f"exit {code} raised while training"
+    then = "resumes from its last periodic save" if every else "starts again at step 0 (checkpoint.every=0)"
+    return f"requeued by the submitit launcher (its pre-emption/time-limit signal, exit {code}); the job {then}"
 
 
 def train_loss(losses: list[float], window: int) -> dict:

@@ -8,13 +8,11 @@ the folders made for it: a refused run leaves the file system as it found it.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import functools
 import itertools
 import math
 import os
 import re
-import shutil
 import sys
 import traceback
 from dataclasses import replace
@@ -31,8 +29,9 @@ from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
 
 from framework.cli import fail
 from framework.cli._hydra import OVERRIDE_DIRNAME_EXCLUDE, QUIET, Passed, record_job, record_sweep
+from framework.cli._jobfolders import first_rank, made_for, remove_made
 from framework.cli._signals import terminated_line
-from framework.cli.launch import RUN_LOCK, check_saves, launch
+from framework.cli.launch import check_saves, launch
 from framework.comm.distributed import check_env, env_int
 from framework.config import (GROUPS, Config, app_composer, compose, compose_layers, parse_overrides,
                               override_key, search_order, standalone_composer)
@@ -277,42 +276,6 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
           end="")
 
 
-def _made(folder: Path, base: Path | None) -> list[Path]:
-    """The folders Hydra made for this job below ``base``, deepest first; none where ``folder`` holds anything."""
-    if base is None or base not in folder.parents or any(folder.iterdir()):
-        return []
-    return [folder, *(p for p in folder.parents if base in p.parents)]
-
-
-def _remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool = False) -> bool:
-    """Remove the folders made for a job refused before it trained (rank 0's; every rank's where the error was
-    raised ``alike``: another rank's Hydra may make the folder again after rank 0 removed it). One it ``owned``
-    goes only under its lock again and while it holds only what the job wrote; one it never held only if empty.
-    Whether the run folder was removed."""
-    if not made or (env_int("RANK", 0) != 0 and not alike):   # (rank 0 may still be writing into it)
-        return False
-    try:
-        if owned:
-            fd = files.open_nofollow(made[0] / RUN_LOCK, os.O_RDWR)
-            try:   # (locked by another run, or a file system without locks: nothing removed)
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if not {p.name for p in made[0].iterdir()} <= {"train.log", RUN_LOCK, *Path(subdir or ".").parts[:1]}:
-                    return False
-                shutil.rmtree(made[0], ignore_errors=True)
-            finally:
-                os.close(fd)
-        else:
-            made[0].rmdir()   # (not empty: another run's now)
-    except OSError:
-        return False
-    for p in made[1:]:
-        try:
-            p.rmdir()
-        except OSError:   # holds another run's folder (or a sweep's multirun.yaml)
-            break
-    return not made[0].exists()
-
-
 def _naming(overrides: list[str], swept: frozenset[str]) -> list:
     """The overrides that say which job a sweep's job is: all but unswept ``NOT_IDENTITY`` ones (left out of its
     folder's name under an explicit checkpoint.dir, so a relaunch with more train.steps resumes the job)."""
@@ -365,10 +328,10 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             group=sweep_group(hc.job.name, hc.sweep.dir), name=hc.job.override_dirname or f"job{hc.job.num}",
             key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname), sweep_dir=Path(hc.sweep.dir),
             naming=frozenset(o.key_or_group for o in _naming(overrides, swept))) if multirun else dict(group=None, name=None)))
-        made, owned = _made(run.run_dir, base), []
-        if multirun:
-            record_sweep(Path(hc.sweep.dir), subdir, passed)
+        made, owned = made_for(run.run_dir, base), []
         try:
+            if multirun and first_rank():   # (every rank would write the same; one is enough, and never races)
+                record_sweep(Path(hc.sweep.dir), subdir, passed)
             # A job given an earlier job's run folder is refused: it would take that job's records for its own.
             if multirun and (earlier := folders.setdefault(run.run_dir.resolve(), hc.job.num)) != hc.job.num:
                 raise ConfigError(f"run folder {run.run_dir}: job {hc.job.num} of this sweep would share it with job "
@@ -382,7 +345,7 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             basic_sweep = multirun and hc.runtime.choices.get("hydra/launcher") == "basic"
             if isinstance(e, FrameworkError):
                 # Rank 0's header (train.log, looked at before the removal: &) named this folder and its files: gone.
-                if (run.run_dir / "train.log").is_file() & _remove_made(made, subdir, bool(owned), e.every_rank):
+                if (run.run_dir / "train.log").is_file() & remove_made(made, subdir, bool(owned), e.every_rank):
                     say(f"note: run folder {run.run_dir} removed (the run was refused before training: none of "
                         f"its files were written)")
                 say(f"error: {e}")   # (under torchrun every rank prints its line)

@@ -109,11 +109,12 @@ class Interrupted(KeyboardInterrupt):
 
 
 class Terminated(SystemExit):
-    """SIGTERM while training (kill, a Slurm time limit): exit 128 + the signal's number, and the CLI prints ``line``."""
+    """SIGTERM while training (kill, a Slurm time limit): exit 128 + the signal's number, and the CLI prints ``line``;
+    or another exit raised while training (``why``: what raises it), with its own status."""
 
-    def __init__(self, step: int, code: int):
+    def __init__(self, step: int, code: int, why: str | None = None):
         super().__init__(code)
-        self.line = f"terminated (SIGTERM) at step {step}"
+        self.line = f"terminated (SIGTERM) at step {step}" if why is None else f"stopped at step {step}: {why}"
 
     def __str__(self) -> str:
         return self.line

@@ -1,7 +1,7 @@
 """Creating files and folders in folders the user names, without following planted links.
 
     fd = create_new(folder / "x.tmp")              # O_EXCL | O_NOFOLLOW, owner-only
-    write_atomic(folder / "latest", b"step-4")     # temporary + fsync + rename, in one folder
+    write_atomic(folder / "latest", b"step-4")     # temporary (one per process) + fsync + rename, in one folder
     make_dirs(folder)                              # missing folders made 0700 (parents too)
     fd = open_nofollow(folder / "x", os.O_RDONLY)  # an existing file, never through a link
     write_at(fd, values, offset)                   # a host tensor's bytes at a byte offset (read_into: back)
@@ -97,19 +97,51 @@ def fsync_dir(path: os.PathLike | str) -> None:
         os.close(fd)
 
 
+def temp_name(name: str) -> str:
+    """``write_atomic``'s temporary for the file ``name``: ``<name>.<host>.<pid>.tmp``, one per process, so two
+    processes writing one file (ranks of a sweep, tasks on a shared file system) never take each other's."""
+    return f"{name}.{_host()}.{os.getpid()}.tmp"
+
+
+def _host() -> str:
+    return socket.gethostname().partition(".")[0][:32] or "host"
+
+
+def _stale_temp(entry: str, name: str) -> bool:
+    """Whether ``entry`` is a temporary of ``name`` that no live writer will rename: the fixed ``<name>.tmp`` of
+    older versions, or this host's ``temp_name`` of a process that is gone (or this one's, left by an interrupted
+    write). Another host's is never taken: its process cannot be looked up from here."""
+    if entry == f"{name}.tmp":
+        return True
+    host, _, pid = entry.removeprefix(f"{name}.").removesuffix(".tmp").rpartition(".")
+    if not (entry.startswith(f"{name}.") and pid.isdigit() and host == _host()):
+        return False
+    if int(pid) == os.getpid():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:   # another user's process: alive
+        pass
+    return False
+
+
 def write_atomic(path: os.PathLike | str, data: bytes, *, shared: bool = False, durable: bool = True) -> None:
-    """A reader sees the old file or the new one, never a part: ``<name>.tmp`` written and fsynced, renamed
+    """A reader sees the old file or the new one, never a part: ``temp_name`` written and fsynced, renamed
     over it through one descriptor of the folder, and the folder fsynced (the rename survives a crash).
     ``durable=False``: no fsync (each costs milliseconds, more on NFS/Lustre), for a record written often whose
     loss in a crash is harmless: the rename is still atomic for a reader, but a crash may leave the old file (or,
     on some file systems, an empty one)."""
     path = Path(path)
-    tmp = f"{path.name}.tmp"
+    tmp = temp_name(path.name)
     dfd = os.open(path.parent, _DIR)
     try:
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISREG(os.lstat(tmp, dir_fd=dfd).st_mode):
-                os.unlink(tmp, dir_fd=dfd)   # left by an interrupted run
+        for entry in os.listdir(dfd):   # temporaries left by interrupted writers (a live one's is kept)
+            if entry.endswith(".tmp") and _stale_temp(entry, path.name):
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISREG(os.lstat(entry, dir_fd=dfd).st_mode):
+                        os.unlink(entry, dir_fd=dfd)
         try:
             write_new(tmp, data, dir_fd=dfd, shared=shared, durable=durable)
         except UnsafePathError:

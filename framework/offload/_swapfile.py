@@ -27,7 +27,7 @@ from typing import Mapping
 import torch
 
 from framework.core.errors import ConfigError, SwapIOError
-from framework.core.files import DIRECT_ALIGN, refuse_links, write_atomic
+from framework.core.files import DIRECT_ALIGN, refuse_links, temp_name, write_atomic
 from framework.core.room import DISK_FULL
 from framework.core.utils import dtype_name
 
@@ -148,7 +148,7 @@ class SwapFile:
                 "rank": int(rank), "dtype": dtype_name(dtype), "size": size,
                 "extents": {n: asdict(e) for n, e in table.items()}}
         manifest = _manifest_path(path)
-        refuse_links(path, manifest, manifest.with_name(manifest.name + ".tmp"))   # planted links: one line each
+        refuse_links(path, manifest, manifest.with_name(temp_name(manifest.name)))   # planted links: one line each
         # Until this run holds the lock, another run's ``remove_stale`` may take the file for a dead
         # run's and unlink it: once locked, the path must still name the file, else it starts again.
         for _ in range(3):

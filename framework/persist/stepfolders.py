@@ -328,7 +328,7 @@ def commit(tmp: Path, final: Path, on_point) -> str | None:
     """Rename ``step-N.tmp`` to ``step-N`` (an older one moved aside first), then point ``latest`` at it; rank 0.
     A failure after the rename (the commit point) is returned, to warn. ``on_point(name)``: fault tests'."""
     root = final.parent
-    files.refuse_links(final, root / f"{final.name}.old", root / f"{LATEST}.tmp")
+    files.refuse_links(final, root / f"{final.name}.old", root / files.temp_name(LATEST))
     aside = None
     if final.exists():  # the same step saved again (resumed from an older checkpoint)
         try:   # (never one of a newer version: resumed from an older step of its folder)

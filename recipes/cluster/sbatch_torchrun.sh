@@ -17,7 +17,9 @@ HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # rendezvous store, and one job's ranks die when the other job ends. MASTER_PORT overrides it.
 PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 40000))}
 # Every rank must write into one run folder on a shared file system (ranks of different nodes
-# would otherwise resolve ${now:...} at different seconds).
+# would otherwise resolve ${now:...} at different seconds). A job Slurm requeues (pre-emption with
+# PreemptMode=REQUEUE, scontrol requeue) keeps its id, so its folder, and resumes from the last periodic
+# save (checkpoint.every).
 RUN_DIR=${RUN_DIR:-outputs/slurm-$SLURM_JOB_ID}
 
 srun torchrun \
@@ -28,4 +30,4 @@ srun torchrun \
     --rdzv-endpoint "$HEAD_NODE:$PORT" \
     -m framework.train \
     model=gpt2-small data=tokens data.path=data/openwebtext/train.bin data.vocab_size=50304 \
-    precision=bf16 dist.backend=nccl dist.timeout_s=900 "hydra.run.dir=$RUN_DIR" "$@"
+    precision=bf16 dist.backend=nccl dist.timeout_s=900 checkpoint.every=500 "hydra.run.dir=$RUN_DIR" "$@"

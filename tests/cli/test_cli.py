@@ -169,7 +169,8 @@ def test_a_refused_run_removes_the_folders_made_for_it(forkrun, tmp_path):
     """Refused after Hydra made its (timestamped) run folder: the folders made for it are removed,
     those that were there before are kept."""
     for outputs in (False, True):
-        p = forkrun.run("framework.train", [*SHORT, "model.vocab_size=99"], cwd=tmp_path, env=ENV)
+        # (checkpoint.every: the checkpoint folder and its lock the pre-flight made go too)
+        p = forkrun.run("framework.train", [*SHORT, "model.vocab_size=99", "checkpoint.every=2"], cwd=tmp_path, env=ENV)
         assert p.returncode == 1 and "model.vocab_size=99 differs" in error_lines(p)[-1], p.stderr
         assert [q.name for q in tmp_path.iterdir()] == (["outputs"] if outputs else [])
         # The header named the folder and the files the run writes there: the folder removed is said too.
@@ -189,8 +190,8 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkey
     under its lock (a live run holding it keeps it), and one that never held it only if it is empty.
     Another rank of a torchrun sweep (whose Hydra may make the folder again after rank 0 removed it) removes
     an empty one too, after an error every rank raised alike (not one rank 0 may still be writing into)."""
-    from framework.cli.launch import own_run_folder
-    from framework.cli.train import _remove_made
+    from framework.cli._jobfolders import remove_made as _remove_made
+    from framework.cli.launch import own_checkpoint_dir, own_run_folder
     from framework.loggers import RunInfo
 
     run = tmp_path / "outputs" / "run"
@@ -202,6 +203,20 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkey
     finally:
         os.close(fd)
     _remove_made([run, run.parent], ".hydra", True)   # nobody holds it: the refused run's own, removed
+    assert not (tmp_path / "outputs").exists()
+    # checkpoint.every > 0: the pre-flight's checkpoints/.lock is the job's too, removed under that lock
+    os.close(own_run_folder(RunInfo(run, None, None)))
+    fd = own_checkpoint_dir(run / "checkpoints")   # another run saving there (its checkpoint.dir)
+    try:
+        _remove_made([run, run.parent], ".hydra", True)
+        assert (run / "checkpoints" / ".lock").is_file()
+    finally:
+        os.close(fd)
+    (run / "checkpoints" / "step-2").mkdir()   # a save: kept
+    _remove_made([run, run.parent], ".hydra", True)
+    assert (run / "checkpoints" / "step-2").is_dir()
+    (run / "checkpoints" / "step-2").rmdir()
+    _remove_made([run, run.parent], ".hydra", True)
     assert not (tmp_path / "outputs").exists()
     run.mkdir(parents=True)
     _remove_made([run, run.parent], ".hydra", False)   # never held, still empty: removed
@@ -265,6 +280,25 @@ def test_a_resumed_runs_train_loss_is_that_of_the_run_uninterrupted(tmp_path):
     resumed = launch(cfg, RunInfo(tmp_path / "cut", None, None))
     assert resumed["steps_run"] == 2 and resumed["val_loss"] == whole["val_loss"]
     assert (resumed["train_loss"], resumed["train_loss_steps"]) == (whole["train_loss"], 4)
+
+
+def test_a_submitit_requeue_while_training_is_a_line_in_train_log(tmp_path, monkeypatch):
+    """Submitit's pre-emption handler requeues the job and exits (144 on its local executor) from inside the loop:
+    train.log says where it stopped and why, with the exit status kept (about 2 s)."""
+    from framework import compose
+    from framework.cli.launch import launch
+    from framework.loggers import RunInfo
+
+    def requeued(point: str) -> None:
+        if point == "step:3":
+            sys.exit(144)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    with pytest.raises(SystemExit) as got:
+        launch(compose([*SHORT, "checkpoint.every=2", "train.eval_every=0"]), RunInfo(tmp_path / "run", None, None),
+               on_point=requeued)
+    assert got.value.code == 144 and (tmp_path / "run" / "train.log").read_text().splitlines()[-1] == (
+        "stopped at step 3: requeued by the submitit launcher (its pre-emption/time-limit signal, exit 144); the "
+        "job resumes from its last periodic save")
 
 
 def test_too_many_open_files_in_a_run_is_its_error_line(tmp_path):

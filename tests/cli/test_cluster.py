@@ -75,6 +75,7 @@ def test_submitit_launcher_config_and_its_sbatch_script(tmp_path, monkeypatch):
     overrides = ["+stage=zero3", "offload=cpu", "hydra.launcher.nodes=4", "hydra.launcher.partition=gpu"]
     cfg = compose(overrides, config_dir=str(CLUSTER), config_name="config")   # the schemas accept the job
     assert (cfg.choices["stage"], cfg.choices["model"], cfg.dist.backend) == ("zero3", "gpt2-small", "nccl")
+    assert cfg.checkpoint.every == 500   # (a requeued job resumes only from a periodic save)
     with initialize_config_dir(config_dir=str(CLUSTER), version_base="1.3"):
         full = hydra_compose("config", overrides=[*overrides, f"hydra.searchpath=[file://{conf_dir()}]"],
                              return_hydra_config=True)
@@ -119,7 +120,8 @@ def test_sbatch_torchrun_script_command_line(tmp_path):
     overrides = args[12:]
     assert "hydra.run.dir=outputs/slurm-4242" in overrides and overrides[-2:] == ["+stage=zero3", "offload=cpu"]
     cfg = compose([o for o in overrides if not o.startswith("hydra.")])
-    assert (cfg.choices["stage"], cfg.choices["offload"], cfg.dist.backend) == ("zero3", "cpu", "nccl")
+    assert (cfg.choices["stage"], cfg.choices["offload"], cfg.dist.backend, cfg.checkpoint.every) == (
+        "zero3", "cpu", "nccl", 500)
     env.update(SLURM_JOB_ID="123456", MASTER_PORT="")   # another job on the same head node: another port
     p = subprocess.run(["bash", str(CLUSTER / "sbatch_torchrun.sh")], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=60)
@@ -169,6 +171,20 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
         monkeypatch.setenv(key, value)
     assert slurm_task_env() == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}
+    # ... of which task 0 alone rewrites the sweep's multirun.yaml (read before launch sets RANK), as torchrun's rank 0
+    from framework.cli._jobfolders import first_rank
+
+    assert not first_rank()
+    monkeypatch.setenv("SUBMITIT_LOCAL_GLOBALID", "0")
+    monkeypatch.setenv("SUBMITIT_LOCAL_LOCALID", "0")
+    assert first_rank()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not first_rank()
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("SUBMITIT_LOCAL_GLOBALID", "1")
+    monkeypatch.setenv("SUBMITIT_LOCAL_LOCALID", "1")
     # ... over whose ranks a DeepSpeed file's batch is divided, as over Slurm's
     import functools
 

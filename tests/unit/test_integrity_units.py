@@ -16,7 +16,8 @@ import torch
 
 from framework import ConfigError, compose
 from framework.core.errors import CheckpointError, DistributedError, FrameworkError, SwapIOError, UnsafePathError
-from framework.core.files import create_new, make_dir, make_dirs, open_append, read_into, write_at, write_atomic
+from framework.core.files import (create_new, make_dir, make_dirs, open_append, read_into, temp_name, write_at,
+                                  write_atomic)
 from framework.core.room import Claim, check_name, nearest_existing, shortfalls
 
 
@@ -31,7 +32,7 @@ def _plant(tmp_path: Path, name: str) -> tuple[Path, Path]:
 
 
 def test_safe_opens_refuse_links_and_make_private_files_and_folders(tmp_path):
-    link, victim = _plant(tmp_path, "latest.tmp")
+    link, victim = _plant(tmp_path, temp_name("latest"))
     with pytest.raises(UnsafePathError, match=rf"^{link} is a symbolic link; refusing to follow it"):
         write_atomic(tmp_path / "latest", b"step-2")
     with pytest.raises(UnsafePathError, match="is a symbolic link"):
@@ -39,9 +40,15 @@ def test_safe_opens_refuse_links_and_make_private_files_and_folders(tmp_path):
     with pytest.raises(UnsafePathError, match="is a symbolic link"):
         open_append(link)
     assert victim.read_text() == "precious" and not (tmp_path / "latest").exists()
-    (tmp_path / "stale.tmp").write_text("left by a killed run")
-    write_atomic(tmp_path / "stale", b"new")            # a stale regular temporary is replaced
-    assert (tmp_path / "stale").read_bytes() == b"new" and not (tmp_path / "stale.tmp").exists()
+    dead = subprocess.Popen(["true"])
+    dead.wait()   # (a pid no process has now)
+    for name in ("stale.tmp", temp_name("stale").replace(f".{os.getpid()}.", f".{dead.pid}."), temp_name("stale")):
+        (tmp_path / name).write_text("left by a killed run")
+    (tmp_path / temp_name("stale").replace(f".{os.getpid()}.", f".{os.getppid()}.")).write_text("a live writer's")
+    write_atomic(tmp_path / "stale", b"new")            # stale regular temporaries are removed, a live one's kept
+    assert (tmp_path / "stale").read_bytes() == b"new"
+    assert [p.name for p in tmp_path.glob("stale.*")] == [temp_name("stale").replace(f".{os.getpid()}.",
+                                                                                        f".{os.getppid()}.")]
     assert (tmp_path / "stale").stat().st_mode & 0o777 == 0o600
     old = os.umask(0o022)   # a shared record (Hydra's .hydra/ files): the umask's mode, links still refused
     try:
@@ -54,7 +61,7 @@ def test_safe_opens_refuse_links_and_make_private_files_and_folders(tmp_path):
     (tmp_path / "folder").mkdir()
     with pytest.raises(IsADirectoryError):              # a failed rename leaves no temporary behind
         write_atomic(tmp_path / "folder", b"data")
-    assert not (tmp_path / "folder.tmp").exists()
+    assert not list(tmp_path.glob("folder*.tmp"))
     old = os.umask(0o022)
     try:
         make_dirs(tmp_path / "a" / "b" / "c")
@@ -64,6 +71,25 @@ def test_safe_opens_refuse_links_and_make_private_files_and_folders(tmp_path):
         assert p.stat().st_mode & 0o777 == 0o700, p
 
 
+def test_two_processes_rewriting_one_file_never_take_each_others_temporary(tmp_path):
+    """Ranks of a sweep (or Slurm tasks) writing one record at once: each through its own temporary, no error,
+    the file whole, no temporary left (about 1 s)."""
+    path, data = tmp_path / "multirun.yaml", b"x: 1\n" * 200
+    pids = []
+    for _ in range(2):
+        if (pid := os.fork()) == 0:   # (a child: a loop of writes, its status the errors it met)
+            errors = 0
+            for _ in range(300):
+                try:
+                    write_atomic(path, data, shared=True)
+                except OSError:
+                    errors += 1
+            os._exit(min(errors, 100))
+        pids.append(pid)
+    assert [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids] == [0, 0]
+    assert path.read_bytes() == data and sorted(os.listdir(tmp_path)) == ["multirun.yaml"]
+
+
 def test_a_planted_link_in_the_checkpoint_folder_is_refused(tmp_path):
     """``latest.tmp`` and a ``step-N.tmp`` folder planted as links: the commit protocol refuses them
     by name and never writes through them."""
@@ -71,7 +97,7 @@ def test_a_planted_link_in_the_checkpoint_folder_is_refused(tmp_path):
 
     root = tmp_path / "ckpt"
     root.mkdir()
-    link, victim = _plant(root, "latest.tmp")
+    link, victim = _plant(root, temp_name("latest"))
     tmp = root / "step-1.tmp"
     tmp.mkdir()
     (tmp / stepfolders.MANIFEST).write_text(json.dumps({"format": 1, "files": {}}))
@@ -88,7 +114,7 @@ def test_a_planted_link_in_the_checkpoint_folder_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["rank00000.optim.swap", "rank00000.optim.swap.manifest.json",
-                                  "rank00000.optim.swap.manifest.json.tmp"])
+                                  temp_name("rank00000.optim.swap.manifest.json")])
 def test_a_planted_link_in_the_nvme_folder_is_refused(tmp_path, name):
     from framework.offload._swapfile import SwapFile, swap_path
 
