@@ -187,7 +187,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     except SystemExit as e:   # SIGTERM (_signals.signals_unwind): the same, for this signal
         if isinstance(e, Terminated):
             raise
-        raise Terminated(state.step, e.code, None if e.code == 128 + signal.SIGTERM else exit_why(e.code, cfg.checkpoint.every)) from None
+        why = None if e.code == 128 + signal.SIGTERM else exit_why(e.code, cfg.checkpoint.every)
+        raise Terminated(state.step, e.code, why) from None
     finally:   # every close runs: a SIGTERM (SystemExit) inside one must not leave swap files or an unfinished W&B run
         close_all(ckpt.close, engine.close, logger.close)
 
