@@ -51,6 +51,25 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return found
 
 
+_PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)   # values that hold no tensor
+
+
+def hidden_in(obj: Any) -> type | None:
+    """The type of the first object inside ``obj`` that ``map_tensors`` does not look into and that is not a plain
+    value (None, a number, a string, a dtype, a device): an object of its own that may hold tensors; else None."""
+    if obj is None or isinstance(obj, (torch.Tensor, *_PLAIN)):
+        return None
+    if isinstance(obj, Mapping):
+        items = list(obj.values())
+    elif isinstance(obj, (tuple, list)):
+        items = obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
+    else:
+        return type(obj)
+    return next((t for v in items if (t := hidden_in(v)) is not None), None)
+
+
 def few(items, n: int = 5, show=repr) -> str:
     """The first ``n`` of ``items`` for a message, then how many more there are."""
     items = list(items)

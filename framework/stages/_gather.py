@@ -13,7 +13,7 @@ from torch import nn
 from framework.comm.collectives import Pending
 from framework.comm.distributed import Dist
 from framework.core.errors import TrainingError
-from framework.core.utils import few, map_tensors, tensors_in
+from framework.core.utils import few, hidden_in, map_tensors, tensors_in
 from framework.stages._grads import late_gradient, reduce_to_owners, sparse_gradient
 from framework.stages._shards import Unit, UnitGroup, UnitState, read_hint
 from framework.stages._trace import Trace, start_order_check, warn_partial
@@ -102,8 +102,13 @@ class Gatherer:
         hooked = [t for t in found if t.requires_grad and not t.is_leaf] if torch.is_grad_enabled() else []
         for t in hooked:
             t.register_hook(self.dist.acc.hook(lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
-        # Its backward would find its parameters released (a raw size mismatch deep in autograd).
-        unannounced = torch.is_grad_enabled() and not hooked and any(p.requires_grad for p in unit.params)
+        # An object of its own in the output (one the hooks cannot look into) may carry the unit's parameters into
+        # the graph: their backward would find them released (a raw size mismatch deep in autograd). Only visible
+        # tensors that need no grad: a call that trained none of them (a frozen part of the unit, a branch skipped
+        # this step), with no backward to announce.
+        silent = torch.is_grad_enabled() and not hooked and any(p.requires_grad for p in unit.params)
+        hidden = hidden_in(out) if silent else None
+        unannounced = silent and (not found or hidden is not None)
         # An output sharing a gathered buffer's bytes is given that buffer at the release (no host sync).
         outputs = {t.untyped_storage().data_ptr() for t in found}
         for g in unit.groups:
@@ -113,9 +118,11 @@ class Gatherer:
             self.release(unit)
         if unannounced:
             raise TrainingError(
-                f"zero3: gather unit {unit.name!r} returned a {type(out).__name__} in which no tensor requires "
-                f"grad, so its backward cannot be announced: return its tensors in a tensor, tuple, list, dict "
-                f"or dataclass, or call it under torch.no_grad() where it is not trained")
+                f"zero3: gather unit {unit.name!r} returned a {type(out).__name__}"
+                f"{f' holding a {hidden.__name__}' if hidden not in (None, type(out)) else ''} in which no tensor "
+                f"requiring grad can be seen (zero3 looks into tensors, tuples, lists, dicts and dataclasses), so "
+                f"its backward cannot be announced: return its tensors in those, or call it under torch.no_grad() "
+                f"where it is not trained")
         return out
 
     def _root_returned(self) -> None:

@@ -3,6 +3,7 @@ import copy
 import dataclasses
 import time
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -1274,6 +1275,19 @@ class _Boxed:   # an output type the hooks cannot look into
         self.h = h
 
 
+class _Tagged(NamedTuple):   # visible, but no tensor requiring grad in sight: the one that does is boxed
+    idx: torch.Tensor
+    box: _Boxed
+
+    @property
+    def h(self):
+        return self.box.h
+
+
+def _tagged(h):
+    return _Tagged(h.argmax(-1), _Boxed(h))
+
+
 class _Wrapped(nn.Module):
     def __init__(self, box):
         super().__init__()
@@ -1292,7 +1306,7 @@ class _Head(nn.Module):
         return self.out(self.body(x).h)
 
 
-@pytest.mark.parametrize("box", [_Out, _Boxed])
+@pytest.mark.parametrize("box", [_Out, _Boxed, _tagged])
 def test_unit_returning_a_dataclass_trains_and_an_opaque_output_is_refused(box):
     cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[_Wrapped]", "stage.stage3_param_persistence_threshold=0",
                              "optimizer=sgd", "optimizer.lr=0.1", "scheduler=constant", "train.grad_clip=0"])
@@ -1301,8 +1315,9 @@ def test_unit_returning_a_dataclass_trains_and_an_opaque_output_is_refused(box):
     ref = _Head(box)
     ref.load_state_dict(model.state_dict())
     engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, _local())
-    if box is _Boxed:   # one line naming the unit and the type, not a size mismatch inside autograd's backward
-        with pytest.raises(framework.TrainingError, match=r"unit 'body' returned a _Boxed in which no tensor"):
+    if box is not _Out:   # one line naming the unit and the type, not a size mismatch inside autograd's backward
+        with pytest.raises(framework.TrainingError,
+                           match=r"unit 'body' returned a (_Boxed|_Tagged holding a _Boxed) in which no tensor"):
             engine.train_step(engine.state, Batch((_micro(0),)))
         return
     state = engine.state
@@ -1313,6 +1328,66 @@ def test_unit_returning_a_dataclass_trains_and_an_opaque_output_is_refused(box):
         opt.step()
         opt.zero_grad()
     torch.testing.assert_close(_full_params(engine), flat_params(ref), rtol=FP32_RTOL, atol=1e-7)
+
+
+class _Adapted(nn.Module):   # a frozen layer and a trainable adapter that a step may skip
+    def __init__(self):
+        super().__init__()
+        self.fc, self.adapter = nn.Linear(7, 7), nn.Linear(7, 7)
+
+    def forward(self, x, use_adapter):
+        h = x + torch.tanh(self.fc(x))
+        return h + self.adapter(h) if use_adapter else h
+
+
+class _FrozenTrunk(nn.Module):   # emb+head one unit (tied, frozen) with the head's bias trainable
+    def __init__(self):
+        super().__init__()
+        self.emb, self.blocks, self.head = nn.Embedding(11, 7), nn.ModuleList([_Adapted(), _Adapted()]), nn.Linear(7, 11)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x, use_adapter):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h, use_adapter)
+        return self.head(h)
+
+
+def _frozen_trunk(dist, stage):
+    extra = ["stage.stage3_param_persistence_threshold=0"] if stage == "zero3" else []   # (every unit gathered)
+    cfg = framework.compose([f"+stage={stage}", *extra, "optimizer=adamw", "optimizer.weight_decay=0.1",
+                             "scheduler=constant", "train.steps=3"])
+    torch.manual_seed(0)
+    model = _FrozenTrunk()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        p.requires_grad_("adapter" in name or name == "head.bias")
+
+    def loss_fn(m, mb):
+        return nn.functional.cross_entropy(m(mb[0], mb[2]), mb[1])
+
+    engine = framework.initialize(model, loss_fn, cfg, dist)
+    g = torch.Generator().manual_seed(3)
+    state, losses = engine.state, []
+    for use_adapter in (True, False, True):
+        micro = (torch.randint(0, 11, (4,), generator=g), torch.randint(0, 11, (4,), generator=g), use_adapter)
+        state, m = engine.train_step(state, Batch((micro,)))
+        losses.append(m["loss"])
+    return losses, _full_params(engine) if stage == "zero3" else flat_params(model)
+
+
+def _frozen_trunk_both(dist):
+    return _frozen_trunk(dist, "zero2"), _frozen_trunk(dist, "zero3")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_frozen_part_of_a_unit_and_a_skipped_adapter_train_as_under_zero2(pools, world):
+    # A unit call whose output needs no grad trained none of its parameters: nothing to announce (the tied
+    # frozen embedding of 'emb+head' at every step, the adapters of 'blocks.*' at the step that skips them on
+    # every rank: reduced in no rank's backward, a zero gradient as under zero2).
+    for (z2, p2), (z3, p3) in [_frozen_trunk_both(_local())] if world == 1 else pools(2).run(_frozen_trunk_both,
+                                                                                             timeout=120):
+        assert z3 == pytest.approx(z2, rel=FP32_RTOL)
+        torch.testing.assert_close(p3, p2, rtol=FP32_RTOL, atol=1e-7)
 
 
 def test_gathered_with_modifier_rank_writes_only_what_the_block_changed():
