@@ -1343,7 +1343,9 @@ class _Adapted(nn.Module):   # a frozen layer and a trainable adapter that a ste
 class _FrozenTrunk(nn.Module):   # emb+head one unit (tied, frozen) with the head's bias trainable
     def __init__(self):
         super().__init__()
-        self.emb, self.blocks, self.head = nn.Embedding(11, 7), nn.ModuleList([_Adapted(), _Adapted()]), nn.Linear(7, 11)
+        self.emb = nn.Embedding(11, 7)
+        self.blocks = nn.ModuleList([_Adapted(), _Adapted()])
+        self.head = nn.Linear(7, 11)
         self.head.weight = self.emb.weight
 
     def forward(self, x, use_adapter):
