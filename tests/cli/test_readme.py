@@ -45,11 +45,13 @@ SKIP = {
 }
 # Lines another test runs as printed with only more overrides (a smaller model, a shorter run) and checks more of
 # than its exit status: they are not spawned twice. Each must still be in a document and its test still there.
+# (file, test, a text of that file that keeps the line's case in the test: its removal runs the line here again)
 COVERED = {
     "python -m framework.train +stage=zero3 dist.nproc=2":
-        ("tests/cli/test_cli.py", "test_zero_stages_from_the_command_line"),   # (+ the 16-bit export it loads)
+        ("tests/cli/test_cli.py", "test_zero_stages_from_the_command_line",   # (+ the 16-bit export it loads)
+         '@pytest.mark.parametrize("stage", ["zero3"])\ndef test_zero_stages_from_the_command_line('),
     "python -m framework.train +stage=ddp dist.nproc=2":
-        ("tests/cli/test_recipes.py", "test_memory_scaling_quick"),   # (its ddp job on 2 ranks, +stage=ddp,zero3)
+        ("tests/cli/test_recipes.py", "test_memory_scaling_quick", '("ddp", 2)'),   # (its ddp job on 2 ranks)
 }
 # A line whose words an earlier run line of this test holds, with only these more (a checkpoint every N steps, a
 # named run folder), ran there: stages.md's `+stage=zero2 dist.nproc=2` is the README's checkpointed zero2 run.
@@ -191,6 +193,7 @@ def test_every_documented_command_runs(clone, forkrun):
     assert not failures, "\n".join(failures)
     assert all(skipped.values()), f"SKIP entries no document holds any more: {skipped}"
     assert all(covered.values()), f"COVERED entries no document holds any more: {covered}"
-    for path, test in COVERED.values():
-        assert f"def {test}(" in (ROOT / path).read_text(), f"{path} has no {test} any more: run its line here"
+    for path, test, case in COVERED.values():
+        text = (ROOT / path).read_text()
+        assert f"def {test}(" in text and case in text, f"{path}: {test} runs no {case!r} any more: run its line here"
     assert ran > 35

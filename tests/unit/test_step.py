@@ -95,7 +95,7 @@ def test_fp16_grad_norm_and_clipping_are_of_the_unscaled_gradients():
     assert m["loss_scale"] == 256 and not m["skipped"]
     assert ref["grad_norm"] > 0.05   # so clipping is active in both runs
     assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2)
-    torch.testing.assert_close(p, ref_p, rtol=0, atol=2e-3)
+    torch.testing.assert_close(p, ref_p, rtol=0, atol=5e-4)   # (the fp32 update is up to 5.4e-3; fp16 is 1.1e-4 off)
 
 
 def test_an_overflowing_step_has_one_number_with_and_without_loss_scaling():
