@@ -113,11 +113,13 @@ def test_a_planted_link_in_the_checkpoint_folder_is_refused(tmp_path):
     assert elsewhere.is_dir() and not list(elsewhere.iterdir())
 
 
-@pytest.mark.parametrize("name", ["rank00000.optim.swap", "rank00000.optim.swap.manifest.json",
-                                  temp_name("rank00000.optim.swap.manifest.json")])
+# (the temporary's name holds this process's id: made in the test, so that every xdist worker collects one name)
+@pytest.mark.parametrize("name", ["rank00000.optim.swap", "rank00000.optim.swap.manifest.json", "temporary"])
 def test_a_planted_link_in_the_nvme_folder_is_refused(tmp_path, name):
     from framework.offload._swapfile import SwapFile, swap_path
 
+    if name == "temporary":
+        name = temp_name("rank00000.optim.swap.manifest.json")
     link, victim = _plant(tmp_path, name)
     with pytest.raises(UnsafePathError, match=rf"^{link} is a symbolic link"):
         SwapFile.create(swap_path(tmp_path, 0, "optim"), {"a": 4096}, layout_hash="h", world_size=1, rank=0,
