@@ -239,15 +239,23 @@ def _nonfinite(c: Components, step: int, loss: float, norm: float, names: list[s
                local_sum: torch.Tensor) -> None:
     """``names``: parameters with non-finite gradients; ``skipped``: the steps skipped so far, this one too;
     ``local_sum``: this rank's own loss sum (every rank calls this together: the decision is on global values)."""
-    what = (f"step {step}: the loss is {loss:g}{'' if math.isfinite(loss) else _loss_ranks(c, local_sum)} and the "
-            f"global gradient norm {norm:g} (non-finite; non-finite gradients in: {few(names, 8, str) or 'none'})")
+    grads = (f"the gradients are finite (global norm {norm:g})" if math.isfinite(norm) else
+             f"the global gradient norm {norm:g} (non-finite; non-finite gradients in: {few(names, 8, str) or 'none'})")
+    what = f"step {step}: the loss is {loss:g}{'' if math.isfinite(loss) else _loss_ranks(c, local_sum)} and {grads}"
+    # A non-finite loss with finite gradients is no divergence a lower learning rate would cure: most often a
+    # mean over no elements (nan, whose gradient is zero).
+    hint = ("Lower the learning rate or check the data" if not math.isfinite(norm) else
+            "check loss_fn and the data: a mean over no elements is nan (a micro batch whose targets are all "
+            "ignore_index, or an empty micro batch); return loss.sum() / count.clamp(min=1), or the token-weighted "
+            "loss of docs/library.md (Padded sequences)")
     if c.on_nonfinite != "warn":   # (decided on the all-reduced norm and loss: every rank stops here alike)
         raise on_every_rank(TrainingError(f"{what}; stopping before the update, nothing of this step is saved. "
-                                          f"Lower the learning rate or check the data; train.on_nonfinite=warn skips "
-                                          f"such steps instead"))
+                                          f"{hint[0].upper()}{hint[1:]}; train.on_nonfinite=warn skips such steps "
+                                          f"instead"))
     if c.dist.rank == 0:
         print(f"warning: {what}; update skipped ({skipped} skipped step{'s' if skipped != 1 else ''} so far), "
-              f"no checkpoint of this step (train.on_nonfinite=warn)", file=sys.stderr, flush=True)
+              f"no checkpoint of this step (train.on_nonfinite=warn){'; ' + hint if math.isfinite(norm) else ''}",
+              file=sys.stderr, flush=True)
 
 
 def _loss_ranks(c: Components, local_sum: torch.Tensor) -> str:

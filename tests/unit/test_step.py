@@ -130,8 +130,8 @@ def test_fp16_a_nonfinite_loss_with_finite_gradients_is_no_overflow_but_goes_to_
         torch.manual_seed(0)
         with framework.initialize(TwoLayer(), loss_fn, cfg) as engine:
             if mode == "stop":
-                with pytest.raises(framework.TrainingError, match=r"^step 1: the loss is inf .*non-finite gradients "
-                                                                  r"in: none\); stopping before the update"):
+                with pytest.raises(framework.TrainingError, match=r"^step 1: the loss is inf and the gradients are "
+                                                                  r"finite \(global norm [0-9.]+\); stopping before"):
                     engine.train_step(engine.state, batch)
                 continue
             before = [p.clone() for p in engine.state.params]
@@ -141,6 +141,31 @@ def test_fp16_a_nonfinite_loss_with_finite_gradients_is_no_overflow_but_goes_to_
     p = state.precision
     assert (p.cur_scale, p.cur_hysteresis, p.last_overflow_iter, p.skipped_steps) == (256.0, 2, -1, 2), p
     assert state.applied_steps == 0 and all(torch.equal(a, b) for a, b in zip(before, state.params))
+
+
+def test_a_micro_batch_with_every_target_ignored_stops_with_a_hint_not_a_learning_rate(capsys):
+    """cross_entropy's mean over no targets (all ignore_index, as padded data can give) is nan with a zero
+    gradient: the line says the gradients are finite and points at the empty mean, not at the learning rate."""
+    def loss_fn(m, mb):
+        return nn.functional.cross_entropy(m(mb[0]), mb[1], ignore_index=-100)
+
+    torch.manual_seed(0)
+    batch = Batch(((torch.randn(4, 5), torch.tensor([0, 2, -100, 1])), (torch.randn(4, 5), torch.full((4,), -100))))
+    for mode in ("stop", "warn"):
+        cfg = framework.compose(["optimizer=sgd", "scheduler=constant", "train.micro_batch=4", "train.grad_accum=2",
+                                 "logger=none", f"train.on_nonfinite={mode}"])
+        with framework.initialize(nn.Linear(5, 3), loss_fn, cfg) as engine:
+            if mode == "stop":
+                with pytest.raises(framework.TrainingError) as e:
+                    engine.train_step(engine.state, batch)
+                continue
+            m = engine.train_step(engine.state, batch)[1]
+    msg = str(e.value)
+    assert msg.startswith("step 1: the loss is nan and the gradients are finite (global norm "), msg
+    assert "a mean over no elements is nan" in msg and "count.clamp(min=1)" in msg, msg
+    assert "non-finite gradients in" not in msg and "learning rate" not in msg, msg
+    assert m["skipped"] and m["nonfinite"] and math.isfinite(m["grad_norm"]), m
+    assert "a mean over no elements is nan" in capsys.readouterr().err
 
 
 class _InfGrad(torch.autograd.Function):
