@@ -107,8 +107,8 @@ class Engine(contextlib.AbstractContextManager):
                                  f"in place since: pass the state train_step returned (engine.state)")
 
     def eval_step(self, state: TrainState, batches: list) -> float:
-        """Mean loss, without grad, over every rank's batches (micro batches as ``loss_fn`` takes them, not
-        ``Batch``es); ranks may pass different numbers, none too, except under zero3 (forwards gather)."""
+        """Mean of the losses of every rank's batches (micro batches as ``loss_fn`` takes them), without grad: each
+        batch counts once whatever its size; ranks may pass different numbers, none too, except under zero3."""
         self._check_open(state, "eval_step")
         self.check_unedited("eval_step")
         if (bare := one_micro_batch(batches, kinds=(tuple,))) is not None:   # (a list of tensors: tensor micro batches)
