@@ -459,8 +459,9 @@ def test_model_yaml_path(capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == count_params(dataclasses.replace(preset("gpt-nano"), n_layer=8, context=128))
-    assert "context=128" in main_text([f"model={ROOT / 'conf' / 'model' / 'gpt-nano.yaml'}", "model.context=128"],
-                                      capsys)
+    # (the boolean as the command line and plan spell it)
+    assert "context=128 activation_checkpointing=false" in main_text(
+        [f"model={ROOT / 'conf' / 'model' / 'gpt-nano.yaml'}", "model.context=128"], capsys)
 
 
 def main_text(args, capsys) -> str:
