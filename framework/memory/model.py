@@ -147,7 +147,7 @@ CUDA_FIXED_SLACK = 64 * MiB
 # machine (gpt-nano and gpt-mini, ddp/zero2/zero3, context 128-512, micro batch 4-16, dropout 0), the resident
 # peak rose above the live bytes by 0.35-0.8 x the activations' peak more; with 0.5 (over the host's 20%)
 # the prediction was 0.91-1.15 x those peaks (offload=nvme's, with none, 1.2 x). With dropout the math path's
-# batch x heads x context^2 blocks, made again in every recomputed block, fragment it far more.
+# batch x heads x context^2 blocks, made again in every recomputed block, fragment it far more (below).
 RECOMPUTE_SLACK_FRACTION = 0.5
 
 
@@ -377,6 +377,11 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     pred.transient["activations"] = tr.peak
     if ckpt and pred.host_slack_fraction:   # (none under offload=nvme, whose heap returns large blocks)
         pred.recompute_slack_fraction = RECOMPUTE_SLACK_FRACTION
+        if getattr(cfg.model, "dropout", 0):   # (not fitted: measured 1.7-1.95x, and no slack fraction covers it)
+            pred.notes.append("with dropout the CPU runs attention's math path, and the batch x heads x context^2 "
+                              "blocks made again in every block checkpointing recomputes fragment glibc's heap: "
+                              "the host peak can reach twice this prediction; run with MALLOC_MMAP_THRESHOLD_=131072 "
+                              "in the environment to hand such blocks back to the system (then below it)")
     pred.cuda_activations = fused.peak if fused else None
     pred.notes.append(f"activations traced on meta: {shown}, "
                       f"checkpointing={str(ckpt).lower() if own_loss else 'as the model is built'}, "
