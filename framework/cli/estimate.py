@@ -367,7 +367,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
 def format_prediction(cfg, pred, context: int | None = None) -> str:
     c = cfg.choices
     ckpt = getattr(cfg.model, "activation_checkpointing", None)   # (a model of its own may have no such key)
-    ckpt = "" if context or ckpt is None else f" activation_checkpointing={ckpt}"
+    ckpt = "" if context or ckpt is None else f" activation_checkpointing={str(ckpt).lower()}"   # (as typed)
     head = (f"Per rank, ours: stage={c['stage']} offload={c['offload']} precision={c['precision']} "
             f"optimizer={c['optimizer']} world={pred.world} micro_batch={cfg.train.micro_batch} "
             f"context={context or cfg.model.context}{ckpt}")

@@ -54,9 +54,10 @@ class _LiveBytes(TorchDispatchMode):
 
 
 class _FusedAttentionKernel(torch.autograd.Function):
-    """The memory of CUDA's fused attention (flash / memory-efficient): forward saves the output and an fp32
-    log-sum-exp per query row, backward an fp32 accumulator of the query's shape; no sequence x sequence
-    matrix, unlike the math path the meta device runs."""
+    """The memory of a fused attention kernel (CUDA's flash / memory-efficient, the CPU's flash): forward saves
+    the output and an fp32 log-sum-exp per query row, backward an fp32 accumulator of the query's shape (CUDA's;
+    the CPU's are per thread blocks, a little less); no sequence x sequence matrix, unlike the math path the
+    meta device runs."""
 
     @staticmethod
     def forward(ctx, q, k, v):
@@ -73,13 +74,23 @@ class _FusedAttentionKernel(torch.autograd.Function):
 
 
 class _FusedAttention(TorchFunctionMode):
-    """Trace ``scaled_dot_product_attention`` as the CUDA kernels hold memory (``_FusedAttentionKernel``)."""
+    """Trace ``scaled_dot_product_attention`` as ``device``'s fused kernels hold memory (``_FusedAttentionKernel``).
+    CUDA's take every call; the CPU's flash kernel every call without dropout (masks and every dtype included:
+    checked with torch.profiler on torch 2.11 and 2.13), while one with ``dropout_p > 0`` runs the math path,
+    traced as it is."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.dropout = device == "cuda"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             q, k, v = args[:3] if len(args) >= 3 else (kwargs["query"], kwargs["key"], kwargs["value"])
-            return _FusedAttentionKernel.apply(q, k, v)
-        return func(*args, **(kwargs or {}))
+            dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+            if self.dropout or not dropout_p:
+                return _FusedAttentionKernel.apply(q, k, v)
+        return func(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -89,18 +100,19 @@ class ActivationTrace:
 
 
 def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = False,
-                      fused_attention: bool = False) -> ActivationTrace:
+                      attention: str = "math") -> ActivationTrace:
     """Live bytes of ``loss_fn(module, batch)`` and its backward on the meta device. Parameter gradients are
     dropped once accumulated (the stages count them), unless ``keep_grads`` (zero2 when one bucket holds a
-    whole group). ``fused_attention``: attention as CUDA's fused kernels hold it."""
+    whole group). ``attention``: "math", the math path everywhere, or "cpu" / "cuda", as that device's fused
+    kernels hold it where they run (``_FusedAttention``)."""
     params = list(module.parameters())
     handles = [] if keep_grads else [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
                                      for p in params if p.requires_grad]
     inputs = tensors_in(batch)
     mode = _LiveBytes(params + list(module.buffers()) + inputs)
-    attention = _FusedAttention() if fused_attention else contextlib.nullcontext()
+    fused = _FusedAttention(attention) if attention != "math" else contextlib.nullcontext()
     try:
-        with mode, attention:
+        with mode, fused:
             loss = loss_fn(module, batch)
             saved = mode.live
             loss.backward()
@@ -123,16 +135,20 @@ def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = Fals
 # --- per-rank prediction for one of our configs --------------------------------------------
 
 # Allocator slack beyond live tensors (glibc keeps freed blocks mapped and fragments; CUDA's caching
-# allocator rounds and caches): 10% of the transient bytes, calibrated against measured peaks, plus
-# 64 MiB on CUDA for the cuBLAS/cuDNN workspaces and the context.
+# allocator rounds and caches): 10% of the transient bytes on CUDA, plus 64 MiB for the cuBLAS/cuDNN
+# workspaces and the context. On the host 20%: with attention traced as the CPU's flash kernel holds it,
+# tests/cli/_memrun.py measured fp32/bf16 ddp peaks (gpt-nano and gpt-mini, context 128-512, micro batch
+# 4-32) of 1.0-1.2x the live bytes on a 2-core machine (1.0-1.13x with MALLOC_MMAP_THRESHOLD_=131072).
 SLACK_FRACTION = 0.10
+HOST_SLACK_FRACTION = 0.20
 CUDA_FIXED_SLACK = 64 * MiB
 # On the host, activation checkpointing leaves glibc's heap more fragmented: each block recomputed in
 # backward is allocated among the gradients made there. Measured with tests/cli/_memrun.py on a 2-core CPU
-# machine (gpt-nano and gpt-mini, ddp/zero2/zero3, context 128-512, micro batch 4-16), the resident peak
-# rose above the live bytes by 0.35-0.8 x the activations' peak more; with 0.6 the prediction was 0.91-1.15
-# x those peaks (offload=nvme's, with none, 1.2 x).
-RECOMPUTE_SLACK_FRACTION = 0.6
+# machine (gpt-nano and gpt-mini, ddp/zero2/zero3, context 128-512, micro batch 4-16, dropout 0), the resident
+# peak rose above the live bytes by 0.35-0.8 x the activations' peak more; with 0.5 (over the host's 20%)
+# the prediction was 0.91-1.15 x those peaks (offload=nvme's, with none, 1.2 x). With dropout the math path's
+# batch x heads x context^2 blocks, made again in every recomputed block, fragment it far more (below).
+RECOMPUTE_SLACK_FRACTION = 0.5
 
 
 @dataclass
@@ -145,9 +161,10 @@ class Prediction(Footprint):
     lazy: set[str] = field(default_factory=set)   # items whose bytes appear at the first step, not at setup
     notes: list[str] = field(default_factory=list)
     # Host slack: none under offload=nvme, whose 1 MiB mmap threshold (offload/_disk.py) returns large blocks.
-    host_slack_fraction: float = SLACK_FRACTION
+    host_slack_fraction: float = HOST_SLACK_FRACTION
     recompute_slack_fraction: float = 0.0   # of the activations, on the host (RECOMPUTE_SLACK_FRACTION)
-    # The activations' peak with CUDA's fused attention; the "activations" transient is the CPU's math path.
+    # The activations' peak with CUDA's fused attention; the "activations" transient is the CPU's (its flash
+    # kernel, the math path for attention with dropout).
     cuda_activations: int | None = None
 
     MODEL_STATES = ("params", "frozen_params", "grads", "grad_accumulator", "master_params", "optimizer_state",
@@ -268,7 +285,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
                            1 if stage == "ddp" else world) for named in groups]
     padded = [lay.padded for lay in layouts]
     pred = Prediction(world, count_module(module).params, notes=notes,
-                      host_slack_fraction=0.0 if cfg.choices["offload"] == "nvme" else SLACK_FRACTION)
+                      host_slack_fraction=0.0 if cfg.choices["offload"] == "nvme" else HOST_SLACK_FRACTION)
     # The longest piece the stage lets the tier cut (zero3: one per unit group already).
     chunk = ShardedStage.piece_size(cfg.stage, world) if stage in ("zero1", "zero2") else None
     cut = (chunk, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(cfg))   # the tier's arguments
@@ -332,17 +349,18 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     key = (tuple((t.shape, t.dtype) for t in tensors_in(batch)), ckpt, keep_grads, policy.param_dtype)
     traces = {} if traces is None else traces
 
-    def traced(fused: bool) -> ActivationTrace:
-        k = (*key, fused)
+    def traced(attention: str) -> ActivationTrace:
+        k = (*key, attention)
         if k not in traces:
-            # Checkpointing recomputes blocks outside the tracing mode, so with it the CUDA peak counts the
-            # math path's attention too (one block's matrices too many at most); a model that checkpoints
-            # on its own shows as the recomputation's mismatch (CheckpointError).
+            # Checkpointing recomputes blocks outside the tracing mode, so with it the fused peaks count the
+            # math path's attention too (one block's matrices too many at most; the host's recompute slack was
+            # fitted to that count); a model that checkpoints on its own shows as the recomputation's mismatch
+            # (CheckpointError).
             try:
-                traces[k] = traced(False) if fused and ckpt else trace_activations(
-                    module, loss_fn, batch, keep_grads=keep_grads, fused_attention=fused)
+                traces[k] = traced("math") if attention != "math" and ckpt else trace_activations(
+                    module, loss_fn, batch, keep_grads=keep_grads, attention=attention)
             except CheckpointError:
-                traces[k] = traced(False)
+                traces[k] = traced("math")
             except FrameworkError:
                 raise
             except Exception as e:   # a model that does not take this input: say what was fed (the cause kept:
@@ -353,14 +371,20 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
                                   f"it (and loss_fn=)") from e
         return traces[k]
 
-    tr = traced(fused=device == "cuda")
-    fused = traced(True) if device != "cpu" else None
+    # The host's attention as the CPU runs it: its flash kernel, or the math path for a call with dropout.
+    tr = traced(device or "cpu")
+    fused = traced("cuda") if device != "cpu" else None
     pred.transient["activations"] = tr.peak
     if ckpt and pred.host_slack_fraction:   # (none under offload=nvme, whose heap returns large blocks)
         pred.recompute_slack_fraction = RECOMPUTE_SLACK_FRACTION
+        if getattr(cfg.model, "dropout", 0):   # (not fitted: measured 1.7-1.95x, and no slack fraction covers it)
+            pred.notes.append("with dropout the CPU runs attention's math path, and the batch x heads x context^2 "
+                              "blocks made again in every block checkpointing recomputes fragment glibc's heap: "
+                              "the host peak can reach twice this prediction; run with MALLOC_MMAP_THRESHOLD_=131072 "
+                              "in the environment to hand such blocks back to the system (then below it)")
     pred.cuda_activations = fused.peak if fused else None
     pred.notes.append(f"activations traced on meta: {shown}, "
-                      f"checkpointing={ckpt if own_loss else 'as the model is built'}, "
+                      f"checkpointing={str(ckpt).lower() if own_loss else 'as the model is built'}, "
                       f"{tr.saved / MiB:.1f} MiB saved after forward, {tr.peak / MiB:.1f} MiB peak"
                       + (f" ({fused.peak / MiB:.1f} MiB with CUDA's fused attention)" if device is None else ""))
     return pred
