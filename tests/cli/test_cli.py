@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -692,7 +693,8 @@ def test_torchrun_one_ranks_unexpected_error_ends_the_sweep(tmp_path):
     catches a re-raised error and goes on; a job's DistributedError was counted and the sweep went on) to fail
     it too, or wait in its collectives until dist.timeout_s (the unit test of the decision cannot see Hydra's
     side). The ranks are started as torchrun starts them but without its monitor, which stops rank 0 when it
-    sees rank 1's exit before rank 0 sees the broken group: rank 0 always meets it here."""
+    sees rank 1's exit before rank 0 sees the broken group: rank 0 always meets it here. Rank 1 starts late: the
+    sweep's record is still rank 0's."""
     base = [o for o in SHORT if not o.startswith("train.steps=")]
     env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
            "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
@@ -702,10 +704,22 @@ def test_torchrun_one_ranks_unexpected_error_ends_the_sweep(tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             env["MASTER_PORT"] = str(s.getsockname()[1])
-        procs = [subprocess.Popen([sys.executable, "-m", "tests._fault_train", "-m", "train.steps=2,3", *base,
-                                   "dist.timeout_s=30", f"hydra.sweep.dir={tmp_path}/{attempt}/{r}/sweep"],
-                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        sweep, procs = tmp_path / str(attempt) / "sweep", []
+        for r in range(2):
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests._fault_train", "-m", "train.steps=2,3", *base,
+                                           "dist.timeout_s=30", f"hydra.sweep.dir={sweep}"],
+                                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            # Rank 1 starts late: its sweeper's raw multirun.yaml lands after any record rank 0 wrote before the
+            # ranks connected (rank 0's Hydra wrote its own, then up to 2 s for a rewrite).
+            for _ in range(600 if r == 0 else 0):
+                if (sweep / "multirun.yaml").is_file():
+                    for _ in range(20):
+                        if "output_subdir=null" not in (sweep / "multirun.yaml").read_text():
+                            break
+                        time.sleep(0.1)
+                    break
+                time.sleep(0.1)
         try:
             errs = [p.communicate(timeout=240)[1] for p in procs]
         finally:
@@ -722,9 +736,12 @@ def test_torchrun_one_ranks_unexpected_error_ends_the_sweep(tmp_path):
     assert len(ended) == 1 and ended[0].startswith("error: rank 0/2: "), errs[0][-3000:]
     assert not any("of the sweep failed" in e for e in errs), errs   # no rank got to the sweep's end
     # train.log (rank 0's console) holds rank 1's own error too, with its traceback, as the spawning launcher writes it
-    log = (tmp_path / str(attempt) / "0" / "sweep" / "0" / "train.log").read_text()
+    log = (sweep / "0" / "train.log").read_text()
     line = "error: rank 1 of 2 failed: RuntimeError: FRAMEWORK_FAULT: rank 1 raises at step:1\n"
     assert line in log and log.index("Traceback (most recent call last):") < log.index(line), log[-3000:]
+    # The sweep's record is rank 0's, written once the ranks connected: not rank 1's raw one, written later
+    record = (sweep / "multirun.yaml").read_text()
+    assert "output_subdir=null" not in record and "output_subdir: .hydra" in record, record
 
 
 def test_wandb_offline_multirun_groups_runs(forkrun, tmp_path):
