@@ -1,5 +1,6 @@
 """The command line as a user runs it: python -m framework.train ..."""
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -217,6 +218,20 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkey
     _remove_made([run, run.parent], ".hydra", True)
     assert (run / "checkpoints" / "step-2").is_dir()
     (run / "checkpoints" / "step-2").rmdir()
+    # ... also one committed as the lock is taken: the folder is listed under it
+    from framework.cli import _jobfolders
+    take = _jobfolders._lock
+
+    def saved_first(held, path):
+        if path.parent.name == "checkpoints":
+            (path.parent / "step-4").mkdir()
+        return take(held, path)
+
+    monkeypatch.setattr(_jobfolders, "_lock", saved_first)
+    _remove_made([run, run.parent], ".hydra", True)
+    assert (run / "checkpoints" / "step-4").is_dir()
+    monkeypatch.undo()
+    (run / "checkpoints" / "step-4").rmdir()
     _remove_made([run, run.parent], ".hydra", True)
     assert not (tmp_path / "outputs").exists()
     run.mkdir(parents=True)
@@ -228,6 +243,17 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkey
     assert run.is_dir()
     _remove_made([run, run.parent], ".hydra", False, alike=True)
     assert not (tmp_path / "outputs").exists()
+    # A task of Hydra's submitit launcher, refused before launch set RANK: its own rank, not rank 0
+    if importlib.util.find_spec("submitit") is None:
+        return
+    run.mkdir(parents=True)
+    monkeypatch.delenv("RANK")
+    for key, value in {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_LOCALID": "1",
+                       "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+                       "SUBMITIT_LOCAL_JOB_ID": "4242", "MASTER_PORT": "29611"}.items():
+        monkeypatch.setenv(key, value)
+    _remove_made([run, run.parent], ".hydra", False)
+    assert run.is_dir()
 
 
 def test_a_jobs_checkpoint_folder_is_named_by_what_says_which_job_it_is():
