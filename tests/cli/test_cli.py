@@ -326,6 +326,13 @@ def test_a_submitit_requeue_while_training_is_a_line_in_train_log(tmp_path, monk
     assert got.value.code == 144 and (tmp_path / "run" / "train.log").read_text().splitlines()[-1] == (
         "stopped at step 3: requeued by the submitit launcher (its pre-emption/time-limit signal, exit 144); the "
         "job resumes from its last periodic save")
+    # Before the first periodic save it starts again; another exit (not submitit's -1 or 144) is no requeue
+    from framework.cli.loop import exit_why
+    assert exit_why(-1, 500, False).endswith("the job starts again at step 0 (no periodic save yet: "
+                                             "checkpoint.every=500)")
+    assert exit_why(-1, 500, True).endswith("(its pre-emption/time-limit signal, exit -1); the job resumes from its "
+                                            "last periodic save")
+    assert exit_why(3, 500, True) == "exit 3 raised while training"
 
 
 def test_too_many_open_files_in_a_run_is_its_error_line(tmp_path):
