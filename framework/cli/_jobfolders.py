@@ -10,10 +10,7 @@ from pathlib import Path
 
 from framework.cli.launch import CHECKPOINT_LOCK, RUN_LOCK, slurm_task_env
 from framework.comm.distributed import env_int
-
-# The run folder's own checkpoint root (checkpoint.dir unset): the pre-flight made it, holding only its lock, for a
-# run refused before its first save.
-_CHECKPOINTS = "checkpoints"
+from framework.persist.checkpoint import CHECKPOINTS
 
 
 def first_rank() -> bool:
@@ -35,7 +32,7 @@ def remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool =
     raised ``alike``: another rank's Hydra may make the folder again after rank 0 removed it). One it ``owned``
     goes only under its lock again (and its checkpoint folder's) and while it holds only what the job wrote; one
     it never held only if empty. Whether the run folder was removed."""
-    if not made or (env_int("RANK", 0) != 0 and not alike):   # (rank 0 may still be writing into it)
+    if not made or (not first_rank() and not alike):   # (rank 0 may still be writing into it)
         return False
     try:
         if owned:
@@ -43,11 +40,13 @@ def remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool =
                 if not _lock(held, made[0] / RUN_LOCK):
                     return False
                 names = {p.name for p in made[0].iterdir()}
-                if not names <= {"train.log", RUN_LOCK, _CHECKPOINTS, *Path(subdir or ".").parts[:1]}:
+                if not names <= {"train.log", RUN_LOCK, CHECKPOINTS, *Path(subdir or ".").parts[:1]}:
                     return False
-                checkpoints = made[0] / _CHECKPOINTS
-                if _CHECKPOINTS in names and (checkpoints.is_symlink() or os.listdir(checkpoints) != [CHECKPOINT_LOCK]
-                                              or not _lock(held, checkpoints / CHECKPOINT_LOCK)):
+                # The run folder's own checkpoint root (the pre-flight made it, holding only its lock): listed only
+                # under that lock, so a save committed before we took it is seen (and kept)
+                checkpoints = made[0] / CHECKPOINTS
+                if CHECKPOINTS in names and (checkpoints.is_symlink() or not _lock(held, checkpoints / CHECKPOINT_LOCK)
+                                             or os.listdir(checkpoints) != [CHECKPOINT_LOCK]):
                     return False   # (a save, or another run saving there: kept)
                 shutil.rmtree(made[0], ignore_errors=True)
         else:

@@ -187,19 +187,29 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     except SystemExit as e:   # SIGTERM (_signals.signals_unwind): the same, for this signal
         if isinstance(e, Terminated):
             raise
-        why = None if e.code == 128 + signal.SIGTERM else exit_why(e.code, cfg.checkpoint.every)
+        # (a save to resume from: one this run resumed from, or a periodic one it passed)
+        saved = ckpt.resumed_from is not None or 0 < cfg.checkpoint.every <= state.step
+        why = None if e.code == 128 + signal.SIGTERM else exit_why(e.code, cfg.checkpoint.every, saved)
         raise Terminated(state.step, e.code, why) from None
     finally:   # every close runs: a SIGTERM (SystemExit) inside one must not leave swap files or an unfinished W&B run
         close_all(ckpt.close, engine.close, logger.close)
 
 
-def exit_why(code, every: int) -> str:
+# submitit's exits once it requeued the job: its Slurm environment's (job_environment._exit) and its local
+# executor's (LOCAL_REQUEUE_RETURN_CODE); any other SystemExit is not a requeue
+REQUEUE_EXITS = (-1, 144)
+
+
+def exit_why(code, every: int, saved: bool) -> str:
     """What a SystemExit raised while training (not SIGTERM's) was: inside a task Hydra's submitit launcher started,
     its handler of the pre-emption signal (SIGUSR2; a time limit too, with retries left) exits so once it requeued
-    the job, which resumes from the last periodic save (``every``: checkpoint.every); else some code's exit."""
-    if not os.environ.get("SUBMITIT_EXECUTOR"):
+    the job, which resumes from the last periodic save where one was ``saved`` (``every``: checkpoint.every), else
+    starts again at step 0; else some code's exit."""
+    if not os.environ.get("SUBMITIT_EXECUTOR") or code not in REQUEUE_EXITS:
         return f"exit {code} raised while training"
-    then = "resumes from its last periodic save" if every else "starts again at step 0 (checkpoint.every=0)"
+    then = ("resumes from its last periodic save" if saved else
+            f"starts again at step 0 (no periodic save yet: checkpoint.every={every})" if every else
+            "starts again at step 0 (checkpoint.every=0)")
     return f"requeued by the submitit launcher (its pre-emption/time-limit signal, exit {code}); the job {then}"
 
 

@@ -329,16 +329,25 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname), sweep_dir=Path(hc.sweep.dir),
             naming=frozenset(o.key_or_group for o in _naming(overrides, swept))) if multirun else dict(group=None, name=None)))
         made, owned = made_for(run.run_dir, base), []
-        try:
-            if multirun and first_rank():   # (every rank would write the same; one is enough, and never races)
+
+        def own(folder: Path) -> None:
+            """The folder's owner (rank 0, or the launching process) rewrites the sweep's record: under torchrun
+            every rank's sweeper wrote its raw multirun.yaml at the sweep's start, before the ranks connected; by
+            the owning (after the run-directory agreement) all have, so no late rank's write lands after ours."""
+            owned.append(folder)
+            if multirun:
                 record_sweep(Path(hc.sweep.dir), subdir, passed)
+
+        try:
+            if multirun and first_rank() and env_int("WORLD_SIZE", 1) <= 1:   # a job refused before owning has it too
+                record_sweep(Path(hc.sweep.dir), subdir, passed)   # (no torchrun peers: their sweepers would race)
             # A job given an earlier job's run folder is refused: it would take that job's records for its own.
             if multirun and (earlier := folders.setdefault(run.run_dir.resolve(), hc.job.num)) != hc.job.num:
                 raise ConfigError(f"run folder {run.run_dir}: job {hc.job.num} of this sweep would share it with job "
                                   f"{earlier} (resuming or setting aside that job's run); make hydra.sweep.subdir name "
                                   "one folder per job, e.g. its default ${hydra.job.num} (and, with override_dirname, "
                                   "exclude no swept key)")
-            val = launch(config, run, on_point, owned.append, record_job(task, hc, subdir, passed, config.ds_config)
+            val = launch(config, run, on_point, own, record_job(task, hc, subdir, passed, config.ds_config)
                          )["val_loss"]
             return math.nan if val is None else val   # (summary.json, read back from ranks, has NaN as null)
         except Exception as e:

@@ -7,6 +7,7 @@ bounded chunked scratch buffer. Step counts are python ints: no device sync.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -80,8 +81,14 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
     decay = add_decayed_weights(cfg.weight_decay, mask)
     inner = [] if direction is None else [direction]
     tx = chain(*inner, decay, scale_by_lr()) if decoupled else chain(decay, *inner, scale_by_lr())
-    tx = tx._replace(subset=lambda groups: optimizer(cfg, [decay_mask[i] for i in groups], direction,
-                                                     decoupled=decoupled, kernel=kernel, hyper=hyper, cuda=cuda))
+    # A piece's groups are the same every step: its transformation (closures over the config, no state of its
+    # own) is built once, not thousands of times a step; at most one per piece, freed with this one.
+    @functools.lru_cache(maxsize=None)
+    def subset(groups: tuple[int, ...]) -> GradientTransformation:
+        return optimizer(cfg, [decay_mask[i] for i in groups], direction, decoupled=decoupled, kernel=kernel,
+                         hyper=hyper, cuda=cuda)
+
+    tx = tx._replace(subset=lambda groups: subset(tuple(groups)))
     if kernel is None:
         return tx
     index = 0 if decoupled else 1   # where the direction's state sits in the chain

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from framework.comm.collectives import Pending
-from framework.comm.distributed import Dist
+from framework.comm.distributed import Dist, env_int, resolve_backend
 from framework.core.errors import ConfigError
 from framework.core.footprint import Footprint
 from framework.core.registry import Component
@@ -291,9 +291,13 @@ def _check_buckets(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> Ze
 SMALL_BUCKET = 1000
 
 
-def _bucket_notes(node: ZeroConfig) -> list[str]:
-    small = [f"stage.{key}={getattr(node, key)}" for key in ("reduce_bucket_size", "allgather_bucket_size")
-             if getattr(node, key) < SMALL_BUCKET]
+def _bucket_notes(node: ZeroConfig, config) -> list[str]:
+    # allgather_bucket_size bounds gloo's broadcasts alone (NCCL gathers in one in-place call): noted on gloo only
+    backend, external = config.dist.backend, env_int("WORLD_SIZE", 1) > 1   # (torchrun's ranks here, or nproc)
+    gloo = backend == "gloo" or backend == "auto" and resolve_backend(
+        backend, None if external else config.dist.nproc) == "gloo"
+    keys = ("reduce_bucket_size", "allgather_bucket_size") if gloo else ("reduce_bucket_size",)
+    small = [f"stage.{key}={getattr(node, key)}" for key in keys if getattr(node, key) < SMALL_BUCKET]
     return [f"note: {' and '.join(small)} (elements): one collective per bucket of that many elements, each "
             f"costing its fixed latency (about a millisecond on gloo) whatever its size: a model of N parameters "
             f"makes about N / bucket size of them a micro batch (with offload also one host step per "
@@ -301,14 +305,14 @@ def _bucket_notes(node: ZeroConfig) -> list[str]:
 
 
 def _zero1_notes(node: ZeroConfig, config) -> list[str]:
-    return _bucket_notes(node) + (
+    return _bucket_notes(node, config) + (
         ["note: stage.round_robin_gradients=true changes nothing with zero1: its gradients are reduced and "
          "copied to the host after backward, by every rank at once (DeepSpeed uses it to spread those copies "
          "across ranks)"] if node.round_robin_gradients else [])
 
 
 def _zero2_notes(node: ZeroConfig, config) -> list[str]:
-    return _bucket_notes(node) + (
+    return _bucket_notes(node, config) + (
         ["note: stage.round_robin_gradients=true without offload only reorders which rank owns which "
          "gradients (and caps each bucket's share per rank at reduce_bucket_size / world): the same numbers "
          "(DeepSpeed uses it to spread an offloaded step's host copies across ranks)"]

@@ -1,5 +1,6 @@
 """The command line as a user runs it: python -m framework.train ..."""
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -7,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -216,6 +218,20 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkey
     _remove_made([run, run.parent], ".hydra", True)
     assert (run / "checkpoints" / "step-2").is_dir()
     (run / "checkpoints" / "step-2").rmdir()
+    # ... also one committed as the lock is taken: the folder is listed under it
+    from framework.cli import _jobfolders
+    take = _jobfolders._lock
+
+    def saved_first(held, path):
+        if path.parent.name == "checkpoints":
+            (path.parent / "step-4").mkdir()
+        return take(held, path)
+
+    monkeypatch.setattr(_jobfolders, "_lock", saved_first)
+    _remove_made([run, run.parent], ".hydra", True)
+    assert (run / "checkpoints" / "step-4").is_dir()
+    monkeypatch.undo()
+    (run / "checkpoints" / "step-4").rmdir()
     _remove_made([run, run.parent], ".hydra", True)
     assert not (tmp_path / "outputs").exists()
     run.mkdir(parents=True)
@@ -227,6 +243,17 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkey
     assert run.is_dir()
     _remove_made([run, run.parent], ".hydra", False, alike=True)
     assert not (tmp_path / "outputs").exists()
+    # A task of Hydra's submitit launcher, refused before launch set RANK: its own rank, not rank 0
+    if importlib.util.find_spec("submitit") is None:
+        return
+    run.mkdir(parents=True)
+    monkeypatch.delenv("RANK")
+    for key, value in {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_LOCALID": "1",
+                       "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+                       "SUBMITIT_LOCAL_JOB_ID": "4242", "MASTER_PORT": "29611"}.items():
+        monkeypatch.setenv(key, value)
+    _remove_made([run, run.parent], ".hydra", False)
+    assert run.is_dir()
 
 
 def test_a_jobs_checkpoint_folder_is_named_by_what_says_which_job_it_is():
@@ -299,6 +326,13 @@ def test_a_submitit_requeue_while_training_is_a_line_in_train_log(tmp_path, monk
     assert got.value.code == 144 and (tmp_path / "run" / "train.log").read_text().splitlines()[-1] == (
         "stopped at step 3: requeued by the submitit launcher (its pre-emption/time-limit signal, exit 144); the "
         "job resumes from its last periodic save")
+    # Before the first periodic save it starts again; another exit (not submitit's -1 or 144) is no requeue
+    from framework.cli.loop import exit_why
+    assert exit_why(-1, 500, False).endswith("the job starts again at step 0 (no periodic save yet: "
+                                             "checkpoint.every=500)")
+    assert exit_why(-1, 500, True).endswith("(its pre-emption/time-limit signal, exit -1); the job resumes from its "
+                                            "last periodic save")
+    assert exit_why(3, 500, True) == "exit 3 raised while training"
 
 
 def test_too_many_open_files_in_a_run_is_its_error_line(tmp_path):
@@ -692,7 +726,8 @@ def test_torchrun_one_ranks_unexpected_error_ends_the_sweep(tmp_path):
     catches a re-raised error and goes on; a job's DistributedError was counted and the sweep went on) to fail
     it too, or wait in its collectives until dist.timeout_s (the unit test of the decision cannot see Hydra's
     side). The ranks are started as torchrun starts them but without its monitor, which stops rank 0 when it
-    sees rank 1's exit before rank 0 sees the broken group: rank 0 always meets it here."""
+    sees rank 1's exit before rank 0 sees the broken group: rank 0 always meets it here. Rank 1 starts late: the
+    sweep's record is still rank 0's."""
     base = [o for o in SHORT if not o.startswith("train.steps=")]
     env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
            "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
@@ -702,10 +737,22 @@ def test_torchrun_one_ranks_unexpected_error_ends_the_sweep(tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             env["MASTER_PORT"] = str(s.getsockname()[1])
-        procs = [subprocess.Popen([sys.executable, "-m", "tests._fault_train", "-m", "train.steps=2,3", *base,
-                                   "dist.timeout_s=30", f"hydra.sweep.dir={tmp_path}/{attempt}/{r}/sweep"],
-                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        sweep, procs = tmp_path / str(attempt) / "sweep", []
+        for r in range(2):
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests._fault_train", "-m", "train.steps=2,3", *base,
+                                           "dist.timeout_s=30", f"hydra.sweep.dir={sweep}"],
+                                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            # Rank 1 starts late: its sweeper's raw multirun.yaml lands after any record rank 0 wrote before the
+            # ranks connected (rank 0's Hydra wrote its own, then up to 2 s for a rewrite).
+            for _ in range(600 if r == 0 else 0):
+                if (sweep / "multirun.yaml").is_file():
+                    for _ in range(20):
+                        if "output_subdir=null" not in (sweep / "multirun.yaml").read_text():
+                            break
+                        time.sleep(0.1)
+                    break
+                time.sleep(0.1)
         try:
             errs = [p.communicate(timeout=240)[1] for p in procs]
         finally:
@@ -722,9 +769,12 @@ def test_torchrun_one_ranks_unexpected_error_ends_the_sweep(tmp_path):
     assert len(ended) == 1 and ended[0].startswith("error: rank 0/2: "), errs[0][-3000:]
     assert not any("of the sweep failed" in e for e in errs), errs   # no rank got to the sweep's end
     # train.log (rank 0's console) holds rank 1's own error too, with its traceback, as the spawning launcher writes it
-    log = (tmp_path / str(attempt) / "0" / "sweep" / "0" / "train.log").read_text()
+    log = (sweep / "0" / "train.log").read_text()
     line = "error: rank 1 of 2 failed: RuntimeError: FRAMEWORK_FAULT: rank 1 raises at step:1\n"
     assert line in log and log.index("Traceback (most recent call last):") < log.index(line), log[-3000:]
+    # The sweep's record is rank 0's, written once the ranks connected: not rank 1's raw one, written later
+    record = (sweep / "multirun.yaml").read_text()
+    assert "output_subdir=null" not in record and "output_subdir: .hydra" in record, record
 
 
 def test_wandb_offline_multirun_groups_runs(forkrun, tmp_path):

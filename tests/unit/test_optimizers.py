@@ -356,6 +356,7 @@ def test_step_groups_hands_the_optimizer_only_its_groups(monkeypatch, name):
                 state = _subset.step_groups(tx, {i: torch.randn(5, generator=gen)}, state, params, 1e-2)
         runs.append((params, state))
     assert seen[:6] == [1] * 6 and seen[6:] == [40] * 6, seen
+    assert built.subset([7]) is built.subset((7,))   # built once a piece, not once a step (it holds no state)
     (a, s_a), (b, s_b) = runs
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     for i in (7, 1, 30):

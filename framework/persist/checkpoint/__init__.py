@@ -34,7 +34,7 @@ from framework.persist.checkpoint._load import (afresh, batch_change, changed, d
                                                 other_job, same_run, saves_among, schedule_change, verify)
 from framework.persist.checkpoint._save import check_finite, save
 
-__all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "shared", "verify"]
+__all__ = ["CHECKPOINTS", "Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "shared", "verify"]
 
 
 # A refused load may have read part of a checkpoint into the state's tensors (DCP reads in place).
@@ -216,12 +216,16 @@ class Checkpointer:
             self.group.close()
 
 
+# The checkpoint root in a run folder (or the working directory) when checkpoint.dir is unset.
+CHECKPOINTS = "checkpoints"
+
+
 def checkpoint_root(cfg, run_dir: Path | None, job: str | None = None) -> Path:
     """``checkpoint.dir`` (a multirun job, ``job``: its overrides, gets ``<dir>/<job>``, so jobs of a sweep never
     resume from each other's), else ``checkpoints/`` in the run folder, else in the working directory."""
     c = cfg.checkpoint
     if c.dir is None:
-        return (Path(run_dir) if run_dir is not None else Path.cwd()).resolve() / "checkpoints"
+        return (Path(run_dir) if run_dir is not None else Path.cwd()).resolve() / CHECKPOINTS
     root = Path(user_path(c.dir)).resolve()
     if not job:
         return root
@@ -453,7 +457,7 @@ def _nearby(path: Path) -> str | None:
     beside a step that is not there (mistyped, or rotated away), or in ``checkpoints/`` of a run folder."""
     run = path.is_dir()
     try:
-        steps = stepfolders.scan(path / "checkpoints" if run else path.parent)[0]
+        steps = stepfolders.scan(path / CHECKPOINTS if run else path.parent)[0]
     except OSError:   # (a folder this user may not list: the plain refusal)
         return None
     if not run:
