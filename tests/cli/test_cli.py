@@ -249,8 +249,9 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkey
     run.mkdir(parents=True)
     monkeypatch.delenv("RANK")
     for key, value in {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_LOCALID": "1",
-                       "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
-                       "SUBMITIT_LOCAL_JOB_ID": "4242", "MASTER_PORT": "29611"}.items():
+                       "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_NODEID": "0",
+                       "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_JOB_ID": "4242",
+                       "MASTER_PORT": "29611"}.items():
         monkeypatch.setenv(key, value)
     _remove_made([run, run.parent], ".hydra", False)
     assert run.is_dir()
