@@ -55,6 +55,7 @@ class Zero3Stage(PartitionedStage):
     """The partitions are the unit groups' shards, gathered per unit by the ``Gatherer``."""
 
     forward_gathers = True
+    fixed_views = False   # (each gather and release re-points every parameter's .data)
 
     def __init__(self, cfg: Zero3Config, dist: Dist, offload: Placement):
         # One piece per unit group already: the pipeline's unit (no chunking).
