@@ -32,7 +32,7 @@ from framework.engine.state import TrainState, capture_rng
 from framework.engine.step import (Components, LossFn, build_train_step, call_loss, checked_loss, eval_mode,
                                    one_micro_batch, same_count)
 from framework.core.footprint import Footprint
-from framework.core.utils import counted, dtype_name, few
+from framework.core.utils import counted, dtype_name, few, unwrapped
 from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained, whole_tensors
 
@@ -239,7 +239,7 @@ class Engine(contextlib.AbstractContextManager):
         self.check_unedited("consolidated_state_dict")
         out = self.components.stage.consolidated_state_dict()
         if out is not None:
-            out.update(_buffer_copies(self.components.module))
+            out.update(_buffer_copies(unwrapped(self.components.module)))
         return out
 
     def state_dict(self, state: TrainState) -> dict:

@@ -13,7 +13,7 @@ from torch import nn
 
 from framework.comm.distributed import Dist
 from framework.core.footprint import Footprint
-from framework.core.utils import sq_norm
+from framework.core.utils import sq_norm, unwrapped
 from framework.stages._update import PlainUpdate, Update
 from framework.offload.base import Piece, Placement
 from framework.optimizers import GradientTransformation
@@ -152,7 +152,8 @@ class BaseStage:
         if not self.dist.is_main:
             return None
         # host sync: consolidation, between steps
-        return {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters(remove_duplicate=False)}
+        return {n: p.detach().to("cpu", copy=True)   # (a torch.compile'd module's: the names of the one it wraps)
+                for n, p in unwrapped(self.module).named_parameters(remove_duplicate=False)}
 
     def memory(self, opt_state) -> Footprint:
         """This rank's model states and buffers by item and by where they live (``opt_state``: the optimizer
