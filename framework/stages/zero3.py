@@ -33,7 +33,7 @@ from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class Zero3Config:
     """DeepSpeed's stage-3 keys (same names and defaults) plus the gather unit."""
 

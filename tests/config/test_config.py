@@ -435,3 +435,13 @@ def test_a_hydra_resolver_value_is_one_line_naming_the_alternatives(override, ke
     assert msg.endswith("hydra: interpolations are not supported in framework keys (they resolve only inside "
                         "Hydra's job, after the config is checked); checkpoint.dir defaults to the run folder's "
                         "checkpoints/, else use ${oc.env:...} or an explicit path"), msg
+
+
+def test_the_composed_config_and_its_groups_are_frozen():
+    """A field set after compose was taken unchecked before initialize and ignored after it: refused at once."""
+    cfg = compose(["train.steps=10"])
+    for node, key in ((cfg.optimizer, "lr"), (cfg.train, "grad_accum"), (cfg.stage, "overlap_comm"),
+                      (cfg.checkpoint, "dir")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(node, key, getattr(node, key))
+    assert dataclasses.replace(cfg.optimizer, lr=0.5).lr == 0.5
