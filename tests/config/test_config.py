@@ -139,6 +139,9 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
                                        "offload=cpu, without +"),
     (["+logger=none"],
      "config: logger is already chosen in the defaults (logger: console): use logger=none, without +"),
+    # the other way round: stage has no choice in the defaults (Hydra's line said so in its own terms)
+    (["stage=zero2"], "config: stage has no choice in the defaults (ddp when none is given): use +stage=zero2$"),
+    (["=5"], "config: override '=5' has no key: write key=value$"),   # (not the '++=5' the framework passed on)
     # the same mistakes with the name already chosen (Hydra: "appears more than once in the final defaults list")
     (["+stage=zero2", "+stage=zero2"], "config: stage given twice (+stage=zero2, +stage=zero2): give +stage=NAME once"),
     (["+model=gpt-nano"], "config: model is already chosen in the defaults (model: gpt-nano): use model=gpt-nano, "
