@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping
 
 from framework.core.errors import ConfigError
 from framework.core.registry import GROUPS, closest, closest_hint, registry
+from framework.config.schema import DEFAULT_STAGE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +207,8 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
         if o.key in choices and o.prefix == "+":
             raise ConfigError("config: " + given_twice(f"Multiple values for {o.key}.", overrides, conf / "train.yaml"))
         if o.key not in choices and o.prefix == "":
-            raise ConfigError(f"config: Could not override '{o.key}'. No match in the defaults list. "
-                              f"To append to your default list use +{o.key}={o.value}")
+            raise ConfigError("config: " + given_twice(f"Could not override '{o.key}'. No match in the defaults list",
+                                                       overrides, conf / "train.yaml"))
         choices[o.key] = str(o.value)
     tree: dict = {}
     for group, name in choices.items():
@@ -255,7 +256,16 @@ def given_twice(message: str, overrides: list[str], primary: Path) -> str:
     """Hydra's advice for a group added twice (``override stage: zero2``) is defaults-list syntax, which no
     command line takes. Added once, the group is in the primary config's defaults already: the fix is to
     override that choice (no ``+``); added twice, to give it once. Hydra words the same mistakes, spelled with
-    the name already chosen, as the group appearing more than once. Empty: another message."""
+    the name already chosen, as the group appearing more than once. A group with no choice in the defaults
+    (``stage``) is added with ``+``, and an override with no key (``=5``) is named as given, not as the ``++``
+    form the framework passes it as. Empty: another message."""
+    if m := re.match(r"Could not override '([\w/]+)'\. No match in the defaults list", message):
+        given = next((o for o in overrides if override_key(o) == m[1]), m[1] + "=NAME")
+        absent = f" ({DEFAULT_STAGE} when none is given)" if m[1] == "stage" else ""
+        return f"{m[1]} has no choice in the defaults{absent}: use +{given.lstrip('~')}"
+    if message.startswith("force-add of config groups is not supported: '++="):
+        given = next((o for o in overrides if override_key(o) == ""), message.rpartition(": ")[2].strip("'+"))
+        return f"override {given.lstrip('+')!r} has no key: write key=value"
     if (m := re.match(r"Multiple values for ([\w/]+)\.|([\w/]+) appears more than once in the final defaults list",
                       message)) is None:
         return ""

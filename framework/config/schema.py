@@ -11,7 +11,7 @@ from framework.core.registry import GROUPS
 DEFAULT_STAGE = "ddp"  # no +stage=... means replicated data parallelism
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainLoopConfig:
     steps: int
     micro_batch: int
@@ -23,14 +23,14 @@ class TrainLoopConfig:
     on_nonfinite: str = "stop"  # non-finite loss, or gradient norm outside fp16 loss scaling: stop | warn (skip the step)
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class DistConfig:
     nproc: int = 1              # >1: spawn this many local ranks (under torchrun: 1 or its WORLD_SIZE)
     backend: str = "auto"       # auto | gloo | nccl
     timeout_s: float = 300.0    # any collective waiting longer fails with a message
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     dir: str | None = None      # None: checkpoints/ in the run folder; relative paths: to the working directory
     every: int = 0              # save every N steps and after the last one; 0: never save

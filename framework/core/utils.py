@@ -154,3 +154,13 @@ def _device_sq_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def to_device(obj: Any, device: torch.device) -> Any:
     """Every tensor inside nested containers (as ``map_tensors`` walks them) on ``device`` (no copy when there)."""
     return map_tensors(obj, lambda t: t.to(device, non_blocking=True))
+
+
+COMPILED = "_orig_mod."   # what torch.compile's wrapper puts before every name of the module it wraps
+
+
+def unwrapped(module):
+    """The module a ``torch.compile`` wrapper holds (its ``_orig_mod``), else ``module``: where the names a
+    plain model of the same class has come from (weights saved for it, loaded from it)."""
+    inner = getattr(module, "_orig_mod", None) if type(module).__name__ == "OptimizedModule" else None
+    return inner if isinstance(inner, torch.nn.Module) else module

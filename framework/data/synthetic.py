@@ -21,7 +21,7 @@ from framework.core.registry import Component
 MAX_VOCAB = 4096
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class SyntheticConfig:
     vocab_size: int = 64
     # Dirichlet alpha of each row: 0.05 over 64 symbols gives H = 1.902 nats (context-free: 4.04, uniform:

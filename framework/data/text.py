@@ -20,7 +20,7 @@ from framework.core.registry import Component
 TRAIN_FRACTION = 0.9
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class TextConfig:
     # UTF-8 file; relative paths are tried against the working directory, then the repo root.
     path: str

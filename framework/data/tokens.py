@@ -16,7 +16,7 @@ from framework.core.errors import ConfigError, DataError
 from framework.core.registry import Component
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class TokensConfig:
     path: str               # relative paths: working directory first, then the repo root
     vocab_size: int | None = None   # the tokenizer's size (50304 for padded GPT-2); None: the file's meta

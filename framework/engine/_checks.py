@@ -9,7 +9,7 @@ from typing import Mapping, Protocol, Sequence
 from torch import nn
 
 from framework.config import Config
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError, FrameworkError, TrainingError
 from framework.core.utils import counted, few
 from framework.stages import zero3_sharded
 
@@ -94,3 +94,13 @@ def another_engine(what: str) -> FrameworkError:
                           f"train_step returned); to keep a state to return to, take sd = engine.state_dict(state) "
                           f"and later state = engine.load_state_dict(engine.state, [sd]) (every rank's sd, at several "
                           f"ranks)")
+
+
+def detached_error(what: str, names: Sequence[str]) -> TrainingError:
+    """The refusal of trainable parameters whose storage ``nn.Module._apply`` replaced (``BaseStage.detached``)."""
+    return TrainingError(f"{what}: module.to(), .half(), .float(), .double(), .cuda() or .cpu() after "
+                         f"framework.initialize gave {counted(len(names), 'trainable parameter')} ({few(names, 3, str)}) "
+                         f"storage of their own, which the engine's steps no longer reach (the forward would read "
+                         f"stale weights): leave the module where and as initialize put it (engine.device; the working "
+                         f"dtype is precision=...); to go on from the engine's weights, call "
+                         f"engine.discard_edits(engine.state)")

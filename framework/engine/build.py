@@ -23,7 +23,7 @@ from framework.config import Config, check_batch_world, compose
 from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError, FrameworkError, TrainingError
 from framework.comm.distributed import Dist, agree, connect, disconnect, rank_and_world
-from framework.engine._checks import Owner, another_engine, check_arguments, owner
+from framework.engine._checks import Owner, another_engine, check_arguments, detached_error, owner
 from framework.engine.materialize import materialize_buffers
 from framework.models.hf import config_hidden_size
 from framework.core.registry import registry
@@ -32,7 +32,7 @@ from framework.engine.state import TrainState, capture_rng
 from framework.engine.step import (Components, LossFn, build_train_step, call_loss, checked_loss, eval_mode,
                                    one_micro_batch, same_count)
 from framework.core.footprint import Footprint
-from framework.core.utils import counted, dtype_name, few
+from framework.core.utils import counted, dtype_name, few, unwrapped
 from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained, whole_tensors
 
@@ -185,6 +185,8 @@ class Engine(contextlib.AbstractContextManager):
         edited = self.components.stage.edited()
         if not edited:
             return
+        if moved := self.components.stage.detached():
+            raise detached_error(what, moved)
         changed = (f"{what}: the weights of {counted(len(edited), 'trainable parameter')} ({few(edited, 3, str)}) "
                    f"were changed in place (or replaced) after framework.initialize (e.g. module.load_state_dict)")
         if kept := self._in_masters(self._state, edited):   # discard_edits would refuse: the edit is in the masters
@@ -237,7 +239,7 @@ class Engine(contextlib.AbstractContextManager):
         self.check_unedited("consolidated_state_dict")
         out = self.components.stage.consolidated_state_dict()
         if out is not None:
-            out.update(_buffer_copies(self.components.module))
+            out.update(_buffer_copies(unwrapped(self.components.module)))
         return out
 
     def state_dict(self, state: TrainState) -> dict:

@@ -92,12 +92,12 @@ def _nan(v):
     return math.nan if v is None else v
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ConsoleConfig:
     live: bool | None = None   # None: a live bar only when stdout is a terminal
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class NoLoggerConfig:
     pass
 

@@ -31,7 +31,7 @@ UNREACHABLE = ("timed out", "dial tcp", "no such host", "connection refused", "n
                "name resolution", "name or service not known", "connection reset")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class WandbConfig:
     project: str = "framework"
     entity: str | None = None

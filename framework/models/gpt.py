@@ -20,7 +20,7 @@ from framework.core.paths import conf_dir
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     vocab_size: int
     context: int            # maximum sequence length (size of the position table)

@@ -28,7 +28,7 @@ from framework.core.paths import WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class HFConfig:
     config: str | None = None        # config.json (or a folder with one): a model initialised from scratch
     pretrained: str | None = None    # a save_pretrained folder: its config and (after partitioning) its weights

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class AIOConfig:
     """DeepSpeed's ``aio`` section: how the IO engine (``offload._aio``) splits and queues requests."""
     block_size: int = 1048576          # bytes per request (a multiple of 4096: O_DIRECT)
@@ -19,7 +19,7 @@ class AIOConfig:
     overlap_events: bool = True
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class NVMeOffloadConfig:
     optimizer: str = "nvme"            # fp32 master + optimizer state: cpu | nvme
     params: str = "auto"               # zero3 parameter shards: none | cpu | nvme | auto

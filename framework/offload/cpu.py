@@ -102,7 +102,7 @@ class HostShards(Shards):
         return None
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class CPUOffloadConfig:
     params: str = "none"        # zero3 parameter shards: none (device) | cpu (host memory between gathers)
     ratio: float = 1.0          # fraction of each partition whose optimizer step runs on the host

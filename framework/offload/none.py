@@ -7,7 +7,7 @@ from framework.core.registry import Component
 from framework.offload.base import Placement
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class NoOffloadConfig:
     pass
 

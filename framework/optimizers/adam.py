@@ -14,7 +14,7 @@ from framework.optimizers._transforms import GradientTransformation, ScaleByAdam
 from framework.core.registry import Component
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class AdamConfig:
     lr: float = 1e-3
     beta1: float = 0.9

@@ -8,7 +8,7 @@ from framework.core.registry import Component
 from framework.optimizers import adam
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class AdamWConfig(adam.AdamConfig):
     # nanoGPT's baby-GPT settings, as adamw.yaml (torch's AdamW: beta2 0.999, weight decay 0.01)
     beta2: float = 0.99

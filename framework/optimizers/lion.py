@@ -8,7 +8,7 @@ from framework.optimizers._transforms import GradientTransformation, check, opti
 from framework.core.registry import Component
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class LionConfig:
     lr: float = 1e-4
     beta1: float = 0.9

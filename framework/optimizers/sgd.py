@@ -9,7 +9,7 @@ from framework.optimizers._transforms import GradientTransformation, check, opti
 from framework.core.registry import Component
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class SGDConfig:
     lr: float = 1e-3
     momentum: float = 0.0

@@ -30,7 +30,7 @@ from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16, committed_step
 from framework.persist.tensorfiles import (WRITE_CHUNK, WeightsSource, Writer, is_output, nonfinite, open_weights,
                                            output_dir, plan_files, save_files)
-from framework.core.utils import dtype_name, few
+from framework.core.utils import COMPILED, dtype_name, few, unwrapped
 from framework.engine.step import Components
 
 
@@ -148,6 +148,8 @@ def _chosen(src: WeightsSource, strict: bool, tgts: list[Target], module: nn.Mod
     # source key -> the model name it loads into (None: ignored): a transformers model takes the checkpoint keys its
     # own from_pretrained would map; other models, each key itself
     keys = checkpoint_names(module, src.meta, names) if is_hf_model(module) else {k: k for k in src.meta}
+    if unwrapped(module) is not module:   # torch.compile'd: the names a plain model of it saves load too
+        keys = {k: n if n is None or n in names else COMPILED + n for k, n in keys.items()}
     by_name = {n: k for k, n in keys.items() if n is not None}   # model name -> source key
     chosen: dict[str, str] = {}        # target name -> source key
     missing, mismatched = [], []
@@ -270,16 +272,20 @@ def _save_weights(engine, out_dir, dtype, max_shard_size, check, what: str, conf
     with engine.mapped_state(engine.state, agreed=f"{what}: swap file check", same_trainable=False) \
             as (mapped, fmap):
         layout, masters, tgts = _targets(engine, mapped, what)
-        plans = plan_files([(t.name, t.shape, t.dtype) for t in tgts], max_shard_size, dtype)
+        # (a torch.compile'd module's names without the wrapper's prefix: what the plain model loads)
+        compiled = unwrapped(engine.components.module) is not engine.components.module
+        out = (lambda n: n.removeprefix(COMPILED)) if compiled else (lambda n: n)   # noqa: E731
+        plans = plan_files([(out(t.name), t.shape, t.dtype) for t in tgts], max_shard_size, dtype)
         entries = {e.name: e for plan in plans for e in plan.entries}
         # (entry, first element, source view) of what this rank writes
-        jobs = [(entries[p.name], a, h.of(masters[h.piece].view(-1), a, b)) for p, h, a, b in layout.share()]
+        jobs = [(entries[out(p.name)], a, h.of(masters[h.piece].view(-1), a, b))
+                for p, h, a, b in layout.share()]
         # Whole on every rank: frozen parameters (the same everywhere) spread over the ranks; buffers
         # (BatchNorm's statistics differ per rank) all from rank 0, as the checkpoint keeps them.
         buffers = set(persistent_buffers(engine.components.module))
-        whole = {t.name for t in tgts if t.tensor is not None}   # checked for a NaN only: an inf may be a mask
-        jobs += [(entries[t.name], 0, t.tensor.detach().reshape(-1)) for i, t in enumerate(tgts)
-                 if t.name in whole and (0 if t.name in buffers else i % dist.world) == dist.rank]
+        whole = {out(t.name) for t in tgts if t.tensor is not None}   # checked for a NaN only: an inf may be a mask
+        jobs += [(entries[out(t.name)], 0, t.tensor.detach().reshape(-1)) for i, t in enumerate(tgts)
+                 if t.tensor is not None and (0 if t.name in buffers else i % dist.world) == dist.rank]
         jobs.sort(key=lambda j: (j[0].file, j[0].offset, j[1]))   # each file front to back
 
         def write(writer: Writer) -> None:
@@ -297,7 +303,7 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
     """``save_weights`` plus a Hugging Face model's config (and generation config), for ``from_pretrained``.
     Collective."""
     c = _components(engine, "save_pretrained")
-    module, dist = c.module, c.dist
+    module, dist = unwrapped(c.module), c.dist   # (a torch.compile'd model: the class from_pretrained builds)
     config = getattr(module, "config", None)
     hf = False
     if is_hf_model(module):   # (a subclass of a transformers model too; transformers is not imported otherwise)

@@ -124,14 +124,14 @@ def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,
     return PrecisionState(scale, st.cur_iter + 1, st.last_overflow_iter, hyst, st.skipped_steps)
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class FP32Config:
     """fp32: everything in float32 (the reference for every equivalence test)."""
 
     grad_accum_dtype: str = "fp32"   # the only choice here; the key exists in every precision
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class BF16Config:
     """bf16: bf16 parameters, compute and gradient communication; fp32 master weights and optimizer."""
 

@@ -7,7 +7,7 @@ from typing import Callable
 from framework.core.registry import Component
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ConstantConfig:
     pass
 

@@ -12,7 +12,7 @@ from framework.core.registry import Component
 from framework.schedulers.warmup_lr import checked_by_build, long_warmup_notes
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class WarmupCosineConfig:
     warmup_steps: int = 100
     min_lr: float | None = None  # None: optimizer.lr / 10

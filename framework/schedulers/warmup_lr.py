@@ -20,7 +20,7 @@ from framework.core.utils import counted
 WARMUP_TYPES = ("log", "linear")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class WarmupLRConfig:
     warmup_min_lr: float = 0.0
     warmup_max_lr: float | None = None  # None: the optimizer's lr
@@ -28,12 +28,12 @@ class WarmupLRConfig:
     warmup_type: str = "log"  # "log" or "linear"
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class WarmupDecayLRConfig(WarmupLRConfig):
     total_num_steps: int | None = None  # None: the run's number of optimizer steps
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class WarmupCosineLRConfig:
     warmup_min_ratio: float = 0.0
     warmup_num_steps: int = 1000

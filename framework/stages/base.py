@@ -13,7 +13,7 @@ from torch import nn
 
 from framework.comm.distributed import Dist
 from framework.core.footprint import Footprint
-from framework.core.utils import sq_norm
+from framework.core.utils import sq_norm, unwrapped
 from framework.stages._update import PlainUpdate, Update
 from framework.offload.base import Piece, Placement
 from framework.optimizers import GradientTransformation
@@ -45,6 +45,10 @@ class BaseStage:
     hook_handles: list   # removed by close()
     forward_gathers = False   # whether each forward runs collectives with every rank (zero3's gathers)
     watched: tuple = ()   # (name, parameter, version counter, its (module, attribute) owners) per trainable one
+    # Whether the trainable parameters stay views of the stage's own buffers from setup on (zero3 re-points each
+    # at every gather and release instead, so a parameter whose storage a module.to() replaced is re-pointed there).
+    fixed_views = True
+    bound: tuple = ()   # (parameter, the view of the stage's buffer it holds) per watched one, with fixed_views
 
     def close(self) -> None:   # remove the hooks this stage registered on the module
         for h in self.hook_handles:
@@ -68,6 +72,8 @@ class BaseStage:
                     owners.setdefault(id(p), []).append((m, a))
             self.watched = tuple((n, p, p._version, tuple(owners[id(p)]))
                                  for n, p in self.module.named_parameters() if p.requires_grad)
+            # (an alias of each view: the stage's buffers, which live as long as the stage, hold no more memory)
+            self.bound = tuple((p, p.data) for _, p, _, _ in self.watched) if self.fixed_views else ()
             return
         ids = {id(p) for p in params}
         self.watched = tuple((n, p, p._version if id(p) in ids and (entry is None or entry.get(id(p)) == v) else v,
@@ -87,13 +93,27 @@ class BaseStage:
         for _, p, _, owners in self.watched:
             for m, a in owners:
                 m._parameters[a] = p
+        for p, view in self.bound:   # its storage replaced (module.half(), .to(...)): the stage's view again
+            if _moved(p, view):
+                p.data = view
 
     def edited(self) -> list[str]:
         """The trainable parameters written in place, or replaced on their module (``load_state_dict(...,
-        assign=True)``), since ``watch`` (Python ints and identities compared: no tensor read)."""
+        assign=True)``), or whose storage was replaced (``detached``), since ``watch`` (Python ints, identities
+        and addresses compared: no tensor read)."""
+        moved = set(self.detached())
         return [n for n, p, v, owners in self.watched   # (a ScriptModule's _parameters has no .get)
-                if (p._version != v or any(a not in m._parameters or m._parameters[a] is not p for m, a in owners))
+                if (n in moved or p._version != v
+                    or any(a not in m._parameters or m._parameters[a] is not p for m, a in owners))
                 and not self.in_edit(p)]
+
+    def detached(self) -> list[str]:
+        """The trainable parameters no longer views of the stage's buffers: ``module.to()``, ``.half()``,
+        ``.float()``, ``.cuda()``... (``nn.Module._apply``) gave them new storage under the same Parameter and
+        version counter, so from then on the forward would read stale weights and no update would reach them.
+        (Dtype, device and data address compared: host metadata, no tensor read.)"""
+        views = {id(p): view for p, view in self.bound}
+        return [n for n, p, _, _ in self.watched if id(p) in views and _moved(p, views[id(p)])]
 
     def in_edit(self, p: torch.Tensor) -> bool:   # whether a block that settles p's edits at its exit is open
         return False
@@ -132,7 +152,8 @@ class BaseStage:
         if not self.dist.is_main:
             return None
         # host sync: consolidation, between steps
-        return {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters(remove_duplicate=False)}
+        return {n: p.detach().to("cpu", copy=True)   # (a torch.compile'd module's: the names of the one it wraps)
+                for n, p in unwrapped(self.module).named_parameters(remove_duplicate=False)}
 
     def memory(self, opt_state) -> Footprint:
         """This rank's model states and buffers by item and by where they live (``opt_state``: the optimizer
@@ -141,6 +162,10 @@ class BaseStage:
         self._memory(fp, opt_state)
         whole_memory(fp, self.module, self.policy.param_dtype)
         return fp
+
+
+def _moved(p: torch.Tensor, view: torch.Tensor) -> bool:   # p no longer holds ``view`` (metadata only)
+    return p.dtype != view.dtype or p.device != view.device or p.data_ptr() != view.data_ptr()
 
 
 class PartitionedStage(BaseStage):

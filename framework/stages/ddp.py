@@ -20,7 +20,7 @@ from framework.core.utils import sq_norm, tensor_bytes, tensors_in
 from framework.stages.base import BaseStage, Setup
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class DDPConfig:
     reduce_bucket_size: int = 6_553_600   # elements per all-reduce bucket (25 MiB of fp32, torch DDP's default)
     overlap_comm: bool = True      # launch buckets during backward instead of after it

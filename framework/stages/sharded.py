@@ -26,7 +26,7 @@ from framework.stages._grads import (Arrivals, Bucket, FlatGrads, backward_or_re
 from framework.stages.base import PartitionedStage, Setup
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """DeepSpeed's zero_optimization keys (same names and defaults, so configs port over)."""
 

@@ -33,7 +33,7 @@ from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class Zero3Config:
     """DeepSpeed's stage-3 keys (same names and defaults) plus the gather unit."""
 
@@ -55,6 +55,7 @@ class Zero3Stage(PartitionedStage):
     """The partitions are the unit groups' shards, gathered per unit by the ``Gatherer``."""
 
     forward_gathers = True
+    fixed_views = False   # (each gather and release re-points every parameter's .data)
 
     def __init__(self, cfg: Zero3Config, dist: Dist, offload: Placement):
         # One piece per unit group already: the pipeline's unit (no chunking).

@@ -14,6 +14,7 @@ Prints one JSON list (per rank) on the last line. Nothing here reads the framewo
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import sys
@@ -84,7 +85,7 @@ def _checkpoint(cfg, engine, state, folder: str) -> dict:
     before it (``spec["checkpoint"]``: the folder to write them to)."""
     from framework.persist.checkpoint import Checkpointer
 
-    cfg.checkpoint.dir = folder
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, dir=folder))   # (frozen)
     ckpt = Checkpointer(cfg, engine)
     try:
         base = _reset_hwm()

@@ -139,6 +139,9 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
                                        "offload=cpu, without +"),
     (["+logger=none"],
      "config: logger is already chosen in the defaults (logger: console): use logger=none, without +"),
+    # the other way round: stage has no choice in the defaults (Hydra's line said so in its own terms)
+    (["stage=zero2"], "config: stage has no choice in the defaults (ddp when none is given): use +stage=zero2$"),
+    (["=5"], "config: override '=5' has no key: write key=value$"),   # (not the '++=5' the framework passed on)
     # the same mistakes with the name already chosen (Hydra: "appears more than once in the final defaults list")
     (["+stage=zero2", "+stage=zero2"], "config: stage given twice (+stage=zero2, +stage=zero2): give +stage=NAME once"),
     (["+model=gpt-nano"], "config: model is already chosen in the defaults (model: gpt-nano): use model=gpt-nano, "
@@ -435,3 +438,13 @@ def test_a_hydra_resolver_value_is_one_line_naming_the_alternatives(override, ke
     assert msg.endswith("hydra: interpolations are not supported in framework keys (they resolve only inside "
                         "Hydra's job, after the config is checked); checkpoint.dir defaults to the run folder's "
                         "checkpoints/, else use ${oc.env:...} or an explicit path"), msg
+
+
+def test_the_composed_config_and_its_groups_are_frozen():
+    """A field set after compose was taken unchecked before initialize and ignored after it: refused at once."""
+    cfg = compose(["train.steps=10"])
+    for node, key in ((cfg.optimizer, "lr"), (cfg.train, "grad_accum"), (cfg.stage, "overlap_comm"),
+                      (cfg.checkpoint, "dir")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(node, key, getattr(node, key))
+    assert dataclasses.replace(cfg.optimizer, lr=0.5).lr == 0.5

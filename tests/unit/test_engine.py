@@ -1483,6 +1483,29 @@ def test_a_ctrl_c_inside_a_zero3_gather_leaves_training_as_if_it_never_ran():
             assert metrics["loss"] == runs[0][0], (reload, metrics["loss"], runs[0])
 
 
+def test_module_to_after_initialize_is_refused_and_discard_edits_reattaches_the_weights():
+    """module.half(); .float() (nn.Module._apply: new storage under the same Parameter and version counter) left
+    ddp/zero1/zero2's module off their flat buffers: the steps trained nothing, silently. Refused in one line;
+    discard_edits puts the stage's views back, and the steps reach the module again."""
+    micro = (torch.randn(4, 8), torch.randn(4, 1))
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    for stage, cast in (("ddp", "half"), ("zero2", "double")):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        with framework.initialize(module, loss, tiny_config(f"+stage={stage}", "scheduler=constant")) as engine:
+            engine.train_step(engine.state, framework.Batch((micro,)))
+            getattr(module, cast)()
+            module.float()
+            with pytest.raises(framework.TrainingError, match=r"^train_step: module\.to\(\), \.half\(\).*4 trainable "
+                                                              r"parameters.*call engine\.discard_edits\(engine\.state\)$"):
+                engine.train_step(engine.state, framework.Batch((micro,)))
+            engine.discard_edits(engine.state)
+            before = module[0].weight.detach().clone()
+            engine.train_step(engine.state, framework.Batch((micro,)))
+            assert not torch.equal(before, module[0].weight.detach()), stage
+            assert torch.equal(engine.consolidated_state_dict()["0.weight"], module[0].weight.detach()), stage
+
+
 def test_a_load_after_parameters_were_replaced_gives_the_module_the_engines_back(tmp_path):
     """load_state_dict(..., assign=True) put new Parameter objects on the module (refused); a load into the
     engine puts the engine's back, so the steps after it train the module again."""

@@ -541,3 +541,21 @@ def test_values_beyond_float16_are_counted_in_one_warning(tmp_path, capsys, monk
         assert err == [f"warning: save_weights: NaN or inf values in {other!r} were written as they are: the "
                        "weights hold a diverged state (save from a checkpoint before it to get usable ones)"], err
         assert load_file(tmp_path / "nan" / "model.safetensors")[other].view(-1)[:2].isfinite().tolist() == [False] * 2
+
+
+def test_a_torch_compiled_modules_weights_take_the_plain_models_names(tmp_path):
+    """torch.compile's wrapper puts '_orig_mod.' before every name: saved so, its weights did not load into the
+    plain model they came from. Saved and consolidated under the plain names; load_weights takes both."""
+    from safetensors.torch import load_file
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    plain = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))   # noqa: E731
+    names = ["0.bias", "0.weight", "1.bias", "1.num_batches_tracked", "1.running_mean", "1.running_var", "1.weight"]
+    compiled = torch.compile(plain(), backend="eager")
+    with framework.initialize(compiled, loss, tiny_config("+stage=zero2")) as engine:
+        assert sorted(engine.consolidated_state_dict()) == names
+        save_weights(engine, tmp_path / "c")
+    assert sorted(load_file(tmp_path / "c" / "model.safetensors")) == names
+    for module in (plain(), torch.compile(plain(), backend="eager")):
+        with framework.initialize(module, loss, tiny_config("+stage=zero2")) as engine:
+            load_weights(engine, tmp_path / "c")
+            assert torch.equal(engine.consolidated_state_dict()["0.weight"], compiled._orig_mod[0].weight.detach())
