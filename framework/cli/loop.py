@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from statistics import fmean
@@ -82,7 +83,9 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                     dist.device)
     tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
     logger = NullLogger()
-    losses, evals = [], []
+    # The last log_every losses (for a save's record) and finite losses (the summary's): bounded, a run of millions
+    # of steps keeps no list of them
+    recent, finite, evals = deque(maxlen=t.log_every), deque(maxlen=t.log_every), []
     ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point,   # collective
                         batch_from_config=True, data=data.identity())
     try:
@@ -116,7 +119,9 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         while state.step < t.steps:
             batch = data.train_batch(state.data, micro_batch=t.micro_batch, grad_accum=t.grad_accum, **shard)
             state, m = engine.train_step(state, replace(batch, micro=to_device(batch.micro, dist.device)))
-            losses.append(m["loss"])
+            recent.append(m["loss"])
+            if math.isfinite(m["loss"]):
+                finite.append(m["loss"])
             if on_point is not None:
                 on_point(f"step:{state.step}")
             window += 1
@@ -136,7 +141,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             if cfg.checkpoint.every:   # (else the run's header said none are saved)
                 t_save = time.perf_counter()
                 ckpt.maybe_save(state, last=state.step == t.steps, metrics=m,
-                                losses=[*carried, *losses[-t.log_every:]][-t.log_every:])
+                                losses=[*carried, *recent][-t.log_every:])
                 took = time.perf_counter() - t_save
                 paused, save_s = paused + took, save_s + took
         if state.step == first:   # resumed at train.steps: the loaded state's numbers, not NaN
@@ -149,7 +154,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             "steps": state.step,
             # The mean of the last log_every trained steps' losses (metrics.jsonl has single steps' losses); none
             # where this process trained none.
-            **train_loss([*carried, *losses] if losses else [], t.log_every),
+            **train_loss([*carried, *finite] if recent else [], t.log_every),
             "val_loss": evals[-1] if evals else math.nan,
             # Over the training time (as each log window's); none measured where this process trained no step
             "tokens_per_s": tokens_per_step * (state.step - first) / (elapsed - eval_s - save_s)

@@ -99,7 +99,8 @@ def another_engine(what: str) -> FrameworkError:
 def detached_error(what: str, names: Sequence[str]) -> TrainingError:
     """The refusal of trainable parameters whose storage ``nn.Module._apply`` replaced (``BaseStage.detached``)."""
     return TrainingError(f"{what}: module.to(), .half(), .float(), .double(), .cuda() or .cpu() after "
-                         f"framework.initialize gave {counted(len(names), 'trainable parameter')} ({few(names, 3, str)}) "
+                         f"framework.initialize gave {counted(len(names), 'trainable parameter')} "
+                         f"({few(names, 3, str)}) "
                          f"storage of their own, which the engine's steps no longer reach (the forward would read "
                          f"stale weights): leave the module where and as initialize put it (engine.device; the working "
                          f"dtype is precision=...); to go on from the engine's weights, call "
