@@ -147,8 +147,10 @@ def _chosen(src: WeightsSource, strict: bool, tgts: list[Target], module: nn.Mod
     names = {a for t in tgts for a in t.aliases}
     # source key -> the model name it loads into (None: ignored): a transformers model takes the checkpoint keys its
     # own from_pretrained would map; other models, each key itself
-    keys = checkpoint_names(module, src.meta, names) if is_hf_model(module) else {k: k for k in src.meta}
-    if unwrapped(module) is not module:   # torch.compile'd: the names a plain model of it saves load too
+    inner = unwrapped(module)   # (a torch.compile'd transformers model maps its keys as the plain one does)
+    plain = names | {n.removeprefix(COMPILED) for n in names}
+    keys = checkpoint_names(inner, src.meta, plain) if is_hf_model(inner) else {k: k for k in src.meta}
+    if inner is not module:   # torch.compile'd: the names a plain model of it saves load too
         keys = {k: n if n is None or n in names else COMPILED + n for k, n in keys.items()}
     by_name = {n: k for k, n in keys.items() if n is not None}   # model name -> source key
     chosen: dict[str, str] = {}        # target name -> source key

@@ -224,6 +224,9 @@ class Gatherer:
             unit.active = 0   # no forward runs between loss_fn calls, or across a root forward's start
         if self.persistent is not None and self.persistent.state is UnitState.SHARDED:   # (a Ctrl-C cut its regather)
             self.gather_now(self.persistent)
+        elif self.persistent is not None:   # views again, as every gather makes (module.half() or .to() since)
+            for g in self.persistent.groups:
+                self._point(g)
         self.trace.begin(grad_mode, driven)
         self.mode, self.driven = grad_mode, driven
         # stats() is the last step's: a train_step's first pass starts them afresh, so the gathers of an

@@ -48,7 +48,8 @@ class BaseStage:
     # Whether the trainable parameters stay views of the stage's own buffers from setup on (zero3 re-points each
     # at every gather and release instead, so a parameter whose storage a module.to() replaced is re-pointed there).
     fixed_views = True
-    bound: tuple = ()   # (parameter, the view of the stage's buffer it holds) per watched one, with fixed_views
+    bound: tuple = ()   # (parameter, the view of the stage's buffer it holds), with fixed_views
+    bound_buffers: tuple = ()   # (module, name, buffer) as at initialize
 
     def close(self) -> None:   # remove the hooks this stage registered on the module
         for h in self.hook_handles:
@@ -72,8 +73,12 @@ class BaseStage:
                     owners.setdefault(id(p), []).append((m, a))
             self.watched = tuple((n, p, p._version, tuple(owners[id(p)]))
                                  for n, p in self.module.named_parameters() if p.requires_grad)
-            # (an alias of each view: the stage's buffers, which live as long as the stage, hold no more memory)
-            self.bound = tuple((p, p.data) for _, p, _, _ in self.watched) if self.fixed_views else ()
+            # (an alias of each view: the stage's buffers, which live as long as the stage, hold no more memory;
+            # frozen parameters and the module's buffers too, so that a discard puts back all that module.half()
+            # or .to() cast, not only what is checked)
+            self.bound = tuple((p, p.data) for p in self.module.parameters()) if self.fixed_views else ()
+            self.bound_buffers = tuple((m, a, t) for m in self.module.modules() for a, t in m._buffers.items()
+                                       if t is not None)
             return
         ids = {id(p) for p in params}
         self.watched = tuple((n, p, p._version if id(p) in ids and (entry is None or entry.get(id(p)) == v) else v,
@@ -96,6 +101,10 @@ class BaseStage:
         for p, view in self.bound:   # its storage replaced (module.half(), .to(...)): the stage's view again
             if _moved(p, view):
                 p.data = view
+        for m, a, t in self.bound_buffers:   # a buffer cast or moved with it (one the model replaced is its own)
+            now = m._buffers.get(a)
+            if now is not None and (now.dtype != t.dtype or now.device != t.device):
+                m._buffers[a] = t
 
     def edited(self) -> list[str]:
         """The trainable parameters written in place, or replaced on their module (``load_state_dict(...,

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import functools
 import gc
+import math
 import threading
 import weakref
 from dataclasses import replace
@@ -1504,6 +1505,31 @@ def test_module_to_after_initialize_is_refused_and_discard_edits_reattaches_the_
             engine.train_step(engine.state, framework.Batch((micro,)))
             assert not torch.equal(before, module[0].weight.detach()), stage
             assert torch.equal(engine.consolidated_state_dict()["0.weight"], module[0].weight.detach()), stage
+
+
+def test_module_half_after_initialize_frozen_weights_buffers_and_zero3_persistent_ones_come_back():
+    """discard_edits after module.half() puts back the frozen parameters and the buffers it cast too (the next
+    forward mixed dtypes); under zero3 the persistent unit's parameters (small ones, gathered once) are views
+    again at the next pass, as every other unit's after its gather."""
+    micro = (torch.randn(4, 8), torch.randn(4, 1))
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    for stage in ("ddp", "zero3"):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+        module[0].requires_grad_(stage == "zero3")   # (frozen under ddp)
+        with framework.initialize(module, loss, tiny_config(f"+stage={stage}", "scheduler=constant")) as engine:
+            engine.train_step(engine.state, framework.Batch((micro,)))
+            module.half()
+            if stage == "ddp":
+                with pytest.raises(framework.TrainingError, match="call engine.discard_edits"):
+                    engine.train_step(engine.state, framework.Batch((micro,)))
+                engine.discard_edits(engine.state)
+                floats = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+                assert {t.dtype for t in floats} == {torch.float32}, stage
+            else:
+                module[1].float()   # (zero3 re-points parameters; buffers are the module's)
+            _, m = engine.train_step(engine.state, framework.Batch((micro,)))
+            assert math.isfinite(m["loss"]) and module[2].weight.dtype == torch.float32, stage
 
 
 def test_a_load_after_parameters_were_replaced_gives_the_module_the_engines_back(tmp_path):
