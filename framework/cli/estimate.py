@@ -146,7 +146,9 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
     except ImportError:   # (the GPU image: no Hydra) read as the plain composer reads a preset
         return _plain_yaml_model(path, model_keys, fields)
     try:
-        node = OmegaConf.merge(OmegaConf.structured(GPTConfig), OmegaConf.load(path))
+        schema = OmegaConf.structured(GPTConfig)
+        OmegaConf.set_readonly(schema, False)   # (a frozen dataclass's node is read-only: the overrides go into it)
+        node = OmegaConf.merge(schema, OmegaConf.load(path))
     except YAMLError as e:
         raise ConfigError(f"estimate: {path} is not YAML: {' '.join(str(e).split())}") from None
     except OmegaConfBaseException as e:
@@ -160,8 +162,7 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
                               f"model: {', '.join(fields)}")
         try:
             if key.startswith("~"):   # back to the schema's default (or missing)
-                node = OmegaConf.merge(OmegaConf.structured(GPTConfig),
-                                       {k: v for k, v in OmegaConf.to_container(node).items() if k != name})
+                node = OmegaConf.merge(schema, {k: v for k, v in OmegaConf.to_container(node).items() if k != name})
             else:
                 OmegaConf.update(node, name, OmegaConf.from_dotlist([f"v={text}"])["v"], merge=False)
         except OmegaConfBaseException as e:

@@ -93,7 +93,7 @@ def _checkpoint(cfg, engine, state, folder: str) -> dict:
         ckpt.wait()
         save_peak = _hwm() - base
         base = _reset_hwm()
-        ckpt.cfg.resume = "auto"
+        ckpt.cfg = dataclasses.replace(ckpt.cfg, resume="auto")   # (the checkpoint section; frozen)
         loaded = ckpt.resume(state)
         load_peak = _hwm() - base
     finally:
