@@ -244,28 +244,35 @@ def fake_wandb(asked: dict, wait_s: float = 0.0, viewer_s: float = 10.0):
     return fake
 
 
-def wandb_summaries(path) -> list[dict]:
-    """The summary records of an offline run's ``.wandb`` file, in order (the last one is what W&B shows): key ->
-    JSON-decoded value (a nested key joined by "/"). The file is W&B's record log: 32 KiB blocks of chunks (crc,
-    length, type: 1 whole, 2-4 first, middle, last part of a record) after a 7-byte header."""
-    import json
+def wandb_records(path) -> list:
+    """The records of an offline W&B run's ``.wandb`` file, in order: W&B's record log, 32 KiB blocks of chunks
+    (crc, length, type: 1 whole, 2-4 first, middle, last part of a record) after a 7-byte header."""
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data, pos, block, part, out = Path(path).read_bytes(), 7, 32768, b"", []
+    data, pos, buf, block, out = Path(path).read_bytes(), 7, b"", 32768, []
     while pos + 7 <= len(data):
-        if block - pos % block < 7:   # (a block's tail too short for a chunk header is padding)
-            pos += block - pos % block
+        if (left := block - pos % block) < 7:   # (a block's tail too short for a chunk header is padding)
+            pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind == 0:
-            break
-        part = chunk if kind in (1, 2) else part + chunk
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind == 0 and n == 0:   # the block's padding
+            pos += left - 7
+            continue
+        buf = chunk if kind in (1, 2) else buf + chunk
         if kind in (1, 4):
             record = pb.Record()
-            record.ParseFromString(part)
-            if record.WhichOneof("record_type") == "summary":
-                out.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.summary.update})
+            record.ParseFromString(buf)
+            out.append(record)
     return out
+
+
+def wandb_summaries(path) -> list[dict]:
+    """The summary records of an offline run's ``.wandb`` file, in order (the last one is what W&B shows): key ->
+    JSON-decoded value (a nested key joined by "/")."""
+    import json
+
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update}
+            for r in wandb_records(path) if r.WhichOneof("record_type") == "summary"]

@@ -11,6 +11,7 @@ import pytest
 from framework import ConfigError, compose
 from framework.core.errors import FrameworkError
 from framework.loggers import RunInfo, RunRecord
+from tests._helpers import wandb_records
 
 
 def _records(path):
@@ -609,29 +610,8 @@ def test_a_run_resumed_from_its_own_folder_continues_its_wandb_run(monkeypatch, 
 
 
 def _wandb_history_steps(path):
-    """The steps of the history records in an offline W&B run's .wandb file (W&B's record log: 32 KiB blocks of
-    chunks with a 7-byte header; full, first, middle, last), one per ``run.log`` call."""
-    import struct
-
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, pos, buf, block, steps = path.read_bytes(), 7, b"", 32768, []
-    while pos + 7 <= len(data):
-        if (left := block - pos % block) < 7:
-            pos += left
-            continue
-        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
-        if kind == 0 and n == 0:   # the block's padding
-            pos += left - 7
-            continue
-        buf = chunk if kind in (1, 2) else buf + chunk
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(buf)
-            if record.WhichOneof("record_type") == "history":
-                steps.append(record.history.step.num)
-    return steps
+    """The steps of the history records in an offline W&B run's .wandb file, one per ``run.log`` call."""
+    return [r.history.step.num for r in wandb_records(path) if r.WhichOneof("record_type") == "history"]
 
 
 def test_an_offline_wandb_run_reaches_no_network(tmp_path):
