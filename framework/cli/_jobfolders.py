@@ -10,6 +10,7 @@ from pathlib import Path
 
 from framework.cli.launch import CHECKPOINT_LOCK, RUN_LOCK, slurm_task_env
 from framework.comm.distributed import env_int
+from framework.core import files
 from framework.persist.checkpoint import CHECKPOINTS
 
 
@@ -53,11 +54,7 @@ def remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool =
             made[0].rmdir()   # (not empty: another run's now)
     except OSError:
         return False
-    for p in made[1:]:
-        try:
-            p.rmdir()
-        except OSError:   # holds another run's folder (or a sweep's multirun.yaml)
-            break
+    files.remove_made(made[1:])   # (up to one that holds another run's folder, or a sweep's multirun.yaml)
     return not made[0].exists()
 
 

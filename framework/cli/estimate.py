@@ -32,7 +32,7 @@ from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, form
                                      zero2_rows, zero3_rows)
 from framework.cli import RANK_NAMES, run_command
 from framework.config import compose, override_key
-from framework.config.checks import KEY_ALIASES
+from framework.config.checks import KEY_ALIASES, writable
 from framework.config.plainconf import library_line, load_yaml, parse, set_key, typed
 from framework.core.errors import ConfigError, FrameworkError, typed_line
 from framework.core.registry import closest_hint, registry
@@ -146,8 +146,7 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
     except ImportError:   # (the GPU image: no Hydra) read as the plain composer reads a preset
         return _plain_yaml_model(path, model_keys, fields)
     try:
-        schema = OmegaConf.structured(GPTConfig)
-        OmegaConf.set_readonly(schema, False)   # (a frozen dataclass's node is read-only: the overrides go into it)
+        schema = writable(OmegaConf.structured(GPTConfig), GPTConfig)   # (the overrides go into it)
         node = OmegaConf.merge(schema, OmegaConf.load(path))
     except YAMLError as e:
         raise ConfigError(f"estimate: {path} is not YAML: {' '.join(str(e).split())}") from None

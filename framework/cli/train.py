@@ -329,18 +329,21 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname), sweep_dir=Path(hc.sweep.dir),
             naming=frozenset(o.key_or_group for o in _naming(overrides, swept))) if multirun else dict(group=None, name=None)))
         made, owned = made_for(run.run_dir, base), []
+        # (no torchrun peers, whose sweepers would race it: the record is written before launch, for a job refused
+        # before it owns its folder too; else by the folder's owner)
+        early = multirun and first_rank() and env_int("WORLD_SIZE", 1) <= 1
 
         def own(folder: Path) -> None:
             """The folder's owner (rank 0, or the launching process) rewrites the sweep's record: under torchrun
             every rank's sweeper wrote its raw multirun.yaml at the sweep's start, before the ranks connected; by
             the owning (after the run-directory agreement) all have, so no late rank's write lands after ours."""
             owned.append(folder)
-            if multirun:
+            if multirun and not early:
                 record_sweep(Path(hc.sweep.dir), subdir, passed)
 
         try:
-            if multirun and first_rank() and env_int("WORLD_SIZE", 1) <= 1:   # a job refused before owning has it too
-                record_sweep(Path(hc.sweep.dir), subdir, passed)   # (no torchrun peers: their sweepers would race)
+            if early:
+                record_sweep(Path(hc.sweep.dir), subdir, passed)
             # A job given an earlier job's run folder is refused: it would take that job's records for its own.
             if multirun and (earlier := folders.setdefault(run.run_dir.resolve(), hc.job.num)) != hc.job.num:
                 raise ConfigError(f"run folder {run.run_dir}: job {hc.job.num} of this sweep would share it with job "

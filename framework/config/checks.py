@@ -86,7 +86,7 @@ def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) 
     if OmegaConf is None:
         return plainconf.typed(node, schema, prefix)
     try:
-        return OmegaConf.to_object(OmegaConf.merge(_writable(OmegaConf.structured(schema), schema), node))
+        return OmegaConf.to_object(OmegaConf.merge(writable(OmegaConf.structured(schema), schema), node))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
         key = ".".join(map(plainconf.yaml_name, key.split(".")))   # as YAML spells the field
@@ -100,7 +100,7 @@ def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) 
                           ) from None
 
 
-def _writable(node: DictConfig, schema: type) -> DictConfig:
+def writable(node: DictConfig, schema: type) -> DictConfig:
     """``node`` (``schema``'s) with its nested nodes writable: a frozen schema's are read-only, and the values
     merge into them (the objects ``to_object`` makes stay frozen: a field set after compose is refused, not
     ignored). A nested schema without a default gets its node here (its missing fields are ``_check_given``'s)."""
@@ -110,7 +110,7 @@ def _writable(node: DictConfig, schema: type) -> DictConfig:
         if dataclasses.is_dataclass(sub := hints[f.name]):
             if OmegaConf.is_missing(node, f.name):
                 node[f.name] = OmegaConf.structured(sub)
-            _writable(node[f.name], sub)
+            writable(node[f.name], sub)
     return node
 
 

@@ -239,12 +239,13 @@ def _nonfinite(c: Components, step: int, loss: float, norm: float, names: list[s
                local_sum: torch.Tensor) -> None:
     """``names``: parameters with non-finite gradients; ``skipped``: the steps skipped so far, this one too;
     ``local_sum``: this rank's own loss sum (every rank calls this together: the decision is on global values)."""
-    grads = (f"the gradients are finite (global norm {norm:g})" if math.isfinite(norm) else
+    finite = math.isfinite(norm)
+    grads = (f"the gradients are finite (global norm {norm:g})" if finite else
              f"the global gradient norm {norm:g} (non-finite; non-finite gradients in: {few(names, 8, str) or 'none'})")
     what = f"step {step}: the loss is {loss:g}{'' if math.isfinite(loss) else _loss_ranks(c, local_sum)} and {grads}"
     # A non-finite loss with finite gradients is no divergence a lower learning rate would cure: most often a
     # mean over no elements (nan, whose gradient is zero).
-    hint = ("Lower the learning rate or check the data" if not math.isfinite(norm) else
+    hint = ("Lower the learning rate or check the data" if not finite else
             "check loss_fn and the data: a mean over no elements is nan (a micro batch whose targets are all "
             "ignore_index, or an empty micro batch); return loss.sum() / count.clamp(min=1), or the token-weighted "
             "loss of docs/library.md (Padded sequences)")
@@ -254,7 +255,7 @@ def _nonfinite(c: Components, step: int, loss: float, norm: float, names: list[s
                                           f"instead"))
     if c.dist.rank == 0:
         print(f"warning: {what}; update skipped ({skipped} skipped step{'s' if skipped != 1 else ''} so far), "
-              f"no checkpoint of this step (train.on_nonfinite=warn){'; ' + hint if math.isfinite(norm) else ''}",
+              f"no checkpoint of this step (train.on_nonfinite=warn){'; ' + hint if finite else ''}",
               file=sys.stderr, flush=True)
 
 

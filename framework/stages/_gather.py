@@ -226,14 +226,16 @@ class Gatherer:
             self.gather_now(self.persistent)
         elif self.persistent is not None:   # views again, as every gather makes (module.half() or .to() since)
             for g in self.persistent.groups:
-                self._point(g)
+                base, size = g.full.data_ptr(), g.full.element_size()
+                if any(p.dtype != g.full.dtype or p.data_ptr() != base + s.offset * size
+                       for p, s in zip(g.params, g.layout.slots)):
+                    self._point(g)
         self.trace.begin(grad_mode, driven)
         self.mode, self.driven = grad_mode, driven
         # stats() is the last step's: a train_step's first pass starts them afresh, so the gathers of an
         # eval_step, a forward or a framework.gathered block since the last step (and its peak) are not counted.
         if grad_mode and driven and not self.in_step:
-            self.demands = self.hits = 0
-            self.peak_live, self.in_step = self.live, True
+            self._reset_stats(True)
         elif not (grad_mode and driven):
             self.in_step = False
 
@@ -484,6 +486,9 @@ class Gatherer:
         of the passes since the last call outside the steps."""
         out = {"prefetch_hit_rate": self.hits / self.demands if self.demands else 0.0,
                "peak_gathered_elements": self.peak_live}
-        self.hits = self.demands = 0
-        self.peak_live, self.in_step = self.live, False
+        self._reset_stats(False)
         return out
+
+    def _reset_stats(self, in_step: bool) -> None:
+        self.demands = self.hits = 0
+        self.peak_live, self.in_step = self.live, in_step

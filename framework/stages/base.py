@@ -50,6 +50,7 @@ class BaseStage:
     fixed_views = True
     bound: tuple = ()   # (parameter, the view of the stage's buffer it holds), with fixed_views
     bound_buffers: tuple = ()   # (module, name, buffer) as at initialize
+    views: dict   # id(parameter) -> its view in ``bound`` (set with it)
 
     def close(self) -> None:   # remove the hooks this stage registered on the module
         for h in self.hook_handles:
@@ -77,6 +78,7 @@ class BaseStage:
             # frozen parameters and the module's buffers too, so that a discard puts back all that module.half()
             # or .to() cast, not only what is checked)
             self.bound = tuple((p, p.data) for p in self.module.parameters()) if self.fixed_views else ()
+            self.views = {id(p): view for p, view in self.bound}
             self.bound_buffers = tuple((m, a, t) for m in self.module.modules() for a, t in m._buffers.items()
                                        if t is not None)
             return
@@ -121,8 +123,9 @@ class BaseStage:
         ``.float()``, ``.cuda()``... (``nn.Module._apply``) gave them new storage under the same Parameter and
         version counter, so from then on the forward would read stale weights and no update would reach them.
         (Dtype, device and data address compared: host metadata, no tensor read.)"""
-        views = {id(p): view for p, view in self.bound}
-        return [n for n, p, _, _ in self.watched if id(p) in views and _moved(p, views[id(p)])]
+        if not self.bound:   # (zero3: its gathers point the parameters anew)
+            return []
+        return [n for n, p, _, _ in self.watched if id(p) in self.views and _moved(p, self.views[id(p)])]
 
     def in_edit(self, p: torch.Tensor) -> bool:   # whether a block that settles p's edits at its exit is open
         return False
