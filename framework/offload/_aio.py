@@ -210,8 +210,7 @@ class AsyncIO:
     pwrite = functools.partialmethod(_submit, "write")   # (file, offset, src, what)
 
     def _bounds(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
-        """The pieces of [offset, offset + nbytes), cut at the file's block boundaries (a range is always
-        cut the same way: checksums are kept per piece)."""
+        """[offset, offset + nbytes) cut at the file's block boundaries (always alike: checksums are per piece)."""
         edges = [offset, *range((offset // self.block_size + 1) * self.block_size, offset + nbytes, self.block_size)]
         return list(zip(edges, [*edges[1:], offset + nbytes])) if nbytes else []
 

@@ -22,11 +22,10 @@ from framework.core.units import GiB, MiB
 from framework.core.utils import counted, sq_norm_part
 from framework.offload._aio import AsyncIO, aligned_empty
 from framework.offload._diskstore import DiskStore, parked, pool_layout
-from framework.offload._nvmespec import NVMeOffloadConfig
 from framework.offload._store import Tier, copy_on
 from framework.offload._swapfile import remove_stale, swap_path
-from framework.offload._swapfolder import (PRIVATE, MadeOnDisk, agree_room, agree_swap_room, make_private, memory_fs,
-                                           preflight, sweep_private, temp_root)
+from framework.offload._swapfolder import (PRIVATE, MadeOnDisk, NVMeOffloadConfig, agree_room, agree_swap_room,
+                                           make_private, memory_fs, preflight, sweep_private, temp_root)
 from framework.offload.base import Piece, Shards
 from framework.offload.cpu import HostPlacement
 from framework.optimizers import group_state, init_groups, merge_groups, replace_groups
@@ -127,8 +126,7 @@ class NVMePlacement(HostPlacement):
         return self._made.tmpdir
 
     def write_swap(self, store: DiskStore, kind: str, check: Callable[[], None], fills: Iterable, what: str) -> None:
-        """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file and
-        ``create`` each (key, fill): a rank that cannot stops every rank."""
+        """Room agreed, ``check()`` passed: open ``store``'s file, ``create`` each (key, fill); a failure stops all."""
         stores = {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
         if not self._fs_checked and (fs := memory_fs(self.folder())) is not None:
             # the swap files would take RAM (shared memory, not in the process's resident set), not disk
@@ -429,8 +427,7 @@ class DiskPlacement(NVMePlacement):
             self.pending.popleft().result()
 
     def finish_grads(self) -> None:
-        """After backward: every partition's extents hold this step's gradient and its norm is known (a
-        failure on any rank raises on every rank)."""
+        """After backward: each partition's extents hold this step's gradient, its norm known; a failure stops all."""
         try:
             self._wait_writes()
             for group, part in enumerate(self.partitions):

@@ -14,9 +14,8 @@ from framework.core.files import make_dirs, read_into, write_at
 from framework.core.footprint import Footprint
 from framework.offload._disk import NVMePlacement
 from framework.offload._diskstore import DiskStore, park_tensor, pool_layout
-from framework.offload._nvmespec import NVMeOffloadConfig
 from framework.offload._swapfile import nvme_fix, os_reason
-from framework.offload._swapfolder import preflight
+from framework.offload._swapfolder import NVMeOffloadConfig, preflight
 from framework.offload.base import Piece
 from framework.offload.cpu import HostShards
 
@@ -135,8 +134,7 @@ class DiskShards(HostShards):
                   f"(offload.param_buffer_count, offload.max_in_cpu >= that many x {largest} elements)", flush=True)
 
     def slots(self, largest: int) -> int:
-        """Pool slots of the largest shard's size (not param_buffer_size: no pinned memory idles), as many
-        as max_in_cpu lets be resident at once; none: refused."""
+        """Slots of the largest shard (not param_buffer_size: no pinned memory idles), as many as max_in_cpu allows."""
         slots = min(self.spec.param_buffer_count, self.spec.max_in_cpu // max(largest, 1))
         if slots < 1:
             raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.spec.max_in_cpu} is smaller "

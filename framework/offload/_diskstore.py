@@ -312,12 +312,10 @@ class DiskStore:
         fmap = self.file.map(write)
         views: dict[int, list[torch.Tensor]] = {}
         extents = [(f"{key}.{j}", key, j, t) for key, e in self.entries.items() for j, t in enumerate(e.swapped)]
-        if not write:
-            fmap.prefetch(extents[0][0])
         for i, (name, key, j, t) in enumerate(extents):
             if not write:
-                if i + 1 < len(extents):   # the next extent is read while this one is checked
-                    fmap.prefetch(extents[i + 1][0])
+                for ahead in extents[i + (i > 0):i + 2]:   # (the first, and) the next, read while this one is checked
+                    fmap.prefetch(ahead[0])
                 verify_extent(fmap, name, what=f"{self.name} piece {key} tensor {j}")   # strict: every byte
             views.setdefault(key, []).append(fmap.extent(name, t.dtype, t.shape))
         return fmap, views

@@ -34,8 +34,7 @@ def recorded(acc: Accelerator) -> Event:
 
 def copy_on(acc: Accelerator, stream, dst: torch.Tensor, src: torch.Tensor, after: Event | None = None,
             non_blocking: bool = True) -> Event:
-    """``src`` -> ``dst`` queued on ``stream`` behind ``after`` (default: the current stream's work so
-    far); the copy's event."""
+    """``src`` -> ``dst`` on ``stream`` behind ``after`` (default: the current stream's work); the copy's event."""
     after = recorded(acc) if after is None else after
     with acc.stream(stream):
         after.wait()
@@ -71,8 +70,7 @@ class HostStore:
         self._reserved = deque((arena[o:o + n * dt.itemsize].view(dt), n, dt) for o, (n, dt) in zip(offsets, sizes))
 
     def allocate(self, numel: int, dtype: torch.dtype, pin: bool | None = None) -> torch.Tensor:
-        """A host buffer: pinned (``pin``; None: when the store pins) from the reserved arena, else an arena of its
-        own."""
+        """A host buffer: pinned (``pin``; None: as the store pins) from the reserved arena, else its own arena."""
         if not (self.pin if pin is None else pin):
             return self.acc.empty_host(numel, dtype, pinned=False)
         if self._reserved and self._reserved[0][1:] == (numel, dtype):
@@ -94,8 +92,7 @@ class HostStore:
         return key
 
     def wait(self, key: int) -> None:
-        readers = self.readers.pop(key, None)
-        if readers is not None:
+        if (readers := self.readers.pop(key, None)) is not None:
             readers.synchronize()   # sync point: this piece's copy back only, never the device
 
     def release(self, key: int, readers: Event | None) -> None:

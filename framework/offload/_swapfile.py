@@ -197,8 +197,7 @@ class SwapFile:
         return next((name for name, e in self.extents.items() if e.offset <= offset < e.offset + e.nbytes), None)
 
     def descriptor(self, direct: bool) -> tuple[int, OSError | None]:
-        """(fd, refusal): the O_DIRECT descriptor when asked for and accepted, else the buffered one with
-        the error that refused O_DIRECT (None if not asked for)."""
+        """(fd, refusal): O_DIRECT's when asked for and accepted, else the buffered one and why O_DIRECT was not."""
         with self._lock:
             self._open()
             if direct and self._held.direct is None and self._direct_refused is None:
@@ -352,8 +351,7 @@ class FileMap:
 
 
 def remove_stale(folder: str | os.PathLike) -> tuple[int, int]:
-    """Remove the swap files (and manifests) in ``folder`` no live process holds (their ``flock``); (files
-    removed, bytes freed). Links are never followed."""
+    """Remove ``folder``'s swap files (and manifests) no live process ``flock``s, links unfollowed; (files, bytes)."""
     count = freed = 0
     try:
         names = sorted(n for n in os.listdir(folder) if n.startswith("rank") and n.endswith(".swap"))

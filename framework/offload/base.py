@@ -150,8 +150,7 @@ class Placement:
         self.dist = dist
 
     def expect(self, sizes: Sequence[int], working: torch.dtype, master: torch.dtype) -> None:
-        """zero3, before construction (``sizes``: each unit group's partition): a tier with swap files stops now
-        if they cannot fit."""
+        """zero3, before construction (``sizes``: each unit group's partition): stop now if swap files cannot fit."""
 
     def ranges(self, n: int, chunk: int | None) -> list[tuple[int, int, Tier]]:
         """(start, end, tier) of the pieces ``place`` cuts a partition of ``n`` elements into."""

@@ -19,8 +19,8 @@ from framework.core.room import check_name
 from framework.offload._aio import MAX_BLOCK_SIZE, MAX_THREADS
 from framework.offload._disk import DiskPlacement, NVMePlacement
 from framework.offload._diskshards import DiskShards
-from framework.offload._nvmespec import NVMeOffloadConfig
 from framework.offload._swapfile import ALIGN
+from framework.offload._swapfolder import NVMeOffloadConfig
 from framework.offload.base import Shards
 from framework.offload.cpu import HostShards, check_ratio, check_zero3
 
