@@ -53,9 +53,8 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Te
 
 
 def host_arena(nbytes: int, *, pin: bool, acc, align: int = 0) -> torch.Tensor:
-    """``nbytes`` of host memory (uint8) in one allocation, ``align``-ed if given. On CUDA an anonymous mmap
-    (torch's pinned allocator would round it up to a power of two and keep it); else ``acc.empty_host``
-    (the checking accelerator knows it)."""
+    """``nbytes`` of host memory (uint8) in one allocation, ``align``-ed if given. CUDA: an anonymous mmap (torch's
+    pinned allocator would round it up to a power of two and keep it); else ``acc.empty_host`` (checked)."""
     if acc.device.type == "cuda":   # the mapping aligns it: no bytes beyond the tensor's are pinned or held
         return _mapped(max(int(nbytes), 1), pin, align=align or mmap.PAGESIZE)
     # (what the extra ``align`` bytes span is never touched, so never committed)

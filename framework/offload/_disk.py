@@ -224,8 +224,7 @@ class DiskPlacement(NVMePlacement):
         """Elements of the largest partition (of ``sizes``, else of those placed): a read-back landing's."""
         return max(sizes if sizes is not None else (p.numel() for p in self.partitions), default=0)
 
-    def staging_bytes(self, sizes: Iterable[int] | None = None) -> int:
-        """Two pinned buffers of the largest partition (the staging buffers, or the read-back landings)."""
+    def staging_bytes(self, sizes: Iterable[int] | None = None) -> int:   # the staging buffers, or the landings
         return 2 * self._largest(sizes) * self.grad_dtype.itemsize
 
     def _partition_buffers(self) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from framework.core.errors import ConfigError, FrameworkError
-from framework.core.files import make_dirs, probe_writable
+from framework.core.files import make_dirs, probe_writable, remove_made
 from framework.core.room import Claim, free_bytes, shortfalls
 from framework.core.units import size as _size
 from framework.offload._swapfile import remove_stale, reserved_bytes, swap_path
@@ -243,9 +243,7 @@ class MadeOnDisk:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
         if self.lock is not None:   # (after the removal: no sweep races it)
             os.close(self.lock)
-        with suppress(OSError):
-            for folder in self.folders:
-                folder.rmdir()   # only if empty: never what another run keeps there
+        remove_made(self.folders)   # only while empty: never what another run keeps there
         self.tmpdir = self.lock = None
         self.folders = []
         self.files.clear()

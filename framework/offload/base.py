@@ -217,9 +217,8 @@ class Placement:
 
     def predict(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
                 master: torch.dtype, state: Sequence[int], real: Sequence[int] | None = None) -> set[str]:
-        """What ``memory`` (and the pipeline's) will report, from sizes (``state``: optimizer bytes per
-        element, per state tensor; ``real``: per size, its leading elements that hold parameters, default
-        all); returns the items that appear at the first step, not at setup."""
+        """What ``memory`` (and the pipeline's) will report, from sizes (``state``: optimizer bytes per element
+        per state tensor; ``real``: leading elements of each size holding parameters); items new at the first step."""
         m, k, lazy = master.itemsize, sum(state), set()
         for n, r in zip(sizes, sizes if real is None else real):
             for a, b, tier in self.ranges(n, chunk):
