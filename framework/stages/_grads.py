@@ -133,11 +133,8 @@ def reduce_bucket(comm: Collectives, wire: list[torch.Tensor], b: Bucket, shard:
 
 def own_parts(b: Bucket, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(flat start, flat end, offset in the bucket's buffer) of each part of ``b`` inside [lo, hi)."""
-    out = []
-    for k, (start, end) in enumerate(b.ranges):   # the ranges lie end to end in the buffer
-        if (own := own_overlap(start, end, lo, hi)) is not None:
-            out.append((*own, k * (b.end - b.start) + own[0] - start))
-    return out
+    return [(*own, k * (b.end - b.start) + own[0] - start)   # (the ranges lie end to end in the buffer)
+            for k, (start, end) in enumerate(b.ranges) if (own := own_overlap(start, end, lo, hi)) is not None]
 
 
 def own_overlap(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None:   # [start, end) in [lo, hi)

@@ -12,8 +12,7 @@ from framework.comm.distributed import Dist
 from framework.core.errors import ConfigError
 from framework.precision import Policy
 from framework.core.registry import Component
-from framework.stages._initializer import initializer
-from framework.stages._flat import PieceSpec, bind_groups, piece_spec
+from framework.stages._flat import PieceSpec, bind_groups, initializer, piece_spec
 from framework.stages._grads import FlatGrads, expected_order, plan_buckets
 from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm, tensor_bytes, tensors_in

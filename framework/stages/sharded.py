@@ -16,10 +16,9 @@ from framework.core.errors import ConfigError
 from framework.core.footprint import Footprint
 from framework.core.registry import Component
 from framework.core.utils import tensor_bytes
-from framework.stages._initializer import initializer
 from framework.offload.base import Placement
 from framework.precision import Policy
-from framework.stages._flat import bind_groups, refuse_sparse_grads
+from framework.stages._flat import bind_groups, initializer, refuse_sparse_grads
 from framework.stages._grads import (Arrivals, Bucket, FlatGrads, backward_or_reset, bucket_buffers, check_no_grads,
                                      expected_order, own_overlap, plan_buckets, plan_stripes, reduce_bucket,
                                      reduce_to_owners, sparse_gradient)

@@ -16,11 +16,10 @@ from torch import nn
 
 from framework.comm.distributed import Dist
 from framework.core.errors import ConfigError, FrameworkError, first_line, typed_line
-from framework.stages._initializer import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
-from framework.stages._flat import (bind_frozen, initial_values, make_layout, refuse_sparse_grads, replace_parameter,
-                                    unit_groups)
+from framework.stages._flat import (bind_frozen, initial_values, initializer, make_layout, refuse_sparse_grads,
+                                    replace_parameter, unit_groups)
 from framework.comm.collectives import Pending
 from framework.stages._gather import Gatherer
 from framework.stages._shards import ShardReads, ShardedParameter, Unit, UnitGroup, forward_of, read_hint, reader_of
