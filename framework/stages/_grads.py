@@ -11,7 +11,7 @@ from torch import nn
 
 from framework.comm.accelerator import Accelerator
 from framework.comm.collectives import Collectives, Pending
-from framework.core.errors import TrainingError
+from framework.core.errors import ConfigError, TrainingError
 from framework.core.footprint import Footprint
 from framework.core.utils import counted, few, tensor_bytes
 from framework.stages._flat import ALIGN
@@ -46,11 +46,10 @@ class Bucket:
 
 def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
                  shards: dict[int, int] | None = None, world: int = 1, cap: int | None = None) -> list[Bucket]:
-    """Contiguous buckets in the order they close. ``order``: (param id, group, offset, numel) in expected
-    gradient order; ``shards``: group -> partition length (ZeRO stages). Each partition's open bucket grows
-    downwards through its group's buffer, splitting parameters, so no bucket exceeds ``cap`` (default
-    ``bucket_size``) or crosses a partition boundary. A group that fits in ``bucket_size`` is one striped
-    bucket, closed with the group's last gradient."""
+    """Contiguous buckets in the order they close. ``order``: (param id, group, offset, numel) in expected gradient
+    order; ``shards``: group -> partition length (ZeRO stages). Each partition's open bucket grows downwards through its
+    group's buffer, splitting parameters, so no bucket exceeds ``cap`` (default ``bucket_size``) or crosses a partition
+    boundary. A group that fits in ``bucket_size`` is one striped bucket, closed with the group's last gradient."""
     shards, cap = shards or {}, cap or bucket_size
     whole = {g for g, s in shards.items() if s * world <= bucket_size}
     last = {g: i for i, (_, g, _, _) in enumerate(order) if g in whole}   # where each whole group closes
@@ -113,6 +112,14 @@ def bucket_buffers(buckets: list[Bucket], overlap: bool, contiguous: bool) -> tu
 def expected_order(entries: list[tuple[int, object]]) -> list[tuple[int, int, int, int]]:
     """(param id, group, offset, numel) in reverse registration order, from (group, slot) pairs."""
     return [(pid, g, s.offset, s.numel) for pid, (g, s) in reversed(list(enumerate(entries)))]
+
+
+def check_buckets(node, stage: str, nodes):
+    """Refuse a bucket of no elements (the stage configs' ``*_bucket_size`` keys; a ``Component`` check)."""
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        if getattr(node, key, 1) < 1:
+            raise ConfigError(f"stage.{key} must be >= 1 element, got {getattr(node, key)}")
+    return node
 
 
 def reduce_to_owners(comm: Collectives, buf: torch.Tensor, start: int, shard: int, reduce_scatter: bool,

@@ -125,11 +125,10 @@ def _reads_values(func, args: tuple, kwargs: dict) -> bool:
 
 
 class ShardReads(TorchFunctionMode):
-    """Pushed while a pass records its trace (and under the checking accelerator): an operation given a
-    sharded parameter that is released (empty: not in its unit's forward or backward, nor in
-    framework.gathered) raises ``read_hint`` naming the frame that read it, where torch would compute on zero
-    elements (a sum of 0, a detached norm of 0) without an error. A scan of every operation's arguments: not
-    for the steady state's passes."""
+    """Pushed while a pass records its trace (and under the checking accelerator): an operation given a sharded
+    parameter that is released (empty: not in its unit's forward or backward, nor in framework.gathered) raises
+    ``read_hint`` naming the frame that read it, where torch would compute on zero elements (a sum of 0, a detached norm
+    of 0) without an error. A scan of every operation's arguments: not for the steady state's passes."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

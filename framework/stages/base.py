@@ -1,7 +1,5 @@
 """The stage interface: how parameters, gradients and optimizer inputs are laid out and moved.
-
-``train_step`` never asks which stage it drives; stages never know which optimizer runs.
-"""
+``train_step`` never asks which stage it drives; stages never know which optimizer runs."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -75,8 +73,7 @@ class BaseStage:
     - ``nonfinite_names(grads)``: parameters with non-finite gradients on any rank (slow path, for errors);
     - ``publish(master)``: copy updated master values into the working parameters;
     - ``piece_specs()``: what each master piece holds by parameter name (behind ``TrainState.params``);
-    - ``zero_grads()``; ``_memory(fp, opt_state)``: add its model states to ``memory``'s footprint.
-    """
+    - ``zero_grads()``; ``_memory(fp, opt_state)``: add its model states to ``memory``'s footprint."""
 
     module: nn.Module
     dist: Dist
@@ -170,8 +167,7 @@ class BaseStage:
 
     @contextmanager
     def forward_pass(self, train: bool) -> Iterator[None]:
-        """Around one loss_fn call of train_step (``train``: its backward follows) or of eval_step (zero3's
-        gather pass)."""
+        """Around one loss_fn call of train_step (``train``: its backward follows) or eval_step (zero3's pass)."""
         yield
 
     def make_update(self, tx: GradientTransformation) -> Update:
@@ -206,8 +202,7 @@ class BaseStage:
                 for n, p in unwrapped(self.module).named_parameters(remove_duplicate=False)}
 
     def memory(self, opt_state) -> Footprint:
-        """This rank's model states and buffers by item and by where they live (``opt_state``: the optimizer
-        state of the master pieces)."""
+        """This rank's model states and buffers by item and where they live (``opt_state``: the pieces')."""
         fp = Footprint()
         self._memory(fp, opt_state)
         whole_memory(fp, self.module, self.policy.param_dtype)
