@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from framework.comm.distributed import Dist
-from framework.core.errors import FrameworkError
+from framework.core.errors import ConfigError, FrameworkError
 from framework.core.footprint import Footprint
 
 
@@ -108,6 +108,41 @@ class ParameterInit(Protocol):
     """A model that can initialise any one parameter by name (order-independent init)."""
 
     def init_parameter(self, name: str, t: torch.Tensor) -> None: ...
+
+
+class ModuleInit:
+    """A module's own ``init_parameter`` (our GPT's) and ``init_buffer``; without one, fails naming the fix."""
+
+    def __init__(self, module: nn.Module):
+        self.module, self.kind = module, type(module).__name__
+
+    def init_parameter(self, name: str, t: torch.Tensor) -> None:
+        if isinstance(self.module, ParameterInit):
+            return self.module.init_parameter(name, t)
+        raise ConfigError(f"parameter {name!r} is on the meta device but {self.kind} has no "
+                          f"init_parameter(name, tensor) method to initialise it; add that method (the training "
+                          f"command always builds its model on the meta device) or, calling framework.initialize "
+                          f"yourself, build the model on a real device")
+
+    def init_buffer(self, name: str, t: torch.Tensor) -> None:
+        own = getattr(self.module, "init_buffer", None)
+        if callable(own):
+            return own(name, t)
+        raise ConfigError(f"buffer {name!r} of {self.kind} is on the meta device; add an init_buffer(name, tensor) "
+                          f"method (the training command always builds its model on the meta device) or, calling "
+                          f"framework.initialize yourself, build the model on a real device")
+
+
+def initializer(module: nn.Module):
+    """What materialises ``module``'s meta tensors as a stage builds its layout (``init_parameter``,
+    ``init_buffer``): the module's own (our GPT's), or a Hugging Face model's ``framework.models.hf.HFInit``
+    (``framework.zero_init`` builds a model on the meta device; ``engine/materialize.py``)."""
+    from framework.models.hf import HFInit, is_hf_model
+
+    if not isinstance(module, ParameterInit) and is_hf_model(module) and any(
+            t.is_meta for t in (*module.parameters(), *module.buffers())):
+        return HFInit(module, torch.initial_seed())
+    return ModuleInit(module)
 
 
 def initial_values(init: ParameterInit, name: str, p: torch.Tensor, device: torch.device,
@@ -240,12 +275,9 @@ def piece_spec(layout: Layout, start: int, end: int) -> PieceSpec:
     """The spec of a piece holding elements [start, end) of a flat buffer laid out by ``layout``."""
     if not 0 <= start <= end <= layout.padded:
         raise ValueError(f"piece [{start}, {end}) is outside the flat buffer [0, {layout.padded})")
-    spans = []
-    for s in layout.slots:  # slots are in offset order; a few hundred at most
-        a, b = max(start, s.offset), min(end, s.offset + s.numel)
-        if a < b:
-            spans.append(Span(s.name, tuple(s.shape), (a - s.offset, b - s.offset), (a - start, b - start)))
-    return PieceSpec(end - start, tuple(spans))
+    return PieceSpec(end - start, tuple(   # (slots are in offset order; a few hundred at most)
+        Span(s.name, tuple(s.shape), (a - s.offset, b - s.offset), (a - start, b - start)) for s in layout.slots
+        if (a := max(start, s.offset)) < (b := min(end, s.offset + s.numel))))
 
 
 def cover(lo: int, hi: int, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:

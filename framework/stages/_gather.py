@@ -191,10 +191,10 @@ class Gatherer:
         if self.persistent is not None:
             self._reduce(self.persistent)
         self._complete_reductions()
-        self.in_backward = False
+        self.in_backward = self.driven = False
         if self.cfg.check_order and self.trace.recording is not None and self.dist.world > 1:
             self.order_checks.append(start_order_check(self.dist, self.trace.recording))
-        self._end_pass()
+        self.trace.end()
 
     def abort_backward(self, wait: bool) -> None:
         """As ``FlatGrads.abort_backward`` for the reductions in flight; then ``abort_pass``."""
@@ -241,12 +241,9 @@ class Gatherer:
 
     def end_pass(self) -> None:
         """An eval_step's loss_fn call (or a root forward outside the steps) returned: idle units released."""
-        self._end_pass()
-        self._release_idle()
-
-    def _end_pass(self) -> None:
         self.trace.end()
         self.driven = False
+        self._release_idle()
 
     def _release_idle(self, keep: Unit | None = None) -> None:
         """Release the idle units (but ``keep``): gathered ahead of a use that may now never come."""

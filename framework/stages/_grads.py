@@ -11,7 +11,7 @@ from torch import nn
 
 from framework.comm.accelerator import Accelerator
 from framework.comm.collectives import Collectives, Pending
-from framework.core.errors import TrainingError
+from framework.core.errors import ConfigError, TrainingError
 from framework.core.footprint import Footprint
 from framework.core.utils import counted, few, tensor_bytes
 from framework.stages._flat import ALIGN
@@ -46,11 +46,10 @@ class Bucket:
 
 def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
                  shards: dict[int, int] | None = None, world: int = 1, cap: int | None = None) -> list[Bucket]:
-    """Contiguous buckets in the order they close. ``order``: (param id, group, offset, numel) in expected
-    gradient order; ``shards``: group -> partition length (ZeRO stages). Each partition's open bucket grows
-    downwards through its group's buffer, splitting parameters, so no bucket exceeds ``cap`` (default
-    ``bucket_size``) or crosses a partition boundary. A group that fits in ``bucket_size`` is one striped
-    bucket, closed with the group's last gradient."""
+    """Contiguous buckets in the order they close. ``order``: (param id, group, offset, numel) in expected gradient
+    order; ``shards``: group -> partition length (ZeRO stages). Each partition's open bucket grows downwards through its
+    group's buffer, splitting parameters, so no bucket exceeds ``cap`` (default ``bucket_size``) or crosses a partition
+    boundary. A group that fits in ``bucket_size`` is one striped bucket, closed with the group's last gradient."""
     shards, cap = shards or {}, cap or bucket_size
     whole = {g for g, s in shards.items() if s * world <= bucket_size}
     last = {g: i for i, (_, g, _, _) in enumerate(order) if g in whole}   # where each whole group closes
@@ -115,6 +114,14 @@ def expected_order(entries: list[tuple[int, object]]) -> list[tuple[int, int, in
     return [(pid, g, s.offset, s.numel) for pid, (g, s) in reversed(list(enumerate(entries)))]
 
 
+def check_buckets(node, stage: str, nodes):
+    """Refuse a bucket of no elements (the stage configs' ``*_bucket_size`` keys; a ``Component`` check)."""
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        if getattr(node, key, 1) < 1:
+            raise ConfigError(f"stage.{key} must be >= 1 element, got {getattr(node, key)}")
+    return node
+
+
 def reduce_to_owners(comm: Collectives, buf: torch.Tensor, start: int, shard: int, reduce_scatter: bool,
                      what: str) -> Pending:
     """Sum ``buf`` (flat range [start, start + len)) so each rank gets its own partition's part
@@ -133,11 +140,8 @@ def reduce_bucket(comm: Collectives, wire: list[torch.Tensor], b: Bucket, shard:
 
 def own_parts(b: Bucket, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(flat start, flat end, offset in the bucket's buffer) of each part of ``b`` inside [lo, hi)."""
-    out = []
-    for k, (start, end) in enumerate(b.ranges):   # the ranges lie end to end in the buffer
-        if (own := own_overlap(start, end, lo, hi)) is not None:
-            out.append((*own, k * (b.end - b.start) + own[0] - start))
-    return out
+    return [(*own, k * (b.end - b.start) + own[0] - start)   # (the ranges lie end to end in the buffer)
+            for k, (start, end) in enumerate(b.ranges) if (own := own_overlap(start, end, lo, hi)) is not None]
 
 
 def own_overlap(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None:   # [start, end) in [lo, hi)

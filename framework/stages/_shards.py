@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import inspect
 import sys
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -87,13 +88,11 @@ def reader_of(frames) -> str:
     """``Class.forward`` of the innermost module forward among ``frames`` (innermost first), else loss_fn. A
     function named forward whose first argument is a module (one wrapped without ``functools.wraps``) counts."""
     frames = list(frames)
-    for frame in frames:
-        if (owner := forward_of(frame)) is not None:
-            return f"{type(owner).__name__}.forward"
-    for frame in frames:
-        if frame.f_code.co_name == "forward" and isinstance(owner := _first_argument(frame), nn.Module):
-            return f"{type(owner).__name__}.forward"
-    return "loss_fn"
+    owner = next((m for m in map(forward_of, frames) if m is not None), None)
+    if owner is None:
+        owner = next((m for f in frames if f.f_code.co_name == "forward"
+                      and isinstance(m := _first_argument(f), nn.Module)), None)
+    return "loss_fn" if owner is None else f"{type(owner).__name__}.forward"
 
 
 # Tensor properties that read the values (views of them); every other property is metadata or a setter.
@@ -126,11 +125,10 @@ def _reads_values(func, args: tuple, kwargs: dict) -> bool:
 
 
 class ShardReads(TorchFunctionMode):
-    """Pushed while a pass records its trace (and under the checking accelerator): an operation given a
-    sharded parameter that is released (empty: not in its unit's forward or backward, nor in
-    framework.gathered) raises ``read_hint`` naming the frame that read it, where torch would compute on zero
-    elements (a sum of 0, a detached norm of 0) without an error. A scan of every operation's arguments: not
-    for the steady state's passes."""
+    """Pushed while a pass records its trace (and under the checking accelerator): an operation given a sharded
+    parameter that is released (empty: not in its unit's forward or backward, nor in framework.gathered) raises
+    ``read_hint`` naming the frame that read it, where torch would compute on zero elements (a sum of 0, a detached norm
+    of 0) without an error. A scan of every operation's arguments: not for the steady state's passes."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -143,7 +141,7 @@ class ShardReads(TorchFunctionMode):
 
 
 def _refuse(p: ShardedParameter, op: str) -> None:
-    frames = list(_callers(sys._getframe(2)))
+    frames = [frame for frame, _ in traceback.walk_stack(sys._getframe(2))]
     owner = next((m for m in map(forward_of, frames) if m is not None), None)
     if owner is not None and any(q is p for q in owner.parameters(recurse=False)):
         # A module's forward on its own parameters, called without its unit (a part of it called directly): the
@@ -157,12 +155,6 @@ def _op_name(func) -> str:
         return f"Tensor.{func.__self__.__name__}"
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
     return name.replace("TensorBase.", "Tensor.")
-
-
-def _callers(frame):
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
 
 
 def zero3_sharded(module: nn.Module) -> bool:

@@ -1,12 +1,10 @@
 """The stage interface: how parameters, gradients and optimizer inputs are laid out and moved.
-
-``train_step`` never asks which stage it drives; stages never know which optimizer runs.
-"""
+``train_step`` never asks which stage it drives; stages never know which optimizer runs."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -14,9 +12,8 @@ from torch import nn
 from framework.comm.distributed import Dist
 from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm, unwrapped
-from framework.stages._update import PlainUpdate, Update
 from framework.offload.base import Piece, Placement
-from framework.optimizers import GradientTransformation
+from framework.optimizers import GradientTransformation, step as optimizer_step
 from framework.stages._flat import Layout, PieceSpec, piece_spec, whole_memory
 
 
@@ -24,6 +21,45 @@ from framework.stages._flat import Layout, PieceSpec, piece_spec, whole_memory
 class Setup:
     master: list[torch.Tensor]   # what the optimizer updates
     kinds: list[str]          # 'decay' or 'no_decay', aligned with ``master``
+
+
+class Update(Protocol):
+    """How a train step turns reduced gradients into published parameters. ``train_step`` calls ``arm``,
+    ``drain`` after the backward passes, then ``apply`` (scale, step, publish) or ``skip``; ``abort`` if anything
+    raised. ``apply`` calls ``applying`` just before its first change that ``abort`` cannot undo.
+    ``offload._pipeline`` is a pipelined one that must give ``PlainUpdate``'s results."""
+
+    tx: GradientTransformation   # the optimizer (a resume starts the state a checkpoint lacks from its init)
+    def init(self, params: Sequence[torch.Tensor]) -> Any: ...   # the optimizer state of ``params``
+    def arm(self, opt_state: Any, params: Sequence[torch.Tensor], lr: float, scale: float) -> None: ...
+    def drain(self) -> None: ...
+    def apply(self, grads: list[torch.Tensor], coef: float, opt_state: Any, params: Sequence[torch.Tensor],
+              lr: float, applying: Callable[[], None] | None = None) -> Any: ...
+    def skip(self) -> None: ...
+    def abort(self) -> None: ...
+    def memory(self, fp: Footprint) -> None: ...   # its own buffers, added to ``fp``
+    def close(self) -> None: ...
+
+
+class PlainUpdate(Update):
+    """Steps and publishes in one go (its other calls are the protocol's no-ops)."""
+
+    def __init__(self, tx: GradientTransformation, stage: Any):
+        self.tx, self.stage = tx, stage
+
+    def init(self, params: Sequence[torch.Tensor]) -> Any:
+        return self.tx.init(list(params))
+
+    def apply(self, grads: list[torch.Tensor], coef: float, opt_state: Any, params: Sequence[torch.Tensor],
+              lr: float, applying: Callable[[], None] | None = None) -> Any:
+        if applying is not None:
+            applying()
+        if coef != 1.0:
+            # (torch._foreach_*: no public multi-tensor op; torch.optim's own steps use the same ones)
+            torch._foreach_mul_(grads, coef)
+        opt_state = optimizer_step(self.tx, grads, opt_state, params, lr, self.stage.out16())
+        self.stage.publish(list(params))
+        return opt_state
 
 
 class BaseStage:
@@ -37,8 +73,7 @@ class BaseStage:
     - ``nonfinite_names(grads)``: parameters with non-finite gradients on any rank (slow path, for errors);
     - ``publish(master)``: copy updated master values into the working parameters;
     - ``piece_specs()``: what each master piece holds by parameter name (behind ``TrainState.params``);
-    - ``zero_grads()``; ``_memory(fp, opt_state)``: add its model states to ``memory``'s footprint.
-    """
+    - ``zero_grads()``; ``_memory(fp, opt_state)``: add its model states to ``memory``'s footprint."""
 
     module: nn.Module
     dist: Dist
@@ -132,8 +167,7 @@ class BaseStage:
 
     @contextmanager
     def forward_pass(self, train: bool) -> Iterator[None]:
-        """Around one loss_fn call of train_step (``train``: its backward follows) or of eval_step (zero3's
-        gather pass)."""
+        """Around one loss_fn call of train_step (``train``: its backward follows) or eval_step (zero3's pass)."""
         yield
 
     def make_update(self, tx: GradientTransformation) -> Update:
@@ -168,8 +202,7 @@ class BaseStage:
                 for n, p in unwrapped(self.module).named_parameters(remove_duplicate=False)}
 
     def memory(self, opt_state) -> Footprint:
-        """This rank's model states and buffers by item and by where they live (``opt_state``: the optimizer
-        state of the master pieces)."""
+        """This rank's model states and buffers by item and where they live (``opt_state``: the pieces')."""
         fp = Footprint()
         self._memory(fp, opt_state)
         whole_memory(fp, self.module, self.policy.param_dtype)

@@ -3,18 +3,15 @@ contiguous buckets of one flat buffer per group, launched from the gradient hook
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from framework.comm.distributed import Dist
-from framework.core.errors import ConfigError
 from framework.precision import Policy
 from framework.core.registry import Component
-from framework.stages._initializer import initializer
-from framework.stages._flat import PieceSpec, bind_groups, piece_spec
-from framework.stages._grads import FlatGrads, expected_order, plan_buckets
+from framework.stages._flat import PieceSpec, bind_groups, initializer, piece_spec
+from framework.stages._grads import FlatGrads, check_buckets, expected_order, plan_buckets
 from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm, tensor_bytes, tensors_in
 from framework.stages.base import BaseStage, Setup
@@ -79,10 +76,4 @@ class DDPStage(BaseStage):
         fp.add("optimizer_state", device=tensor_bytes(tensors_in(opt_state)))
 
 
-def check(node: DDPConfig, stage: str, nodes: Mapping[str, Any]) -> DDPConfig:
-    if node.reduce_bucket_size < 1:
-        raise ConfigError(f"stage.reduce_bucket_size must be >= 1 element, got {node.reduce_bucket_size}")
-    return node
-
-
-COMPONENT = Component(config=DDPConfig, build=DDPStage, check=check)
+COMPONENT = Component(config=DDPConfig, build=DDPStage, check=check_buckets)

@@ -16,13 +16,12 @@ from framework.core.errors import ConfigError
 from framework.core.footprint import Footprint
 from framework.core.registry import Component
 from framework.core.utils import tensor_bytes
-from framework.stages._initializer import initializer
 from framework.offload.base import Placement
 from framework.precision import Policy
-from framework.stages._flat import bind_groups, refuse_sparse_grads
-from framework.stages._grads import (Arrivals, Bucket, FlatGrads, backward_or_reset, bucket_buffers, check_no_grads,
-                                     expected_order, own_overlap, plan_buckets, plan_stripes, reduce_bucket,
-                                     reduce_to_owners, sparse_gradient)
+from framework.stages._flat import bind_groups, initializer, refuse_sparse_grads
+from framework.stages._grads import (Arrivals, Bucket, FlatGrads, backward_or_reset, bucket_buffers, check_buckets,
+                                     check_no_grads, expected_order, own_overlap, plan_buckets, plan_stripes,
+                                     reduce_bucket, reduce_to_owners, sparse_gradient)
 from framework.stages.base import PartitionedStage, Setup
 
 
@@ -53,9 +52,8 @@ class ShardedStage(PartitionedStage):
         kinds, layouts, self.flats, entries = bind_groups(module, world, policy.param_dtype, self.dist, initializer(module),
                                                           lambda named: self.layout_order(self.cfg, named, world))
         for layout, flat in zip(layouts, self.flats):
-            lo, hi = layout.partition(self.dist.rank)
             # fp32 without offload: the owned slice of the working buffer is the master (no copy).
-            self._own(layout, flat[lo:hi], policy.master_dtype)
+            self._own(layout, flat[slice(*layout.partition(self.dist.rank))], policy.master_dtype)
         self._setup_grads(entries)
         return Setup(self.master, [kinds[g] for g, _ in self.piece_index])
 
@@ -268,7 +266,7 @@ class Zero2Stage(ShardedStage):
 # DeepSpeed keys zero1 accepts (configs port over) whose other value would do nothing: refused, naming the
 # fix, or, where zero1 already meets the reason a config sets them, one note.
 def _check_zero1(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> ZeroConfig:
-    _check_buckets(node, stage, nodes)
+    check_buckets(node, stage, nodes)
     if not node.contiguous_gradients:
         raise ConfigError("config: stage.contiguous_gradients=false has no effect with stage=zero1 (its gradients "
                           "always accumulate in one contiguous flat buffer); remove it, or use +stage=zero2")
@@ -276,13 +274,6 @@ def _check_zero1(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> Zero
         raise ConfigError("config: offload.overlap_step=true has no effect with stage=zero1 (its gradients are "
                           "final only after backward, so no host step can start early); remove it, or use "
                           "+stage=zero2 or +stage=zero3")
-    return node
-
-
-def _check_buckets(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> ZeroConfig:
-    for key in ("reduce_bucket_size", "allgather_bucket_size"):
-        if getattr(node, key) < 1:
-            raise ConfigError(f"stage.{key} must be >= 1 element, got {getattr(node, key)}")
     return node
 
 
@@ -320,4 +311,4 @@ def _zero2_notes(node: ZeroConfig, config) -> list[str]:
 
 
 COMPONENTS = {"zero1": Component(config=ZeroConfig, build=Zero1Stage, check=_check_zero1, notes=_zero1_notes),
-              "zero2": Component(config=ZeroConfig, build=Zero2Stage, check=_check_buckets, notes=_zero2_notes)}
+              "zero2": Component(config=ZeroConfig, build=Zero2Stage, check=check_buckets, notes=_zero2_notes)}

@@ -1,6 +1,5 @@
-"""zero3: parameters, gradients and optimizer state all partitioned; gathered per unit on demand (_gather.py).
-Meta parameters are materialised one at a time keeping only the local shard, so a model larger than one
-rank can be built."""
+"""zero3: parameters, gradients and optimizer state all partitioned; gathered per unit on demand (_gather.py). Meta
+parameters are materialised one at a time keeping only the local shard, so a model larger than one rank can be built."""
 from __future__ import annotations
 
 import linecache
@@ -16,11 +15,10 @@ from torch import nn
 
 from framework.comm.distributed import Dist
 from framework.core.errors import ConfigError, FrameworkError, first_line, typed_line
-from framework.stages._initializer import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
-from framework.stages._flat import (bind_frozen, initial_values, make_layout, refuse_sparse_grads, replace_parameter,
-                                    unit_groups)
+from framework.stages._flat import (bind_frozen, initial_values, initializer, make_layout, refuse_sparse_grads,
+                                    replace_parameter, unit_groups)
 from framework.comm.collectives import Pending
 from framework.stages._gather import Gatherer
 from framework.stages._shards import ShardReads, ShardedParameter, Unit, UnitGroup, forward_of, read_hint, reader_of
@@ -85,9 +83,7 @@ class Zero3Stage(PartitionedStage):
         metas = [p for _, p in all_named if p.is_meta]
         self._scratch = torch.empty(max((p.numel() for p in metas), default=0), dtype=torch.float32,
                                     device=self.dist.device) if metas else None
-        units = [self._make_unit(module, i, plan.name, plan.named, names_of) for i, plan in enumerate(plans)]
-        for unit, plan in zip(units, plans):
-            unit.split = plan.split
+        units = [self._make_unit(module, i, p.name, p.named, names_of, p.split) for i, p in enumerate(plans)]
         persistent = self._make_unit(module, len(units), "<persistent>", persistent_named, names_of) \
             if persistent_named else None
         self._scratch = self._init = None
@@ -102,9 +98,9 @@ class Zero3Stage(PartitionedStage):
         module.register_state_dict_pre_hook(_refuse_state_dict)
         return Setup(self.master, [self.groups[g].kind for g, _ in self.piece_index])
 
-    def _make_unit(self, module: nn.Module, uid: int, name: str, named: list, names_of: dict) -> Unit:
+    def _make_unit(self, module: nn.Module, uid: int, name: str, named: list, names_of: dict, split=False) -> Unit:
         return Unit(uid, name, [self._make_group(module, kind, members, name, names_of)
-                                for kind, members in unit_groups(named)])
+                                for kind, members in unit_groups(named)], split=split)
 
     def _make_group(self, module: nn.Module, kind: str, named: list, unit_name: str, names_of: dict) -> UnitGroup:
         layout = make_layout(named, self.dist.world)
@@ -382,9 +378,8 @@ COMPONENT = Component(config=Zero3Config, build=Zero3Stage, check=check)
 def _empty_size_error(error: BaseException) -> bool:
     """Whether ``error`` is autograd's check of a gradient of shape [0] ("invalid gradient ... got [0]"), what a
     backward through a parameter read as an empty shard raises (not a kernel's size mismatch naming a 0)."""
-    if not isinstance(error, RuntimeError) or isinstance(error, FrameworkError):
-        return False
-    return re.search(r"invalid gradient.*got \[0\]", first_line(error)) is not None
+    return isinstance(error, RuntimeError) and not isinstance(error, FrameworkError) \
+        and re.search(r"invalid gradient.*got \[0\]", first_line(error)) is not None
 
 
 def _read_while_sharded(loss: torch.Tensor) -> ShardedParameter | None:

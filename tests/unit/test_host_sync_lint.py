@@ -33,7 +33,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-HOT = ["framework/engine/step.py", "framework/stages/_update.py", "framework/comm/collectives.py",
+HOT = ["framework/engine/step.py", "framework/comm/collectives.py",
        "framework/offload/_pipeline.py", "framework/offload/base.py", "framework/offload/_store.py",
        "framework/offload/_diskstore.py", "framework/offload/cpu.py", "framework/offload/_disk.py", "framework/offload/_diskshards.py",
        "framework/offload/_swapfile.py", "framework/core/utils.py", "framework/stages", "framework/engine/build.py"]
