@@ -831,3 +831,16 @@ def test_a_file_where_hydras_record_goes_is_one_line_before_the_run(tmp_path):
                                 f"{tmp_path / 'run' / '.hydra'}: it is not a folder; move it away, or give this run a "
                                 f"folder of its own: {key}=PATH")
     assert os.listdir(tmp_path / "run") == [".hydra"]
+
+
+def test_an_optimizer_of_ones_own_with_a_norm_over_its_group_is_refused_by_initialize(own_component):
+    """A LAMB/LARS-style norm over a group trained, with no error, another model at each stage, offload and
+    bucket size (a group is a shard or piece, not a parameter): initialize refuses it in one line."""
+    import torch
+
+    fields = "lr: float = 1e-3\n    decay_1d: bool = False"
+    code = OWN_OPTIMIZER.format(fields=fields).replace("g.sign()", "g / g.norm()")
+    search = own_component("optimizer", "sign", code, "")
+    cfg = framework.compose(["optimizer=sign", "logger=none", search])
+    with pytest.raises(framework.ConfigError, match=r"^optimizer 'sign': its update is not elementwise \("):
+        framework.initialize(torch.nn.Linear(4, 2), lambda m, b: m(b).sum(), cfg)
