@@ -11,6 +11,7 @@ the optimizers' lr), refused in one line when discovered.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -133,6 +134,7 @@ def registry(group: str) -> Registry:
                                   f"rename one (and its YAML file conf/{group}/{name}.yaml)")
             defined_by[name] = module.__name__
             _check_build(group, module.__name__, name, component)
+            _check_frozen(group, module.__name__, name, component.config)
             if check is not None:
                 check(module.__name__, name, component)
         entries.update(found)
@@ -153,6 +155,16 @@ def _check_build(group: str, module_name: str, name: str, component: Component) 
             raise ConfigError(f"{group} {name!r} ({module_name}): its build{signature} cannot be called as the "
                               f"framework calls it, {call} ({e}); give it that signature (docs/architecture.md)"
                               ) from None
+
+
+def _check_frozen(group: str, module_name: str, name: str, config: type) -> None:
+    """A component's config is a frozen dataclass: every check runs at compose time, so a field set afterwards
+    (``cfg.optimizer.lr = -3``) would train unchecked."""
+    if not (dataclasses.is_dataclass(config) and config.__dataclass_params__.frozen):
+        what = "not frozen" if dataclasses.is_dataclass(config) else "not a dataclass"
+        raise ConfigError(f"{group} {name!r} ({module_name}): its config {getattr(config, '__name__', config)} is "
+                          f"{what} (a composed config is checked once and cannot change after); declare it "
+                          f"@dataclass(frozen=True, kw_only=True)")
 
 
 def components_of(module, name: str) -> dict[str, Component]:

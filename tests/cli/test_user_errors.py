@@ -470,7 +470,7 @@ from framework.core.registry import Component
 from framework.models._base import ModelComponent, next_token_loss
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class TinyConfig:   # (no vocab_size: the data's)
     d_model: int = 8
     {context}
@@ -578,7 +578,7 @@ from framework.core.registry import Component
 from framework.optimizers import GradientTransformation
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class SignConfig:
     {fields}
 
@@ -711,6 +711,14 @@ def test_a_component_under_a_taken_name_or_with_another_build_signature_is_one_l
         registry("optimizer")
     assert str(e.value).startswith("optimizer 'sign' (framework.optimizers.sign): its build(cfg) cannot be called as "
                                    "the framework calls it, build(cfg, decay_mask) (") and "\n" not in str(e.value)
+    # a config that is not frozen: cfg.optimizer.lr = -3.0 after compose trained unchecked (library.md)
+    own_component("optimizer", "sign", OWN_OPTIMIZER.format(fields="lr: float = 1e-3\n    decay_1d: bool = False")
+                  .replace("@dataclass(frozen=True, kw_only=True)", "@dataclass"), "")
+    with pytest.raises(framework.ConfigError) as e:
+        registry("optimizer")
+    assert str(e.value) == ("optimizer 'sign' (framework.optimizers.sign): its config SignConfig is not frozen (a "
+                            "composed config is checked once and cannot change after); declare it "
+                            "@dataclass(frozen=True, kw_only=True)")
 
 
 def test_a_field_of_ones_own_config_without_a_value_names_the_yaml_file_and_the_plus_override(own_component):
