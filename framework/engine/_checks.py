@@ -119,7 +119,8 @@ def check_optimizer(tx: Any, name: str, decay_mask: Sequence[bool], device: torc
     picked = sorted({next((i for i, d in enumerate(decay_mask) if d == want), 0) for want in (True, False)})
     gen = torch.Generator(device="cpu").manual_seed(0)   # (its own: the run's random streams stay untouched)
     size, cut = 12, 5
-    draw = [{i: torch.randn(size, generator=gen).to(device) for i in picked} for _ in range(3)]   # params, 2 grads
+    # params, then two steps' grads
+    draw = [{i: torch.randn(size, generator=gen, device="cpu").to(device) for i in picked} for _ in range(3)]
     # (its subset over those groups, where it has one: the check then costs the same at thousands of groups)
     groups, one = (range(len(decay_mask)), tx) if tx.subset is None else (picked, tx.subset(picked))
 
