@@ -8,9 +8,16 @@ may define ``UNKNOWN_HINT``: what an unknown name's error adds (another way to n
 of the name where that depends on it), and
 ``check_entry(module_name, name, component)``: what its entries need beyond a ``Component`` (the models' loss,
 the optimizers' lr), refused in one line when discovered.
+
+Components of other packages: an installed distribution's entry points in group ``framework.<group>``
+(``framework.optimizer``, ...), each named by its component name and naming a module (read as above) or a
+``module:attribute`` ``Component``; checked as the package's own, a name taken twice refused. Their YAML files
+go in a folder of the user's (``--config-dir`` or ``hydra.searchpath``). Discovery reads ``sys.path`` once per
+group and process (``registry.cache_clear()`` reads it again).
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -18,7 +25,8 @@ import pkgutil
 import re
 from dataclasses import dataclass, field
 from functools import cache
-from types import MappingProxyType
+from importlib.metadata import EntryPoint, entry_points
+from types import MappingProxyType, ModuleType
 from typing import Any, Callable, Mapping
 
 from framework.core.errors import ConfigError
@@ -133,10 +141,44 @@ def registry(group: str) -> Registry:
                                   f"rename one (and its YAML file conf/{group}/{name}.yaml)")
             defined_by[name] = module.__name__
             _check_build(group, module.__name__, name, component)
+            _check_frozen(group, module.__name__, name, component.config)
             if check is not None:
                 check(module.__name__, name, component)
         entries.update(found)
+    for point in entry_points(group=f"framework.{group}"):   # other packages' components (see above)
+        found = _plugin(group, point)
+        for name, component in found.items():
+            if name in defined_by:
+                raise ConfigError(f"{group} {name!r} is defined by both {defined_by[name]} and {point.value} (entry "
+                                  f"point of {_owner(point)}): rename one (and its YAML file {group}/{name}.yaml)")
+            defined_by[name] = point.value
+            _check_build(group, point.value, name, component)
+            _check_frozen(group, point.value, name, component.config)
+            if check is not None:
+                check(point.value, name, component)
+        entries.update(found)
     return Registry(group, MappingProxyType(entries), getattr(package, "UNKNOWN_HINT", ""))
+
+
+def _plugin(group: str, point: EntryPoint) -> dict[str, Component]:
+    """The entries of one entry point: a module (its ``COMPONENT``, under the entry point's name, or its
+    ``COMPONENTS``) or a ``module:attribute`` naming a ``Component``."""
+    try:
+        loaded = point.load()
+    except Exception as e:   # (another package's code: whatever it raises is that package's to fix)
+        raise ConfigError(f"{group} {point.name!r}: its entry point {point.value} (group framework.{group}, of "
+                          f"{_owner(point)}) failed to load: {type(e).__name__}: {e}; fix or uninstall that "
+                          f"package") from None
+    if isinstance(loaded, Component):
+        return {point.name: loaded}
+    if isinstance(loaded, ModuleType) and (hasattr(loaded, "COMPONENT") or hasattr(loaded, "COMPONENTS")):
+        return components_of(loaded, point.name)
+    raise ConfigError(f"{group} {point.name!r}: its entry point {point.value} (group framework.{group}, of "
+                      f"{_owner(point)}) names neither a module defining COMPONENT (or COMPONENTS) nor a Component")
+
+
+def _owner(point: EntryPoint) -> str:
+    return f"package {point.dist.name}" if point.dist is not None else "an installed package"
 
 
 def _check_build(group: str, module_name: str, name: str, component: Component) -> None:
@@ -153,6 +195,16 @@ def _check_build(group: str, module_name: str, name: str, component: Component) 
             raise ConfigError(f"{group} {name!r} ({module_name}): its build{signature} cannot be called as the "
                               f"framework calls it, {call} ({e}); give it that signature (docs/architecture.md)"
                               ) from None
+
+
+def _check_frozen(group: str, module_name: str, name: str, config: type) -> None:
+    """A component's config is a frozen dataclass: every check runs at compose time, so a field set afterwards
+    (``cfg.optimizer.lr = -3``) would train unchecked."""
+    if not (dataclasses.is_dataclass(config) and config.__dataclass_params__.frozen):
+        what = "not frozen" if dataclasses.is_dataclass(config) else "not a dataclass"
+        raise ConfigError(f"{group} {name!r} ({module_name}): its config {getattr(config, '__name__', config)} is "
+                          f"{what} (a composed config is checked once and cannot change after); declare it "
+                          f"@dataclass(frozen=True, kw_only=True)")
 
 
 def components_of(module, name: str) -> dict[str, Component]:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from framework.config import Config
 from framework.core.errors import ConfigError, FrameworkError, TrainingError
 from framework.core.utils import counted, few
+from framework.engine.state import optimizer_leaves
 from framework.stages import zero3_sharded
 
 
@@ -105,3 +107,54 @@ def detached_error(what: str, names: Sequence[str]) -> TrainingError:
                          f"stale weights): leave the module where and as initialize put it (engine.device; the working "
                          f"dtype is precision=...); to go on from the engine's weights, call "
                          f"engine.discard_edits(engine.state)")
+
+
+def check_optimizer(tx: Any, name: str, decay_mask: Sequence[bool], device: torch.device) -> Any:
+    """``tx`` (``name``'s transformation over ``len(decay_mask)`` groups), or a one-line ConfigError for one that
+    breaks the ``GradientTransformation`` contract where the run would break later, or silently: a state leaf the
+    checkpoints and offload tiers cannot hold (a dict, a tensor), or an ``update`` that is not elementwise (a norm
+    over a group, which is a shard or host piece with padding, not a parameter: every layout trains another model).
+    Made on two small groups of random numbers (the others empty, as a piece's step passes them), whole and cut
+    in two, two steps each: milliseconds. ``device``: where the master groups live, so where ``update`` runs."""
+    picked = sorted({next((i for i, d in enumerate(decay_mask) if d == want), 0) for want in (True, False)})
+    gen = torch.Generator(device="cpu").manual_seed(0)   # (its own: the run's random streams stay untouched)
+    size, cut = 12, 5
+    # params, then two steps' grads
+    draw = [{i: torch.randn(size, generator=gen, device="cpu").to(device) for i in picked} for _ in range(3)]
+    # (its subset over those groups, where it has one: the check then costs the same at thousands of groups)
+    groups, one = (range(len(decay_mask)), tx) if tx.subset is None else (picked, tx.subset(picked))
+
+    def run(lo: int, hi: int) -> list[Tensor]:
+        """Two steps over elements [lo, hi) of the picked groups: the updates, flattened and joined."""
+        params = [draw[0][i][lo:hi].clone() if i in draw[0] else torch.empty(0, device=device) for i in groups]
+        state, out = _allowed_state(one.init(params), params, name, "init"), []
+        for grads in draw[1:]:
+            updates, state = one.update([grads[i][lo:hi].clone() if i in grads else torch.empty(0, device=device)
+                                         for i in groups], state, params, 1e-2)
+            state = _allowed_state(state, params, name, "update")
+            out += [u.reshape(-1).clone() for i, u in zip(groups, updates) if i in grads]
+        return out
+
+    whole, (first, second) = run(0, size), (run(0, cut), run(cut, size))
+    split = [torch.cat(pair) for pair in zip(first, second)]
+    if not all(w.shape == s.shape and torch.allclose(w, s, rtol=1e-5, atol=1e-7) for w, s in zip(whole, split)):
+        raise ConfigError(f"optimizer {name!r}: its update is not elementwise (on a group cut in two it gives other "
+                          f"numbers than on the whole group): a group is a flat shard or host piece of many parameters "
+                          f"with padding, not a parameter, so a norm, mean or max over it (LAMB, LARS, Adafactor, "
+                          f"Muon) trains another model at each stage, offload, bucket size and world size; make each "
+                          f"update element depend only on the same element of grads, state and params (and scalars) "
+                          f"(docs/architecture.md#where-a-new-piece-goes)")
+    return tx
+
+
+def _allowed_state(state: Any, params: Sequence[Tensor], name: str, made_by: str) -> Any:
+    """``state``, or a one-line ConfigError naming a leaf the checkpoints cannot save (as JSON, or resharded)."""
+    for path, leaf in optimizer_leaves(state, params)[1].items():
+        if leaf is not None and not isinstance(leaf, (bool, int, float)):
+            raise ConfigError(
+                f"optimizer {name!r}: its {made_by}'s state holds a {type(leaf).__name__} at "
+                f"{repr(path) if path else 'its top'}, which checkpoints cannot save; a state is tuples or NamedTuples "
+                f"(nested) whose leaves are lists with one tensor per group, of the group's size, or Python scalars "
+                f"(int, float, bool, None): keep a per-group value as a tensor of the group's size "
+                f"(docs/architecture.md#where-a-new-piece-goes)")
+    return state

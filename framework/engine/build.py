@@ -23,7 +23,7 @@ from framework.config import Config, check_batch_world, compose
 from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError, FrameworkError, TrainingError
 from framework.comm.distributed import Dist, agree, connect, disconnect, rank_and_world
-from framework.engine._checks import Owner, another_engine, check_arguments, detached_error, owner
+from framework.engine._checks import Owner, another_engine, check_arguments, check_optimizer, detached_error, owner
 from framework.engine.materialize import materialize_buffers
 from framework.models.hf import config_hidden_size
 from framework.core.registry import registry
@@ -474,7 +474,8 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     with contextlib.ExitStack() as unowned:
         unowned.callback(stage.close)
         decay_mask = [kind == "decay" or cfg.optimizer.decay_1d for kind in setup.kinds]
-        update = stage.make_update(component(cfg, "optimizer").build(cfg.optimizer, decay_mask))
+        update = stage.make_update(check_optimizer(component(cfg, "optimizer").build(cfg.optimizer, decay_mask),
+                                                   cfg.choices["optimizer"], decay_mask, setup.master[0].device))
         unowned.callback(update.close)
         hooks = [module.register_forward_pre_hook(policy.cast_forward, with_kwargs=True)] if policy.auto_cast else []
         unowned.callback(lambda: [h.remove() for h in hooks])

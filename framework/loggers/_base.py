@@ -47,12 +47,24 @@ class RunInfo:
 
 
 class NullLogger:
-    """What every logger offers, doing nothing."""
+    """What every logger offers, doing nothing (``METHODS``): a logger of one's own subclasses it."""
 
     def start(self, config: dict, total_steps: int) -> None: ...
     def log(self, record: dict) -> None: ...
     def finish(self, summary: dict) -> None: ...
     def close(self) -> None: ...
+
+
+METHODS = ("start", "log", "finish", "close")
+
+
+def lacking(logger, what: str) -> None:
+    """A ConfigError (one line) for a logger (an object, or the class ``build`` makes it of) without one of the
+    ``METHODS``, which training calls, the last after the run's steps are trained and saved. ``what`` names it."""
+    if missing := [m for m in METHODS if not callable(getattr(logger, m, None))]:
+        raise ConfigError(f"{what} has no {' and no '.join(missing)} method (training calls start(config, "
+                          f"total_steps), log(record), finish(summary) and close() on a logger); subclass "
+                          f"framework.loggers.NullLogger, which does nothing in each, and override what it needs")
 
 
 class RunRecord:
@@ -71,6 +83,8 @@ class RunRecord:
         self._full = False   # a write found no room: closing (flushing what it left) fails the same way
 
     def start(self, config: dict, total_steps: int) -> None:
+        # (here, not at construction: every rank hears an error of the start's)
+        lacking(self.logger, f"the logger {type(self.logger).__name__}")
         self.logger.start(config, total_steps)
         with self._room("metrics.jsonl"):
             _set_aside(self.run_dir, self._from)

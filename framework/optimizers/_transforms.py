@@ -21,6 +21,18 @@ _CHUNK = 1 << 22   # elements per chunk of a temporary: 16 MiB of fp32 scratch, 
 
 
 class GradientTransformation(NamedTuple):
+    """``init(params) -> state`` and ``update(grads, state, params, lr) -> (updates, new_state)`` over the groups.
+
+    A group is a flat fp32 tensor: a shard of several parameters with padding, or a host piece of one, cut by
+    stage, offload, bucket size and world size; no parameter shape reaches the optimizer. So ``update`` is
+    elementwise: each element of an update depends only on the same element of grads, state and params, and on
+    scalars (lr, step counts). A norm, mean or max over a group (LAMB or LARS trust ratios, Adafactor's factored
+    moments, Muon's orthogonalisation) cannot be expressed: it would train another model in each layout.
+    A state is tuples or NamedTuples (nested; a field name is the key its tensors are saved under) whose leaves
+    are lists of tensors, one per group and of its size, or Python scalars (int, float, bool, None: step
+    counts, saved as JSON); no dict, no tensor outside such a list. ``initialize`` checks both on small groups
+    (``engine._checks.check_optimizer``) and refuses a transformation that breaks them in one line."""
+
     init: Callable[[Sequence[Tensor]], Any]
     update: Callable[[list[Tensor], Any, Sequence[Tensor], float], tuple[list[Tensor], Any]]
     # Optional fast path doing what ``step`` does (``fused(grads, state, params, lr, out16) -> state``), or

@@ -470,7 +470,7 @@ from framework.core.registry import Component
 from framework.models._base import ModelComponent, next_token_loss
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class TinyConfig:   # (no vocab_size: the data's)
     d_model: int = 8
     {context}
@@ -578,7 +578,7 @@ from framework.core.registry import Component
 from framework.optimizers import GradientTransformation
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class SignConfig:
     {fields}
 
@@ -711,6 +711,14 @@ def test_a_component_under_a_taken_name_or_with_another_build_signature_is_one_l
         registry("optimizer")
     assert str(e.value).startswith("optimizer 'sign' (framework.optimizers.sign): its build(cfg) cannot be called as "
                                    "the framework calls it, build(cfg, decay_mask) (") and "\n" not in str(e.value)
+    # a config that is not frozen: cfg.optimizer.lr = -3.0 after compose trained unchecked (library.md)
+    own_component("optimizer", "sign", OWN_OPTIMIZER.format(fields="lr: float = 1e-3\n    decay_1d: bool = False")
+                  .replace("@dataclass(frozen=True, kw_only=True)", "@dataclass"), "")
+    with pytest.raises(framework.ConfigError) as e:
+        registry("optimizer")
+    assert str(e.value) == ("optimizer 'sign' (framework.optimizers.sign): its config SignConfig is not frozen (a "
+                            "composed config is checked once and cannot change after); declare it "
+                            "@dataclass(frozen=True, kw_only=True)")
 
 
 def test_a_field_of_ones_own_config_without_a_value_names_the_yaml_file_and_the_plus_override(own_component):
@@ -831,3 +839,16 @@ def test_a_file_where_hydras_record_goes_is_one_line_before_the_run(tmp_path):
                                 f"{tmp_path / 'run' / '.hydra'}: it is not a folder; move it away, or give this run a "
                                 f"folder of its own: {key}=PATH")
     assert os.listdir(tmp_path / "run") == [".hydra"]
+
+
+def test_an_optimizer_of_ones_own_with_a_norm_over_its_group_is_refused_by_initialize(own_component):
+    """A LAMB/LARS-style norm over a group trained, with no error, another model at each stage, offload and
+    bucket size (a group is a shard or piece, not a parameter): initialize refuses it in one line."""
+    import torch
+
+    fields = "lr: float = 1e-3\n    decay_1d: bool = False"
+    code = OWN_OPTIMIZER.format(fields=fields).replace("g.sign()", "g / g.norm()")
+    search = own_component("optimizer", "sign", code, "")
+    cfg = framework.compose(["optimizer=sign", "logger=none", search])
+    with pytest.raises(framework.ConfigError, match=r"^optimizer 'sign': its update is not elementwise \("):
+        framework.initialize(torch.nn.Linear(4, 2), lambda m, b: m(b).sum(), cfg)

@@ -1,6 +1,7 @@
 """Config groups = registries; every YAML composes and builds; strict validation."""
 import dataclasses
 import re
+import sys
 import types
 
 import pytest
@@ -386,6 +387,52 @@ def test_a_public_helper_module_in_a_registry_package_is_one_line_saying_to_pref
     assert str(e.value) == ("framework.optimizers.helpers is in a registry package but defines no COMPONENT (or "
                             "COMPONENTS): if it is a helper, not a component, prefix its file name with _ (helpers.py "
                             "-> _helpers.py)"), str(e.value)
+
+
+_PLUGIN = """
+from dataclasses import dataclass
+
+from framework.core.registry import Component
+from framework.optimizers import lion
+
+
+@dataclass(frozen=True, kw_only=True)
+class ULionConfig(lion.LionConfig):
+    pass
+
+
+COMPONENT = Component(config=ULionConfig, build=lion.build)
+"""
+
+
+def test_an_installed_packages_entry_point_adds_a_component(tmp_path, monkeypatch):
+    """Another package's component, with no file in framework/: an entry point in group framework.<group> (a module,
+    or module:attribute naming a Component), its YAML in the user's folder; a name taken twice is one line."""
+    (tmp_path / "uplug.py").write_text(_PLUGIN)
+    (tmp_path / "uplug-0.1.dist-info").mkdir()
+    (tmp_path / "uplug-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: uplug\nVersion: 0.1\n")
+    points = tmp_path / "uplug-0.1.dist-info" / "entry_points.txt"
+    points.write_text("[framework.optimizer]\nulion = uplug\nulion2 = uplug:COMPONENT\n")
+    (tmp_path / "conf" / "optimizer").mkdir(parents=True)
+    (tmp_path / "conf" / "optimizer" / "ulion.yaml").write_text("lr: 3.0e-4\nbeta1: 0.9\nbeta2: 0.99\n"
+                                                               "weight_decay: 0.0\ndecay_1d: false\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.cache_clear()   # (discovery reads sys.path once per group)
+    try:
+        assert {"ulion", "ulion2", "adamw"} <= set(registry("optimizer").names())
+        cfg = compose(["optimizer=ulion", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
+        assert type(cfg.optimizer).__name__ == "ULionConfig" and cfg.optimizer.lr == 3e-4
+        points.write_text("[framework.optimizer]\nadamw = uplug\n")
+        registry.cache_clear()
+        with pytest.raises(ConfigError) as e:
+            registry("optimizer")
+        assert str(e.value) == ("optimizer 'adamw' is defined by both framework.optimizers.adamw and uplug (entry "
+                                "point of package uplug): rename one (and its YAML file optimizer/adamw.yaml)")
+    finally:
+        monkeypatch.undo()
+        sys.modules.pop("uplug", None)
+        registry.cache_clear()
+    assert "ulion" not in registry("optimizer").names()
 
 
 @pytest.mark.parametrize("override,name", [

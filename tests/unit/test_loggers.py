@@ -729,3 +729,27 @@ def test_the_first_and_last_lines_name_the_exported_weights_and_their_dtype(tmp_
     assert summary_line({**summary, "exported": "model_16bit", "exported_dtype": "bf16"}).endswith(
         " tok/s | wrote model_16bit/ (bf16)")
     assert "wrote" not in summary_line(summary)
+
+
+def test_a_logger_without_one_of_its_methods_is_one_line_before_training(tmp_path):
+    """A logger of one's own lacking finish trained and saved every step, then ended in an AttributeError traceback:
+    a class ``build`` is refused when the registry is read, any other logger at the run's start (every rank hears)."""
+    from framework.core.registry import Component
+    from framework.loggers import check_entry
+
+    class FileLog:   # (no finish)
+        def __init__(self, cfg, *, run): ...
+        def start(self, config, total_steps): ...
+        def log(self, record): ...
+        def close(self): ...
+
+    with pytest.raises(ConfigError) as e:
+        check_entry("framework.loggers.filelog", "filelog", Component(config=object, build=FileLog))
+    assert str(e.value) == ("logger 'filelog' (framework.loggers.filelog): its class FileLog has no finish method "
+                            "(training calls start(config, total_steps), log(record), finish(summary) and close() on a "
+                            "logger); subclass framework.loggers.NullLogger, which does nothing in each, and override "
+                            "what it needs")
+    record = RunRecord(tmp_path, FileLog(None, run=None))
+    with pytest.raises(ConfigError, match=r"^the logger FileLog has no finish method \(training calls"):
+        record.start({}, 2)
+    record.close()

@@ -361,3 +361,47 @@ def test_step_groups_hands_the_optimizer_only_its_groups(monkeypatch, name):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     for i in (7, 1, 30):
         assert all(torch.equal(x, y) for x, y in zip(_subset.group_state(s_a, 40, i), _subset.group_state(s_b, 40, i)))
+
+
+def _state(*leaves) -> Callable:
+    """An ``init`` whose state is a tuple of ``leaves(params)``."""
+    return lambda ps: tuple(leaf(ps) for leaf in leaves)
+
+
+_MOMENTS = lambda ps: [torch.zeros_like(p) for p in ps]   # noqa: E731
+
+
+@pytest.mark.parametrize("tx,says", [
+    # dict state (torch's style): trained, then a traceback at the first checkpoint, or at step 1 offloaded
+    (GradientTransformation(lambda ps: {"m": _MOMENTS(ps)}, lambda g, s, p, lr: (g, s)),
+     "its init's state holds a dict at its top, which checkpoints cannot save; a state is tuples or NamedTuples"),
+    # a 0-d tensor per group (a running max): not JSON, not reshardable
+    (GradientTransformation(_state(_MOMENTS, lambda ps: [torch.zeros(()) for p in ps]), lambda g, s, p, lr: (g, s)),
+     "its init's state holds a list at '1', which"),
+    (GradientTransformation(_state(lambda ps: 0, _MOMENTS), lambda g, s, p, lr: (g, (torch.tensor(s[0] + 1), s[1]))),
+     "its update's state holds a Tensor at '0', which"),
+    # a norm over a group (LAMB/LARS-style): a group is a shard or piece, so each layout trained another model
+    (GradientTransformation(lambda ps: (), lambda g, s, p, lr: ([-lr * x / (x.norm() + 1e-12) for x in g], s)),
+     "its update is not elementwise (on a group cut in two it gives other numbers than on the whole group)"),
+])
+def test_an_optimizer_breaking_the_contract_is_refused_at_initialize_in_one_line(tx, says):
+    """``GradientTransformation``'s contract, checked at initialize on two small groups (whole and cut in two):
+    state leaves are group-aligned tensor lists or Python scalars, and ``update`` is elementwise."""
+    from framework.engine._checks import check_optimizer
+
+    with pytest.raises(ConfigError) as e:
+        check_optimizer(tx, "mine", [True, False, True], torch.device("cpu"))
+    assert str(e.value).startswith(f"optimizer 'mine': {says}") and "\n" not in str(e.value), str(e.value)
+    elementwise = GradientTransformation(_state(_MOMENTS), lambda g, s, p, lr: ([-lr * x.sign() for x in g], s))
+    assert check_optimizer(elementwise, "mine", [True], torch.device("cpu")) is elementwise
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd", "lion", "adagrad"])
+def test_the_built_in_optimizers_pass_the_contract_check(name):
+    from framework.engine._checks import check_optimizer
+
+    comp = registry("optimizer").get(name)
+    extra = {"momentum": 0.9, "weight_decay": 0.1} if name == "sgd" else {"weight_decay": 0.1}
+    for mask in ([True, False], [False] * 3, [True] * 2000):
+        tx = comp.build(dataclasses.replace(comp.config(), **extra), mask)
+        assert check_optimizer(tx, name, mask, torch.device("cpu")) is tx
