@@ -23,9 +23,8 @@ from framework.core.errors import ConfigError
 from framework.core.room import nearest_existing
 from framework.persist.checkpoint import CHECKPOINTS
 
-# Hydra would write its record of a job (hydra.output_subdir) before the job runs, over a live run's record
-# or into a folder the job is refused a moment later: so it writes none, and the job writes it (``record_job``)
-# once it holds the folder and its checks passed.
+# Hydra would write its record of a job before the job runs, over a live run's record or into a folder refused a
+# moment later: so it writes none, and the job writes it (``record_job``) once it holds the folder and passed.
 NO_RECORD = "hydra.output_subdir=null"
 OVERRIDE_DIRNAME_EXCLUDE = "hydra.job.config.override_dirname.exclude_keys"
 QUIET = "hydra/hydra_logging=disabled"
@@ -101,8 +100,7 @@ def record_sweep(sweep_dir: Path, subdir: str | None, passed: Passed) -> None:
 
 
 def first_rank() -> bool:
-    """Whether this process is global rank 0 (or alone), read before ``launch`` sets the rank variables of a task
-    Hydra's submitit launcher started (torchrun's RANK, else that task's, as ``slurm_task_env`` gives them)."""
+    """Whether this process is global rank 0 (or alone): torchrun's RANK, else a submitit task's (before launch)."""
     rank = env_int("RANK", None)
     return (int(slurm_task_env().get("RANK", 0)) if rank is None else rank) == 0
 

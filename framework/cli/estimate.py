@@ -368,8 +368,7 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
             f"optimizer={c['optimizer']} world={pred.world} micro_batch={cfg.train.micro_batch} "
             f"context={context or cfg.model.context}{ckpt}")
     mib = lambda b: f"{b / MiB:10.1f} MiB"   # noqa: E731
-    # The sums (model states, the peak; the slack, of a CPU run's transients) have a column of their own: under
-    # "device" they would read as what the GPU holds. The field fits the longest name (zero3_grad_partitions (peak)).
+    # The sums (model states, peak, slack) have a column of their own: under "device" they would read as the GPU's.
     names = [*pred.items, "allocator slack", *(f"{n} (NVMe)" for n in pred.disk), *(f"{n} (peak)" for n in pred.transient)]
     w, disk = max(24, *map(len, names)), bool(pred.disk)
     row = lambda name, device="", host="", nvme="", total="": (   # noqa: E731

@@ -211,8 +211,7 @@ def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_
 
 
 def slurm_task_env() -> dict[str, str]:
-    """The rank variables torchrun would set, for a task (one per rank) Hydra's submitit launcher started: a Slurm
-    task, or one of its local executor's (tasks_per_node on this host)."""
+    """The rank variables torchrun would set, for a task (one per rank) Hydra's submitit launcher started."""
     env, executor = os.environ, os.environ.get("SUBMITIT_EXECUTOR")
     tasks = {"slurm": "SLURM_NTASKS", "local": "SUBMITIT_LOCAL_NTASKS"}.get(executor)
     if "WORLD_SIZE" in env or tasks is None or env_int(tasks, 1) <= 1:
@@ -428,8 +427,7 @@ def _join(ranks: list, timeout_s: float | None) -> bool:
 
 
 def rank_env(rank: int, nproc: int) -> None:
-    """This process's launch variables as local rank ``rank`` of ``nproc``, without the inherited Slurm task ones
-    (task 0's in a batch step: rank 0 alone would look like a Slurm task)."""
+    """Local rank ``rank`` of ``nproc``'s launch variables, not an inherited Slurm task's (rank 0 would look one)."""
     for key in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
         os.environ.pop(key, None)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))

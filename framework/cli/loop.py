@@ -62,8 +62,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} differs from the {data.vocab_size} token ids of the "
                           f"data, which set the model's vocabulary; drop model.vocab_size (set data.vocab_size "
                           f"where the data source has it)")
-    # The config as the model is built (W&B's and summary.json's): the data's vocabulary, not the YAML's. (The
-    # checkpoints keep the composed one, which a resume is compared with.)
+    # The config as built (W&B's, summary.json's): the data's vocabulary (checkpoints keep the composed one)
     built = cfg if getattr(cfg.model, "vocab_size", None) in (None, data.vocab_size) else \
         replace(cfg, model=replace(cfg.model, vocab_size=data.vocab_size))
     model = component(cfg, "model")
@@ -159,10 +158,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             "steps_run": state.step - first,   # by this process (fewer than steps after a resume)
             "skipped_steps": state.precision.skipped_steps,
             "elapsed_s": elapsed,   # the loop's wall time: training, evaluating (eval_s) and saving (save_s)
-            "eval_s": eval_s,
-            "save_s": save_s,
-            "world": dist.world,
-            "params": param_count(module),
+            "eval_s": eval_s, "save_s": save_s, "world": dist.world, "params": param_count(module),
             "data": data.describe(),
             # The ledger: bytes of the tensors the engine holds, by item and place; the peak is measured.
             "memory_per_rank": dist.all_gather_object(engine.memory(state).as_dict(), what="memory ledger gather"),
@@ -175,9 +171,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             summary["resume_given"] = cfg.resume_given
         if cfg.notices:
             summary["ds_config_notices"] = list(cfg.notices)
-        # stage3_gather_16bit_weights_on_model_save: consolidated safetensors (collective; nothing when off). Under
-        # train.on_nonfinite=stop a diverged state is refused as its checkpoint would be (warn: written, warned about);
-        # with checkpoints on, the last step's save (or the checkpoint resumed at the end) has checked it already.
+        # stage3_gather_16bit_weights_on_model_save (collective): under on_nonfinite=stop a diverged state is refused as
+        # its checkpoint would be; with checkpoints on, the last save (or the one resumed) has checked it already.
         if t.on_nonfinite == "stop" and not cfg.checkpoint.every and engine.components.stage.weights_on_save():
             ckpt.check_finite(state, f"not exporting model_16bit at step {state.step}")
         if save_on_model_save(engine, run.run_dir / "model_16bit") is not None:
@@ -197,8 +192,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         close_all(ckpt.close, engine.close, logger.close)
 
 
-# submitit's exits once it requeued the job: its Slurm environment's (job_environment._exit) and its local
-# executor's (LOCAL_REQUEUE_RETURN_CODE); any other SystemExit is not a requeue
+# submitit's exits once it requeued the job (Slurm's job_environment._exit, local LOCAL_REQUEUE_RETURN_CODE)
 REQUEUE_EXITS = (-1, 144)
 
 

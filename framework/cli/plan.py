@@ -315,8 +315,7 @@ def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, 
              f"context {cfg.model.context}", *notes,
              *(["note: no CUDA here: step times are measured on this host's CPU, so they rank these setups "
                 "as CPU runs, not on the GPUs gpu_mem= describes (memory fit is for those GPUs)"]
-               if hw.gpu_mem is not None and hw.device.type == "cpu" else []),
-             ]
+               if hw.gpu_mem is not None and hw.device.type == "cpu" else [])]
     if not (fitting := [p for p in planned if p.fits]):   # (the error line says what the closest setup needs)
         return "\n".join(lines)
     lines += ["", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host/node':>9s}"]

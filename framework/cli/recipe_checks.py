@@ -16,8 +16,7 @@ from framework.core.units import MiB
 from framework.core.utils import counted
 
 _BOUNDS = {"min", "max", "equals", "tol"}
-# Each kind of check (named by its first key) and every key it reads: a misspelled bound would
-# otherwise be ignored and the check pass whatever the numbers.
+# Each kind of check (by its first key) and the keys it reads: a misspelled bound would else pass any numbers.
 _CHECK_KEYS = {"metric": {"metric", "where"} | _BOUNDS,
                "curves_match": {"curves_match", "reference", "atol", "rtol"},
                "memory_scaling": {"memory_scaling", "worlds", "min_ratio", "max_ratio", "max_change"},

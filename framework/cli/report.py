@@ -66,8 +66,7 @@ class Job:
 
 
 def load_jobs(root: Path, pattern: str | None = None) -> list[Job]:
-    """Every job under ``root``, in natural path order, labelled by its distinguishing overrides; with
-    ``pattern`` (a glob), only the job folders directly in ``root`` it names."""
+    """Every job under ``root`` (``pattern``: the folders in it that glob names), labelled by its own overrides."""
     root = Path(root)
     if not root.is_dir():
         raise FrameworkError(f"report: {root} is not a folder; pass a Hydra multirun folder "

@@ -319,8 +319,7 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname), sweep_dir=Path(hc.sweep.dir),
             naming=frozenset(o.key_or_group for o in _naming(overrides, swept))) if multirun else dict(group=None, name=None)))
         made, owned = made_for(run.run_dir, base), []
-        # (no torchrun peers, whose sweepers would race it: the record is written before launch, for a job refused
-        # before it owns its folder too; else by the folder's owner)
+        # (no torchrun peers' sweepers to race: written before launch, for a job refused before owning too)
         early = multirun and first_rank() and env_int("WORLD_SIZE", 1) <= 1
 
         def own(folder: Path) -> None:
