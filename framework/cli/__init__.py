@@ -51,11 +51,10 @@ def fail(error: object, code: int) -> int:
 def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: dict,
                 body: Callable[[dict[str, str], list[str], dict], None],
                 aliases: Mapping[str, str | tuple[str, str]] | None = None) -> int:
-    """A ``key=value`` command's frame: ``-h``/``--help`` prints ``doc`` as plain text; ``body(own, overrides, flags)``
-    gets the arguments whose key is in ``own_keys``, the rest as Hydra overrides, and the ``--name``
-    flags (a flag whose default is an int takes a whole number >= 1); a ``FrameworkError`` is one
-    ``error:`` line on stderr and exit code 2; otherwise 0. ``aliases``: other tools' names (lower case) for
-    own keys or the training config's, which an unknown key's "did you mean" names (a pair: with a note)."""
+    """A ``key=value`` command's frame: ``-h``/``--help`` prints ``doc``; ``body(own, overrides, flags)`` gets the
+    arguments whose key is in ``own_keys``, the rest as Hydra overrides, and the ``--name`` flags (an int default: a
+    whole number >= 1); a ``FrameworkError`` is one ``error:`` line and exit code 2. ``aliases``: other tools' names
+    (lower case) for own keys or the training config's, for an unknown key's "did you mean" (a pair: with a note)."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(plain_text(doc))

@@ -1,8 +1,13 @@
-"""Hydra's record of a job (hydra.output_subdir, .hydra/), which the job writes itself once its checks passed, and
-what the CLI adds to Hydra's command line but leaves out of that record."""
+"""A job's run folder around Hydra: Hydra's record of the job (hydra.output_subdir, .hydra/), which the job writes
+itself once its checks passed, and what the CLI adds to Hydra's command line but leaves out of it; which process
+writes the sweep's record (``first_rank``); removing the folders made for a job refused before it trained."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -10,14 +15,16 @@ from typing import Callable, Mapping
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from framework.cli.launch import CHECKPOINT_LOCK, RUN_LOCK, slurm_task_env
+from framework.comm.distributed import env_int
 from framework.config import choice_override
 from framework.core import files
 from framework.core.errors import ConfigError
 from framework.core.room import nearest_existing
+from framework.persist.checkpoint import CHECKPOINTS
 
-# Hydra would write its record of a job (hydra.output_subdir) before the job runs, over a live run's record
-# or into a folder the job is refused a moment later: so it writes none, and the job writes it (``record_job``)
-# once it holds the folder and its checks passed.
+# Hydra would write its record of a job before the job runs, over a live run's record or into a folder refused a
+# moment later: so it writes none, and the job writes it (``record_job``) once it holds the folder and passed.
 NO_RECORD = "hydra.output_subdir=null"
 OVERRIDE_DIRNAME_EXCLUDE = "hydra.job.config.override_dirname.exclude_keys"
 QUIET = "hydra/hydra_logging=disabled"
@@ -63,10 +70,9 @@ def record_job(task: DictConfig, hc: DictConfig, subdir: str | None, passed: Pas
 
 
 def _write_record(subdir: str, records: dict[str, bytes], folder: Path) -> None:
-    out = folder / subdir
-    out.mkdir(parents=True, exist_ok=True)   # with the umask's modes, as Hydra makes them (colleagues read them)
+    (folder / subdir).mkdir(parents=True, exist_ok=True)   # with the umask's modes, as Hydra's (colleagues read them)
     for name, data in records.items():
-        files.write_atomic(out / name, data, shared=True)
+        files.write_atomic(folder / subdir / name, data, shared=True)
 
 
 def _as_given(cfg: DictConfig, subdir: str | None, passed: Passed) -> DictConfig:
@@ -91,3 +97,56 @@ def record_sweep(sweep_dir: Path, subdir: str | None, passed: Passed) -> None:
         return
     if NO_RECORD in OmegaConf.to_container(cfg.hydra.overrides.hydra):
         files.write_atomic(path, OmegaConf.to_yaml(_as_given(cfg, subdir, passed)).encode(), shared=True)
+
+
+def first_rank() -> bool:
+    """Whether this process is global rank 0 (or alone): torchrun's RANK, else a submitit task's (before launch)."""
+    rank = env_int("RANK", None)
+    return (int(slurm_task_env().get("RANK", 0)) if rank is None else rank) == 0
+
+
+def made_for(folder: Path, base: Path | None) -> list[Path]:
+    """The folders Hydra made for this job below ``base``, deepest first; none where ``folder`` holds anything."""
+    if base is None or base not in folder.parents or any(folder.iterdir()):
+        return []
+    return [folder, *(p for p in folder.parents if base in p.parents)]
+
+
+def remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool = False) -> bool:
+    """Remove the folders made for a job refused before it trained; whether the run folder went. Rank 0's (every
+    rank's for an error raised ``alike``: another rank's Hydra may make it again); one it ``owned`` only under its
+    locks again and while it holds only what the job wrote, else only if empty."""
+    if not made or (not first_rank() and not alike):   # (rank 0 may still be writing into it)
+        return False
+    try:
+        if owned:
+            with contextlib.ExitStack() as held:
+                if not _lock(held, made[0] / RUN_LOCK):
+                    return False
+                names = {p.name for p in made[0].iterdir()}
+                if not names <= {"train.log", RUN_LOCK, CHECKPOINTS, *Path(subdir or ".").parts[:1]}:
+                    return False
+                # The run folder's own checkpoint root (the pre-flight made it, holding only its lock): listed only
+                # under that lock, so a save committed before we took it is seen (and kept)
+                checkpoints = made[0] / CHECKPOINTS
+                if CHECKPOINTS in names and (checkpoints.is_symlink() or not _lock(held, checkpoints / CHECKPOINT_LOCK)
+                                             or os.listdir(checkpoints) != [CHECKPOINT_LOCK]):
+                    return False   # (a save, or another run saving there: kept)
+                shutil.rmtree(made[0], ignore_errors=True)
+        else:
+            made[0].rmdir()   # (not empty: another run's now)
+    except OSError:
+        return False
+    files.remove_made(made[1:])   # (up to one that holds another run's folder, or a sweep's multirun.yaml)
+    return not made[0].exists()
+
+
+def _lock(held: contextlib.ExitStack, path: Path) -> bool:
+    """Whether the lock file at ``path`` was free and is now held until ``held`` closes."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    held.callback(os.close, fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True

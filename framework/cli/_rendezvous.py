@@ -36,8 +36,8 @@ def alike_path(store_dir: str, rank: int) -> str:
 
 
 def mark_error(store_dir: str, rank: int, e: FrameworkError) -> None:
-    """For the launcher, which reads the marks once every rank ended: a lost peer (a DistributedError), which it
-    names after another rank's error, or the message of an error raised alike on every rank, which it gives once."""
+    """For the launcher, once every rank ended: a lost peer (named after another rank's error), or the message of an
+    error raised alike on every rank (given once)."""
     lost = isinstance(e, DistributedError)
     if lost or e.every_rank:
         with contextlib.suppress(OSError, FrameworkError):   # (FrameworkError: a link in the mark's place)
@@ -48,8 +48,7 @@ def mark_error(store_dir: str, rank: int, e: FrameworkError) -> None:
 
 
 def raised_alike(store_dir: str, nproc: int) -> str | None:
-    """The message every one of the ``nproc`` ranks marked as its error raised alike; None unless all marked the
-    same (one that failed otherwise, was killed before it wrote its mark, or another text: each rank's own)."""
+    """The message all ``nproc`` ranks marked as their error raised alike; None unless all marked the same."""
     texts = set()
     for rank in range(nproc):
         try:

@@ -23,12 +23,10 @@ INTERRUPT = signal.SIGUSR1   # the launcher's Ctrl-C passed on to a rank: Ctrl-C
 
 @contextlib.contextmanager
 def signals_unwind(rank: bool = False) -> Iterator[None]:
-    """SIGTERM raises SystemExit(143) in the main thread (later ones ignored), as Ctrl-C raises KeyboardInterrupt,
-    so the run unwinds and closes what it opened. A ``rank`` takes ``INTERRUPT`` (the launcher's copy of a group's
-    Ctrl-C) as Ctrl-C unless interrupted already; afterwards it ignores SIGINT and ``INTERRUPT`` (it is ending).
-    Python drops an exception raised in a finalizer: the signal is then sent again from another thread, and
-    leaving waits for such re-sends (under the previous handlers SIGTERM would end the process uncleaned). A signal
-    landing inside Python's lock code (``_taking_a_lock``) is sent again too, as it could leave a lock held."""
+    """SIGTERM raises SystemExit(143) in the main thread (later ones ignored), as Ctrl-C raises KeyboardInterrupt.
+    A ``rank`` ignores SIGINT and ``INTERRUPT`` afterwards (it is ending). Leaving waits for the re-sends (of a
+    signal whose exception a finalizer dropped, or that landed in ``_taking_a_lock``'s code): under the previous
+    handlers SIGTERM would end the process uncleaned."""
     if threading.current_thread() is not threading.main_thread():   # (library use: only there may it be set)
         yield
         return
@@ -119,8 +117,7 @@ _JOINS = frozenset(code for code in (threading.Thread.join.__code__, getattr(
 
 
 def _taking_a_lock(frame) -> bool:
-    """Whether raising in ``frame`` might leave a lock held (a signal landing there is sent again, soon); a wait
-    blocked in a Condition or a join may still be interrupted."""
+    """Whether raising in ``frame`` might leave a lock held (not a wait blocked in a Condition or a join)."""
     code = frame.f_code if frame is not None else None
     if code is None or code.co_filename not in _LOCK_CODE or code in _JOINS:
         return False
@@ -138,17 +135,11 @@ def terminated_line(e: SystemExit) -> str | None:
     return e.line if isinstance(e, Terminated) else sigterm
 
 
-def launcher_gone(launcher: int) -> bool:
-    """Whether this rank's ``launcher`` (parent) has died. Killed with -9, it sends torch's spawn pdeathsig (SIGINT)
-    as its main thread exits, while its other threads still exist: the rank is still its child then, but the main
-    thread is inside exit (the kernel's PF_EXITING, set before the signal is sent; a zombie after)."""
-    return os.getppid() != launcher or process_state(launcher) == "gone"
-
-
 def interrupted_line(rank: int, e: KeyboardInterrupt, launcher: int) -> str:
     """A spawned rank's line for its Ctrl-C: the group's (passed on by the launcher), or ``_die_with``'s once its
-    ``launcher`` is gone (killed with -9: nobody pressed Ctrl-C, and the rank is no longer its child)."""
-    if not launcher_gone(launcher):
+    ``launcher`` is gone (killed with -9: nobody pressed Ctrl-C). Such a launcher sends torch's pdeathsig (SIGINT)
+    as its main thread exits, while the rank is still its child: its state is then "gone" (PF_EXITING, a zombie)."""
+    if os.getppid() == launcher and process_state(launcher) != "gone":
         return f"rank {rank}: {str(e) or 'interrupted'}"
     at = f" at step {e.step}" if isinstance(e, Interrupted) else ""
     return f"rank {rank}: stopped{at}: its launcher (pid {launcher}) is gone (killed?)"

@@ -73,7 +73,7 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
 
 def model_kind(value: str) -> str:
     """How ``model=value`` is read: ``hf`` (a Hugging Face config.json, a folder holding one), ``yaml`` (a GPT model
-    config file) or ``name`` (conf/model/'s, or a name that is none: refused by the registry)."""
+    config file) or ``name`` (conf/model/'s, or an unknown name the registry refuses)."""
     path = Path(value)
     if path.suffix in (".yaml", ".yml"):
         return "yaml"
@@ -85,8 +85,7 @@ def model_kind(value: str) -> str:
 
 
 def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConfig.context):
-    """(module on meta, composed Config, whether it is a Hugging Face model, its vocabulary: {"size", "from"}
-    (``memory.model.build_vocab``)) for ``model=value``."""
+    """(module on meta, composed Config, whether it is a Hugging Face model, its vocabulary {"size", "from"})."""
     path, models = Path(value), registry("model")
     kind = model_kind(value)
     yaml, hf = kind == "yaml", kind == "hf"
@@ -131,8 +130,7 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
 
 
 def _no_hf_checkpointing(override: str, value: str) -> ConfigError:
-    """The refusal of transformers' checkpointing, whichever way the model is named: before the model is traced
-    (the trace would fail, after transformers' own warnings)."""
+    """Refuse transformers' checkpointing before the model is traced (the trace would fail, after its warnings)."""
     return ConfigError(f"estimate: {override} does not apply to model={value} (its activations are traced on the "
                        f"meta device, where transformers' checkpointing cannot run); drop it")
 
@@ -154,11 +152,7 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
         raise ConfigError(f"estimate: {path} is not a GPT model config: {_omega_error(e)}") from None
     for o in model_keys:
         key, _, text = o.partition("=")
-        name = override_key(key).removeprefix("model.")
-        if name not in fields:
-            hint = closest_hint(f"model.{name}", [f"model.{f}" for f in fields])
-            raise ConfigError(f"config: unknown key 'model.{name}'{hint}; valid keys under "
-                              f"model: {', '.join(fields)}")
+        name = _model_key(o, fields)
         try:
             if key.startswith("~"):   # back to the schema's default (or missing)
                 node = OmegaConf.merge(schema, {k: v for k, v in OmegaConf.to_container(node).items() if k != name})
@@ -191,11 +185,7 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
             raise ConfigError(f"estimate: {path} is not a GPT model config: {str(e).removeprefix('config: ')}") \
                 from None
     for o in model_keys:
-        name = override_key(o).removeprefix("model.")
-        if name not in fields:
-            hint = closest_hint(f"model.{name}", [f"model.{f}" for f in fields])
-            raise ConfigError(f"config: unknown key 'model.{name}'{hint}; valid keys under "
-                              f"model: {', '.join(fields)}")
+        name = _model_key(o, fields)
         override = parse(o)
         if override.prefix == "~":   # back to the schema's default (or missing)
             node.pop(name, None)
@@ -207,6 +197,14 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
         raise ConfigError(f"{e} (model={path})" if "Missing mandatory value" in str(e) else str(e)) from None
 
 
+def _model_key(override: str, fields: list[str]) -> str:
+    """A ``model.*`` override's key under GPTConfig, or one line naming the valid ones."""
+    if (name := override_key(override).removeprefix("model.")) not in fields:
+        raise ConfigError(f"config: unknown key 'model.{name}'{closest_hint(f'model.{name}', [f'model.{f}' for f in fields])}"
+                          f"; valid keys under model: {', '.join(fields)}")
+    return name
+
+
 def _omega_error(e) -> str:
     """``model.key: message`` of an OmegaConf error on the model's node, on one line."""
     key = getattr(e, "full_key", None) or ""
@@ -216,11 +214,9 @@ def _omega_error(e) -> str:
 
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:
     """``own[key]`` as a whole number >= 1 (``default`` when not given)."""
-    if key not in own:
-        return default
-    if (n := parse_count(own[key], key)) < 1:
+    if key in own and (n := parse_count(own[key], key)) < 1:
         raise ConfigError(f"estimate: {key}={own[key]} must be >= 1")
-    return n
+    return n if key in own else default
 
 
 def _number(override: str) -> float | None:
@@ -372,8 +368,7 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
             f"optimizer={c['optimizer']} world={pred.world} micro_batch={cfg.train.micro_batch} "
             f"context={context or cfg.model.context}{ckpt}")
     mib = lambda b: f"{b / MiB:10.1f} MiB"   # noqa: E731
-    # The sums (model states, the peak; the slack, of a CPU run's transients) have a column of their own: under
-    # "device" they would read as what the GPU holds. The field fits the longest name (zero3_grad_partitions (peak)).
+    # The sums (model states, peak, slack) have a column of their own: under "device" they would read as the GPU's.
     names = [*pred.items, "allocator slack", *(f"{n} (NVMe)" for n in pred.disk), *(f"{n} (peak)" for n in pred.transient)]
     w, disk = max(24, *map(len, names)), bool(pred.disk)
     row = lambda name, device="", host="", nvme="", total="": (   # noqa: E731

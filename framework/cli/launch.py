@@ -74,7 +74,8 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
             already = torch.distributed.is_initialized()
             cap_threads(local_world_size())
             dist = connect(cfg.dist.backend, cfg.dist.timeout_s)
-            _notice(cfg, local_world_size(), dist.is_main)
+            if dist.is_main and (line := backend_notice(cfg.dist.backend, local_world_size())):
+                say(line)
             if not already:
                 atexit.register(disconnect)
             # Ranks may resolve ${now:...} differently: rank 0's folder; this rank's removed if only Hydra wrote there.
@@ -102,13 +103,13 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
             return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s), on_point, on_ready)
         # One line for an impossible request (NCCL with more local ranks than GPUs) before any rank starts.
         resolve_backend(cfg.dist.backend, cfg.dist.nproc)
-        _notice(cfg, cfg.dist.nproc, True)
+        if line := backend_notice(cfg.dist.backend, cfg.dist.nproc):
+            say(line)
         return _spawn(cfg, run, on_point, on_ready)
 
 
 def error_line(rank: int, e: BaseException) -> str:
-    """A rank's last line for its error; one that names the rank already (a DistributedError's "rank r/w: ...")
-    is not prefixed a second time."""
+    """A rank's last line for its error, not prefixed where it names the rank already (a DistributedError's)."""
     return f"error: {e}" if str(e).startswith(f"rank {rank}/") else f"error: rank {rank}: {e}"
 
 
@@ -124,8 +125,7 @@ def own_run_folder(run: RunInfo) -> int:
 
 
 def own_checkpoint_dir(root: Path) -> int:
-    """A descriptor holding an exclusive lock on ``root``'s ``CHECKPOINT_LOCK`` (made if missing) while open: two
-    runs saving into one folder would overwrite each other's steps. Reading a checkpoint takes no lock."""
+    """A descriptor locking ``root``'s ``CHECKPOINT_LOCK`` while open: two runs saving there would overwrite steps."""
     return _own(root, CHECKPOINT_LOCK, lambda holder: f"checkpoint.dir {root} is in use by another run{holder}: "
                 "wait for it to end or set checkpoint.dir to another folder", "a second run saving into this folder")
 
@@ -161,8 +161,7 @@ def check_launch_env(cfg: Config) -> None:
 
 
 def check_saves(cfg: Config) -> None:
-    """One line for checkpoint.async=true where the CLI's loop saves no checkpoint (checkpoint.every=0): inert
-    here, though in one's own loop ``ckpt.save(state)`` writes in the background with it (compose accepts it)."""
+    """checkpoint.async=true with checkpoint.every=0 is inert in the CLI's loop (compose accepts it for one's own)."""
     if cfg.checkpoint.async_ and not cfg.checkpoint.every:
         raise ConfigError("config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); "
                           "set checkpoint.every=N or remove checkpoint.async")
@@ -170,19 +169,11 @@ def check_saves(cfg: Config) -> None:
 
 def restart_notice(cfg: Config, run: RunInfo) -> None:
     """One line where a torchrun restart finds nothing to resume (a ${now} run folder is new each attempt)."""
-    restarts = env_int("TORCHELASTIC_RESTART_COUNT", 0)
-    if restarts < 1 or cfg.checkpoint.resume != "auto" or not cfg.checkpoint.every:
-        return
-    root = checkpoint_root(cfg, run.run_dir, run.job)
-    if not root.is_dir() or not stepfolders.scan(root)[0]:
-        print(f"torchrun restart {restarts}: no checkpoint in {root} to resume (a run folder named by ${{now}} is "
-              f"new on each attempt); set hydra.run.dir (or checkpoint.dir) to a fixed folder to resume after a restart",
-              file=sys.stderr, flush=True)
-
-
-def _notice(cfg: Config, local_world: int, main: bool) -> None:
-    if main and (line := backend_notice(cfg.dist.backend, local_world)):
-        print(line, file=sys.stderr, flush=True)
+    restarts, root = env_int("TORCHELASTIC_RESTART_COUNT", 0), checkpoint_root(cfg, run.run_dir, run.job)
+    if restarts >= 1 and cfg.checkpoint.resume == "auto" and cfg.checkpoint.every and (
+            not root.is_dir() or not stepfolders.scan(root)[0]):
+        say(f"torchrun restart {restarts}: no checkpoint in {root} to resume (a run folder named by ${{now}} is new on "
+            f"each attempt); set hydra.run.dir (or checkpoint.dir) to a fixed folder to resume after a restart")
 
 
 def cap_threads(local_world: int) -> None:
@@ -220,8 +211,7 @@ def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_
 
 
 def slurm_task_env() -> dict[str, str]:
-    """The rank variables torchrun would set, for a task (one per rank) Hydra's submitit launcher started: a Slurm
-    task, or one of its local executor's (tasks_per_node on this host)."""
+    """The rank variables torchrun would set, for a task (one per rank) Hydra's submitit launcher started."""
     env, executor = os.environ, os.environ.get("SUBMITIT_EXECUTOR")
     tasks = {"slurm": "SLURM_NTASKS", "local": "SUBMITIT_LOCAL_NTASKS"}.get(executor)
     if "WORLD_SIZE" in env or tasks is None or env_int(tasks, 1) <= 1:
@@ -291,9 +281,8 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
 
 
 def remove_killed_swap(folder: Path | None, codes: list[int | None]) -> None:
-    """With every rank ended: remove the swap files a rank killed by a signal (SIGKILL: out of memory) left in
-    ``folder``, the run's default swap folder (None: none, or ``offload.nvme_path``'s, which the next run there
-    cleans), with one line, and the folder once empty. A rank that ended on its own removed its own."""
+    """Once every rank ended: remove, with one line, the swap files a rank killed by a signal (SIGKILL: out of memory)
+    left in the run's default swap ``folder`` (None: ``offload.nvme_path``'s, which the next run there cleans)."""
     if folder is None or not any(code is not None and code < 0 for code in codes):
         return
     count, freed = remove_stale(folder)
@@ -305,9 +294,8 @@ def remove_killed_swap(folder: Path | None, codes: list[int | None]) -> None:
 
 
 def log_rank_error(run: RunInfo, rank: int, world: int, e: Exception) -> None:
-    """Under torchrun, where train.log is rank 0's console: a rank's own error, the one that ended the run (its
-    traceback too for one not the framework's), as the launcher of spawned ranks writes it. Not an error every rank
-    raised alike (rank 0 logs it), nor a lost peer (rank 0's own line names it: this rank only waited on it)."""
+    """Under torchrun (train.log is rank 0's console): append a rank's own error (with a bug's traceback), as the
+    spawn launcher does; not one raised alike (rank 0 logs it) nor a lost peer (rank 0's line names it)."""
     if isinstance(e, FrameworkError) and (e.every_rank or isinstance(e, DistributedError)):
         return
     trace = "" if isinstance(e, FrameworkError) else "".join(traceback.format_exception(e))
@@ -315,8 +303,7 @@ def log_rank_error(run: RunInfo, rank: int, world: int, e: Exception) -> None:
 
 
 def _traceback(error_file: str) -> str | None:
-    """The traceback torch's spawn pickled for a rank that raised; None when there is none or it is unreadable
-    (not written: the rank exited on its own; cut short: a full temporary folder)."""
+    """The traceback torch's spawn pickled for a rank that raised; None if none (it exited on its own) or cut short."""
     try:
         trace = pickle.loads(Path(error_file).read_bytes())
     except (OSError, EOFError, pickle.UnpicklingError):
@@ -325,8 +312,7 @@ def _traceback(error_file: str) -> str | None:
 
 
 def _ended(run: RunInfo, error: FrameworkError, trace: str = "") -> FrameworkError:
-    """``error``, its line (after the rank's ``trace``) appended to the run's train.log, whose last line rank 0
-    wrote before the launcher stopped it ("terminated (SIGTERM)")."""
+    """``error``, its line (after the rank's ``trace``) appended to train.log (rank 0's last: "terminated ...")."""
     append_log(run, (f"{trace}\n" if trace else "") + f"error: {error}\n")
     return error
 
@@ -342,11 +328,9 @@ def append_log(run: RunInfo, text: str) -> None:
 
 
 def _failed(ranks: list, store_dir: str) -> tuple[list[int], list[int], list[int]]:
-    """Wait for the ranks to end: those that failed (the one to name first; empty when all finished), those
-    that had to be stopped, and of them those found stopped by SIGSTOP. Once one failed, the others have
-    ``REPORT_GRACE_S`` to end with their own error (a rank that failed first may be one whose peer went silent, one
-    slow to exit), then are stopped; the rank to name is the first that failed, unless its error was a lost peer and
-    another's was not."""
+    """Wait for the ranks to end: those that failed (the one to name first), those that had to be stopped, and of
+    them those stopped by SIGSTOP. Once one failed, the others have ``REPORT_GRACE_S`` to end with their own error
+    (the first to fail may only have lost a silent peer); a lost peer's rank is named after any other's."""
     pending = {p.sentinel: rank for rank, p in enumerate(ranks)}
     failed, deadline = [], None
     while pending and (ready := wait(list(pending), None if deadline is None
@@ -364,9 +348,8 @@ def _failed(ranks: list, store_dir: str) -> tuple[list[int], list[int], list[int
 
 def stalled_message(stalled: list[int], lost: list[int], nproc: int, timeout_s: float,
                     paused: list[int] | tuple = ()) -> str:
-    """One line for ranks the launcher had to stop after every rank that failed did so only on losing a peer:
-    those still running (stalled: in a loop, a hung read, a slow step) are what ended the run; those ``paused``
-    (SIGSTOP) ran nothing, so a longer timeout would not have helped."""
+    """One line for ranks the launcher stopped after every failed rank only lost a peer: those still running ended
+    the run (a loop, a hung read, a slow step); those ``paused`` (SIGSTOP) ran nothing: no timeout would help."""
     def ranks(group: list[int]) -> str:
         return f"rank{'s' if len(group) > 1 else ''} {', '.join(map(str, group))}"
     running = [rank for rank in stalled if rank not in paused]
@@ -381,11 +364,9 @@ def stalled_message(stalled: list[int], lost: list[int], nproc: int, timeout_s: 
 
 
 def _end(ranks: list) -> tuple[list[int], list[int]]:
-    """Stop the ranks still running ``REPORT_GRACE_S`` after a rank failed, with one line naming them first:
-    SIGTERM, and SIGKILL ``KILL_AFTER_S`` later (a rank in C++ runs no handler). They had their time to end on
-    their own, so not ``STOP_GRACE_S`` more; a stopped rank (SIGSTOP) would act on nothing before SIGCONT:
-    SIGKILL at once. A Ctrl-C meanwhile skips ahead. No rank is left running. The ranks it had to stop, and of
-    them the stopped ones."""
+    """Stop, with one line naming them, the ranks still running ``REPORT_GRACE_S`` after one failed: SIGTERM, SIGKILL
+    ``KILL_AFTER_S`` later (a rank in C++ runs no handler; they had their time, so no ``STOP_GRACE_S``); a SIGSTOPped
+    one would act on nothing before SIGCONT: SIGKILL at once. Returns the ranks stopped, and the SIGSTOPped ones."""
     alive = [(rank, p) for rank, p in enumerate(ranks) if p.is_alive()]
     if not alive:
         return [], []
@@ -404,9 +385,8 @@ def _end(ranks: list) -> tuple[list[int], list[int]]:
 
 
 def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:
-    """Pass the launcher's signal on (a Ctrl-C as ``INTERRUPT``; SIGTERM to a rank not yet ``ready``), wait
-    ``STOP_GRACE_S``, then SIGTERM, and SIGKILL ``KILL_AFTER_S`` later (a rank in C++ runs no handler); a Ctrl-C or
-    SIGTERM meanwhile skips ahead. No rank is left running."""
+    """Pass the launcher's signal on (Ctrl-C as ``INTERRUPT``; SIGTERM to a rank not yet ``ready``), then after
+    ``STOP_GRACE_S`` SIGTERM, and ``KILL_AFTER_S`` later SIGKILL (a Ctrl-C or SIGTERM meanwhile skips ahead)."""
     for rank, p in enumerate(ranks):
         if p.is_alive():
             with contextlib.suppress(ProcessLookupError):   # (ended meanwhile)
@@ -447,8 +427,7 @@ def _join(ranks: list, timeout_s: float | None) -> bool:
 
 
 def rank_env(rank: int, nproc: int) -> None:
-    """This process's launch variables as local rank ``rank`` of ``nproc``, without the inherited Slurm task ones
-    (task 0's in a batch step: rank 0 alone would look like a Slurm task)."""
+    """Local rank ``rank`` of ``nproc``'s launch variables, not an inherited Slurm task's (rank 0 would look one)."""
     for key in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
         os.environ.pop(key, None)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))

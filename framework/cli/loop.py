@@ -62,8 +62,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} differs from the {data.vocab_size} token ids of the "
                           f"data, which set the model's vocabulary; drop model.vocab_size (set data.vocab_size "
                           f"where the data source has it)")
-    # The config as the model is built (W&B's and summary.json's): the data's vocabulary, not the YAML's. (The
-    # checkpoints keep the composed one, which a resume is compared with.)
+    # The config as built (W&B's, summary.json's): the data's vocabulary (checkpoints keep the composed one)
     built = cfg if getattr(cfg.model, "vocab_size", None) in (None, data.vocab_size) else \
         replace(cfg, model=replace(cfg.model, vocab_size=data.vocab_size))
     model = component(cfg, "model")
@@ -83,8 +82,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                     dist.device)
     tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
     logger = NullLogger()
-    # The last log_every losses (for a save's record) and finite losses (the summary's): bounded, a run of millions
-    # of steps keeps no list of them
+    # The last log_every losses (a save's record) and finite ones (the summary's), bounded for a run of millions of steps
     recent, finite, evals = deque(maxlen=t.log_every), deque(maxlen=t.log_every), []
     ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point,   # collective
                         batch_from_config=True, data=data.identity())
@@ -112,8 +110,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             on_ready(run.run_dir)
         t_start = t_window = time.perf_counter()
         first = state.step   # a resumed run: throughput and ETA count only the steps this process runs
-        # Throughput is of training: the seconds spent evaluating and saving are left out of each log window's rate
-        # and of the summary's alike (a run that evaluates or saves more is not a slower trainer).
+        # Throughput is of training: evaluating and saving are left out of each log window's rate and the summary's
         window, paused = 0, 0.0  # steps, and seconds evaluating and saving, since the last log line
         eval_s = save_s = 0.0   # the run's
         while state.step < t.steps:
@@ -152,8 +149,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         elapsed = time.perf_counter() - t_start
         summary = {
             "steps": state.step,
-            # The mean of the last log_every trained steps' losses (metrics.jsonl has single steps' losses); none
-            # where this process trained none.
+            # The mean of the last log_every trained steps' losses; none where this process trained none
             **train_loss([*carried, *finite] if recent else [], t.log_every),
             "val_loss": evals[-1] if evals else math.nan,
             # Over the training time (as each log window's); none measured where this process trained no step
@@ -162,10 +158,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             "steps_run": state.step - first,   # by this process (fewer than steps after a resume)
             "skipped_steps": state.precision.skipped_steps,
             "elapsed_s": elapsed,   # the loop's wall time: training, evaluating (eval_s) and saving (save_s)
-            "eval_s": eval_s,
-            "save_s": save_s,
-            "world": dist.world,
-            "params": param_count(module),
+            "eval_s": eval_s, "save_s": save_s, "world": dist.world, "params": param_count(module),
             "data": data.describe(),
             # The ledger: bytes of the tensors the engine holds, by item and place; the peak is measured.
             "memory_per_rank": dist.all_gather_object(engine.memory(state).as_dict(), what="memory ledger gather"),
@@ -178,9 +171,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             summary["resume_given"] = cfg.resume_given
         if cfg.notices:
             summary["ds_config_notices"] = list(cfg.notices)
-        # stage3_gather_16bit_weights_on_model_save: consolidated safetensors (collective; nothing when off). Under
-        # train.on_nonfinite=stop a diverged state is refused as its checkpoint would be (warn: written, warned about);
-        # with checkpoints on, the last step's save (or the checkpoint resumed at the end) has checked it already.
+        # stage3_gather_16bit_weights_on_model_save (collective): under on_nonfinite=stop a diverged state is refused as
+        # its checkpoint would be; with checkpoints on, the last save (or the one resumed) has checked it already.
         if t.on_nonfinite == "stop" and not cfg.checkpoint.every and engine.components.stage.weights_on_save():
             ckpt.check_finite(state, f"not exporting model_16bit at step {state.step}")
         if save_on_model_save(engine, run.run_dir / "model_16bit") is not None:
@@ -200,16 +192,14 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         close_all(ckpt.close, engine.close, logger.close)
 
 
-# submitit's exits once it requeued the job: its Slurm environment's (job_environment._exit) and its local
-# executor's (LOCAL_REQUEUE_RETURN_CODE); any other SystemExit is not a requeue
+# submitit's exits once it requeued the job (Slurm's job_environment._exit, local LOCAL_REQUEUE_RETURN_CODE)
 REQUEUE_EXITS = (-1, 144)
 
 
 def exit_why(code, every: int, saved: bool) -> str:
-    """What a SystemExit raised while training (not SIGTERM's) was: inside a task Hydra's submitit launcher started,
-    its handler of the pre-emption signal (SIGUSR2; a time limit too, with retries left) exits so once it requeued
-    the job, which resumes from the last periodic save where one was ``saved`` (``every``: checkpoint.every), else
-    starts again at step 0; else some code's exit."""
+    """What a SystemExit raised while training (not SIGTERM's) was: in a submitit task, its pre-emption (or time
+    limit) handler's once it requeued the job, which resumes from a periodic save if one was ``saved`` (``every``:
+    checkpoint.every), else starts again at step 0; else some code's exit."""
     if not os.environ.get("SUBMITIT_EXECUTOR") or code not in REQUEUE_EXITS:
         return f"exit {code} raised while training"
     then = ("resumes from its last periodic save" if saved else
@@ -219,15 +209,15 @@ def exit_why(code, every: int, saved: bool) -> str:
 
 
 def train_loss(losses: list[float], window: int) -> dict:
-    """The summary's train loss: the mean of the last ``window`` finite losses (a step skipped for a non-finite
-    loss trained nothing), and over how many steps; None where no step trained."""
+    """The summary's train loss: the mean of the last ``window`` finite losses (a non-finite one trained nothing),
+    and over how many steps; None where no step trained."""
     last = [x for x in losses if math.isfinite(x)][-window:]
     return {"train_loss": fmean(last) if last else None, "train_loss_steps": len(last)}
 
 
 def close_all(*closes: Callable[[], None]) -> None:
-    """Call every one of ``closes`` in order, whatever an earlier one raised (a SIGTERM's SystemExit
-    landing in one included); then raise the first exception, which a later one does not mask."""
+    """Call every one of ``closes`` in order whatever an earlier one raised (a SIGTERM's SystemExit too); then raise
+    the first exception."""
     first: BaseException | None = None
     for close in closes:
         try:
@@ -240,8 +230,7 @@ def close_all(*closes: Callable[[], None]) -> None:
 
 
 def reset_peak_memory(device: torch.device) -> int:
-    """Start a new measurement window (the resident set's high-water mark too: a multirun's jobs share one
-    process); return the resident set size now (bytes)."""
+    """Start a new peak window (the RSS high-water mark too: a multirun's jobs share a process); return the RSS now."""
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     if device.type == "cuda":
@@ -250,8 +239,7 @@ def reset_peak_memory(device: torch.device) -> int:
 
 
 def peak_memory(device: torch.device, rss_start: int) -> dict[str, int]:
-    """Peak memory since ``reset_peak_memory``: resident set (VmHWM), the resident set at the start (the job
-    added the difference) and, on CUDA, the caching allocator's peaks."""
+    """Peak memory since ``reset_peak_memory``: RSS (VmHWM), the RSS at the start and, on CUDA, the allocator's."""
     out = {"peak_rss_bytes": rss_peak(), "rss_start_bytes": rss_start}
     if device.type == "cuda":
         out["peak_device_allocated_bytes"] = torch.cuda.max_memory_allocated(device)

@@ -59,17 +59,16 @@ CANDIDATE_KEYS = ("train.micro_batch", "train.grad_accum", "model.activation_che
 
 def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardware, steps: int,
            from_file: frozenset[str] = frozenset(), pinned: frozenset[str] = frozenset()) -> list[dict]:
-    """``from_file``: the groups (stage, offload) the DeepSpeed file chooses, left to it in the jobs' plan files.
-    ``pinned``: the batch keys the file fixes, whose command-line values stay in the jobs."""
+    """Run the top ``k``; ``from_file``: the groups the DeepSpeed file chooses (left to it in the jobs' plan files);
+    ``pinned``: the batch keys it fixes, whose command-line values stay in the jobs."""
     top = [p for p in planned if p.fits][:k]
     base_overrides = [o for o in base_overrides if (override_key(o) not in CANDIDATE_KEYS or override_key(o) in pinned)
                       and override_key(o) != "dist.nproc"]   # (the jobs' is hw.ranks, given last)
     with tempfile.TemporaryDirectory(prefix="framework-plan-") as d:
-        group = Path(d) / "search" / "plan"
+        group, sweep = Path(d) / "search" / "plan", Path(d) / "runs"
         group.mkdir(parents=True)
         for i, p in enumerate(top):
             group.joinpath(f"c{i}.yaml").write_text(_plan_yaml(p.cand, from_file))
-        sweep = Path(d) / "runs"
         # The plan group on the search path of the up-front check of every job and of each job's own composition.
         cmd = [sys.executable, "-m", "framework.train", "-m", "--config-dir", str(group.parent),
                f"hydra.searchpath=[file://{group.parent}]",
@@ -138,8 +137,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                           f"of {', '.join(names)}")
     if "steps" in own and not flags["verify"]:
         raise ConfigError("plan: steps= sets the length of the --verify runs; add --verify K or drop steps=")
-    steps = own.get("steps", "6")
-    if not steps.isdigit() or int(steps) < 2:   # the first step warms up and is not measured
+    if not (steps := own.get("steps", "6")).isdigit() or int(steps) < 2:   # the first step warms up and is not measured
         raise ConfigError(f"plan: steps={steps!r} must be a whole number >= 2")
     overrides, keys, given = _given_setup(overrides)
     cfg = compose([f"model={own['model']}", *overrides])
@@ -198,7 +196,7 @@ def _setup(batch: dict) -> str:
 def _restrict_batch(own: dict[str, str], overrides: list[str], cfg,
                     notes: list[str]) -> tuple[dict, list[str], frozenset[str]]:
     """A DeepSpeed file fixing the micro batch or accumulation (not "auto") restricts the search to the composed
-    micro batch, with a note; also returns the keys so fixed (``verify``'s ``pinned``)."""
+    micro batch, with a note; also the keys so fixed (``verify``'s ``pinned``)."""
     keys = ("train.micro_batch", "train.grad_accum")
     if cfg.ds_config is None:
         return own, notes, frozenset()
@@ -224,8 +222,7 @@ def _restrict_batch(own: dict[str, str], overrides: list[str], cfg,
 
 
 def _disk_dir(cfg, base: list[str]) -> Path:
-    """Where offload=nvme would swap (its free bytes, the probe's disk test): the nearest existing folder of
-    ``offload.nvme_path`` when given, else the working directory."""
+    """Where offload=nvme would swap (free bytes, the probe's disk test): ``offload.nvme_path``'s folder, or cwd."""
     given = [o.partition("=")[2].strip() for o in base if override_key(o) == "offload.nvme_path" and o[0] != "~"]
     path = given[-1] if given else getattr(cfg.offload, "nvme_path", None)
     return Path(os.getcwd()) if path in (None, "", "null") else nearest_existing(Path(user_path(path)))
@@ -252,9 +249,8 @@ def _given_setup(overrides: list[str]) -> tuple[list[str], list[str], dict[str, 
 
 def _chosen(cfg, group: str) -> str:
     """The stage or offload (none|cpu|cpu+params|nvme) of a composed config, as ``_given_setup`` names it."""
-    value = cfg.choices[group]
-    return "cpu+params" if group == "offload" and value == "cpu" and getattr(cfg.offload, "params", None) == "cpu" \
-        else value
+    cpu_params = group == "offload" and cfg.choices[group] == "cpu" and getattr(cfg.offload, "params", None) == "cpu"
+    return "cpu+params" if cpu_params else cfg.choices[group]
 
 
 def _restrict(own: dict[str, str], given: dict[str, str], cfg, base: list[str],
@@ -319,10 +315,8 @@ def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, 
              f"context {cfg.model.context}", *notes,
              *(["note: no CUDA here: step times are measured on this host's CPU, so they rank these setups "
                 "as CPU runs, not on the GPUs gpu_mem= describes (memory fit is for those GPUs)"]
-               if hw.gpu_mem is not None and hw.device.type == "cpu" else []),
-             ]
-    fitting = [p for p in planned if p.fits]
-    if not fitting:   # (the error line says what the closest setup needs)
+               if hw.gpu_mem is not None and hw.device.type == "cpu" else [])]
+    if not (fitting := [p for p in planned if p.fits]):   # (the error line says what the closest setup needs)
         return "\n".join(lines)
     lines += ["", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host/node':>9s}"]
     lines += [f"{i + 1:3d}  {p.cand.label():52s} {p.time['total']:8.3f} {p.device_peak / GiB:9.2f}Gi "

@@ -115,8 +115,7 @@ def available() -> list[str]:
 
 
 def merge_overrides(*groups: list[str]) -> list[str]:
-    """Concatenate override lists; a later override of the same key replaces an earlier one
-    (Hydra itself refuses two values for one key)."""
+    """Concatenate override lists; a later override of a key replaces an earlier one (Hydra refuses two)."""
     flat = [o for group in groups for o in group]
     last = {override_key(o): i for i, o in enumerate(flat)}
     return [o for i, o in enumerate(flat) if last[override_key(o)] == i]
@@ -138,9 +137,8 @@ def _sweep_jobs():
 
 
 def _source(override: str) -> str:
-    """data.path's value parsed by Hydra's grammar as train's is (quotes, escapes); an interpolation resolved on its
-    own (``${oc.env:..}``: the config's keys are not composed here); anything but one value is one line. Without
-    Hydra (the GPU image) plainconf's parser reads it, as train's command line: prepare composes nothing."""
+    """data.path's value parsed as train's is (Hydra's grammar, else plainconf's); an interpolation resolved on its
+    own (``${oc.env:..}``: no config is composed here); anything but one value is one line."""
     value = parse_overrides([override])[0].value() if have_hydra() else plain_parse(override).value
     if value is None or not isinstance(value, (str, int, float)):   # a sweep (a,b), a list ([a]), null, a dict
         raise RecipeError(f"{override}: prepare takes one file: data.path=FILE (quote a path with a comma: "
@@ -158,8 +156,7 @@ def _source(override: str) -> str:
 
 
 def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> dict:
-    """Build the recipe's data set from the text file ``data.path`` (default: recipe.yaml's
-    ``prepare.source``) into the file its config trains on (or ``out``)."""
+    """Build the recipe's data set from ``data.path`` (default: ``prepare.source``) into the file it trains on."""
     spec = recipe.spec.get("prepare")
     if not spec:
         raise RecipeError(f"recipe {recipe.name} has no prepare step (its data needs none)")
@@ -226,8 +223,8 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
 
 
 def _check_data(recipe: Recipe, runs: list[list[str]]) -> None:
-    """Every job's data file is there and was built (its prepare-written ``<stem>.meta.json``) from the text
-    expected.json's ``data`` names: one from another text would train for nothing, then fail."""
+    """Every job's data file is there and was built (its ``<stem>.meta.json``) from the text expected.json's ``data``
+    names: one from another text would train for nothing, then fail."""
     hint = (f"`python -m framework.recipe {recipe.name} prepare data.path=FILE` "
             f"(see {recipe.dir / 'README.md'} for where to get FILE)")
     want = recipe.expected.get("data") or {}
@@ -249,8 +246,7 @@ def _check_data(recipe: Recipe, runs: list[list[str]]) -> None:
 
 
 def _config_fill(recipe: Recipe, run0: list[str]) -> dict:
-    """``{cfg.KEY}`` in a before/after command: KEY's value in the first job's config (overrides,
-    --quick's and the user's, included), so e.g. an estimate describes the job that trains."""
+    """``{cfg.KEY}`` in a before/after command: KEY's value in the first job's config (all overrides included)."""
     wanted = {m for cmd in (*(recipe.spec.get("before") or []), *(recipe.spec.get("after") or []))
               for a in cmd for m in re.findall(r"(?<!\$)\{(cfg\.[\w.]+)\}", str(a))}
     if not wanted:
@@ -270,9 +266,8 @@ def _config_fill(recipe: Recipe, run0: list[str]) -> dict:
 
 
 def _checked_section(recipe: Recipe, out: Path, quick: bool | None) -> tuple[bool | None, float | None]:
-    """The section (quick or full) ``check DIR`` re-checks, and the run's elapsed_s: the run's own (its
-    checks.json), so a re-check never replaces one section's or recipe's verdict with another's; None
-    where neither the run nor --quick says (the full section, not recorded as the run's)."""
+    """The section (quick or full) ``check DIR`` re-checks, the run's own (its checks.json: a re-check never
+    replaces a verdict with another section's or recipe's; None where neither it nor --quick says), and elapsed_s."""
     try:
         before = json.loads((out / "checks.json").read_text())
     except (OSError, ValueError):
@@ -318,8 +313,8 @@ def _run_logged(cmd: list[str], log: Path, stream) -> None:
 
 
 def finish(recipe: Recipe, out: Path, *, quick: bool | None, elapsed_s: float | None = None, stream=None) -> dict:
-    """Report, extra plots and checks of a finished (or re-checked) output folder; ``quick`` None: the
-    section the run used is not known, the full one is checked and recorded as null."""
+    """Report, extra plots and checks of a finished (or re-checked) output folder; ``quick`` None: unknown (the
+    full section is checked, recorded as null)."""
     stream = stream or sys.stdout
     # Only this run's own job folders (run() names them): not an earlier run's below --out.
     res = report.write_report(out, title=f"{recipe.name}{' (quick)' if quick else ''}", pattern=JOB_DIRS)

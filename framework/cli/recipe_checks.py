@@ -16,8 +16,7 @@ from framework.core.units import MiB
 from framework.core.utils import counted
 
 _BOUNDS = {"min", "max", "equals", "tol"}
-# Each kind of check (named by its first key) and every key it reads: a misspelled bound would
-# otherwise be ignored and the check pass whatever the numbers.
+# Each kind of check (by its first key) and the keys it reads: a misspelled bound would else pass any numbers.
 _CHECK_KEYS = {"metric": {"metric", "where"} | _BOUNDS,
                "curves_match": {"curves_match", "reference", "atol", "rtol"},
                "memory_scaling": {"memory_scaling", "worlds", "min_ratio", "max_ratio", "max_change"},
@@ -65,10 +64,8 @@ def validate_checks(want: dict) -> None:
 def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
     """Each check's verdict with the numbers behind it (the kinds of check: recipes/README.md)."""
     validate_checks(want)
-    results = []
-    done = [j for j in jobs if j.summary is not None]
-    failed = [j for j in jobs if j.summary is None]
-    n = want.get("jobs")
+    results, n = [], want.get("jobs")
+    done, failed = [j for j in jobs if j.summary is not None], [j for j in jobs if j.summary is None]
     if n is not None or failed:
         ok = not failed and (n is None or len(done) == n)
         msg = f"jobs finished: {len(done)}" + (f" (expected {n})" if n is not None else "")
@@ -173,8 +170,7 @@ def _file(out: Path | None, c: dict) -> dict:
 
 
 def _memory(jobs, c: dict) -> dict:
-    """What a stage saves per rank from the smallest to the largest world size, measured, against
-    what the ZeRO formula says it saves (the constant part of a rank's memory cancels out)."""
+    """What a stage saves per rank from the smallest to the largest world, measured, against the ZeRO formula's."""
     stage = c["memory_scaling"]
     sel = sorted((j for j in jobs if matches(j, {"stage": stage})
                   and ("worlds" not in c or j.summary["world"] in c["worlds"])), key=lambda j: j.summary["world"])
@@ -204,16 +200,14 @@ def zero_model_state_bytes(stage: str, params: int, world: int, precision: str =
     """The ZeRO paper's model-state bytes per rank with Adam: 2 + 2 + 12 bytes per parameter in mixed precision,
     4 + 4 + 8 in fp32; zero1 divides the optimizer share by the world size, zero2 also gradients, zero3 all."""
     p, g, k = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
-    n = world
-    per_param = {"ddp": p + g + k, "zero1": p + g + k / n, "zero2": p + (g + k) / n, "zero3": (p + g + k) / n}
+    per_param = {"ddp": p + g + k, "zero1": p + g + k / world, "zero2": p + (g + k) / world, "zero3": (p + g + k) / world}
     if stage not in per_param:
         raise FrameworkError(f"recipe: no ZeRO formula for stage {stage!r}")
     return per_param[stage] * params
 
 
 def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Path:
-    """All jobs' ``key`` curves, and beside them each job's distance from the reference job (whose config
-    matches ``reference``, e.g. {"stage": "ddp"})."""
+    """All jobs' ``key`` curves, and beside them each one's distance from the job matching ``reference``."""
     done = [j for j in jobs if j.records]
     ref = next((j for j in done if matches(j, reference)), None)
     rs, rv = ref.curve(key) if ref is not None else (None, None)
@@ -241,8 +235,7 @@ def measured_memory(j: Job) -> int:
 
 
 def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
-    """Per-rank memory (``measured_memory``) against world size per stage, next to the ZeRO formula (left),
-    and what each world size saves over the smallest (right)."""
+    """Per-rank memory against world size per stage beside the ZeRO formula, and what each saves over the smallest."""
     by_stage: dict[str, list[Job]] = {}
     for j in jobs:
         if j.summary is not None:

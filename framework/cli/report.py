@@ -66,8 +66,7 @@ class Job:
 
 
 def load_jobs(root: Path, pattern: str | None = None) -> list[Job]:
-    """Every job under ``root``, in natural path order, labelled by its distinguishing overrides; with
-    ``pattern`` (a glob), only the job folders directly in ``root`` it names."""
+    """Every job under ``root`` (``pattern``: the folders in it that glob names), labelled by its own overrides."""
     root = Path(root)
     if not root.is_dir():
         raise FrameworkError(f"report: {root} is not a folder; pass a Hydra multirun folder "
@@ -101,9 +100,8 @@ def load_jobs(root: Path, pattern: str | None = None) -> list[Job]:
 
 def _spelled(value) -> str:
     """A config value as an override spells it."""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value) if isinstance(value, (bool, type(None), list, dict)) else repr(value)
+    return value if isinstance(value, str) else json.dumps(value) if isinstance(
+        value, (bool, type(None), list, dict)) else repr(value)
 
 
 def _same(text: str, value) -> bool:
@@ -217,20 +215,16 @@ def unfinished(folder: Path, width: int = 80) -> str:
         finally:
             os.close(fd)
     try:
-        lines = (folder / "train.log").read_text(errors="replace").splitlines()
+        error = why((folder / "train.log").read_text(errors="replace").splitlines())
     except OSError:
-        lines = []
-    error = why(lines)
-    if error is None:
-        return "failed"
-    return f"failed: {error if len(error) <= width else error[:width - 3].rstrip() + '...'}"
+        error = None
+    return "failed" if error is None else f"failed: {error if len(error) <= width else error[:width - 3].rstrip() + '...'}"
 
 
 def why(lines: list[str]) -> str | None:
-    """The cause a train.log ends with (a relaunch appends to it: the last): its last own ``error:`` line, not the
-    launcher's that follows it under dist.nproc>1 ("rank 1 of 2 exited with code 1"); a run ended by a signal, its
-    "terminated (SIGTERM) at step N" or "interrupted at step N" line, unless the launcher's line after it says a
-    rank's exit ended the run; the launcher's line alone, without its pointer to the console, where it is all."""
+    """The cause a train.log ends with (a relaunch appends: the last): its last own ``error:`` line, not the
+    launcher's after it ("rank 1 of 2 exited with code 1"); a signal's "terminated (SIGTERM) at step N" or
+    "interrupted at step N", unless the launcher's line after it names a rank's exit; else the launcher's alone."""
     exit_line = None
     for line in reversed(lines):
         error = line.removeprefix("error: ") if line.startswith("error: ") else None
@@ -272,9 +266,9 @@ def require_matplotlib():
     """matplotlib's Figure class, or one line saying how to install it (checked before a recipe trains)."""
     try:
         from matplotlib.figure import Figure
+        return Figure
     except ImportError:
         raise FrameworkError("report: plots need matplotlib; pip install -e '.[report]'") from None
-    return Figure
 
 
 def new_figure(figsize: tuple[float, float], cols: int = 1, **subplots):

@@ -28,8 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from framework.cli import fail
-from framework.cli._hydra import OVERRIDE_DIRNAME_EXCLUDE, QUIET, Passed, record_job, record_sweep
-from framework.cli._jobfolders import first_rank, made_for, remove_made
+from framework.cli._hydra import (OVERRIDE_DIRNAME_EXCLUDE, QUIET, Passed, first_rank, made_for, record_job,
+                                  record_sweep, remove_made)
 from framework.cli._signals import terminated_line
 from framework.cli.launch import check_saves, launch
 from framework.comm.distributed import check_env, env_int
@@ -90,17 +90,14 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("overrides", nargs="*")
-    for names in SWITCHES:
-        parser.add_argument(*names, action="store_true")
-    for names in VALUED:
-        parser.add_argument(*names)
+    for names in (*SWITCHES, *VALUED):
+        parser.add_argument(*names, **({"action": "store_true"} if names in SWITCHES else {}))
     parser.add_argument("--info", "-i", nargs="?", const="all")
     return parser
 
 
 def _check_one_run(argv: list[str], first: list[str]) -> None:
-    """One line for a flag between overrides (``a=1 -m b=2``), where Hydra's parser, taking the overrides as one
-    run of words, prints its usage blaming a valid override; ``first``: the first run's overrides."""
+    """One line for a flag between overrides (``a=1 -m b=2``), where Hydra's usage would blame a valid override."""
     every, _ = _parser().parse_known_intermixed_args(argv)
     if len(every.overrides) > len(first):
         later = every.overrides[len(first)]
@@ -112,8 +109,7 @@ def _check_one_run(argv: list[str], first: list[str]) -> None:
 
 
 def _one_command(args: argparse.Namespace) -> None:
-    """One line where Hydra would refuse its commands together with a traceback (``--cfg job`` with ``--run``
-    aside: the config is printed here, Hydra never sees it)."""
+    """One line where Hydra would refuse its commands together with a traceback (``--cfg job`` is printed here)."""
     given = [name for name, on in (("--run", args.run and args.cfg != "job"), ("-m", args.multirun),
                                    (f"--cfg {args.cfg}", args.cfg),
                                    (f"--info {args.info}".removesuffix(" all"), args.info is not None),
@@ -126,8 +122,7 @@ def _one_command(args: argparse.Namespace) -> None:
 
 
 def with_added(argv: list[str], added: list[str]) -> list[str]:
-    """``argv`` (a command line without its program) with ``added`` overrides right after the user's, which
-    they override: Hydra's parser takes the overrides as one run of words, which a flag may follow (``... -m``)."""
+    """``argv`` with ``added`` overrides right after the user's overrides (one run of words; a flag may follow)."""
     args, _ = _parser().parse_known_args(argv)
     n = len(args.overrides)
     ends = [i + n for i in range(len(argv) - n + 1)   # (a flag's value is none of them: -cn a=1 a=1)
@@ -137,8 +132,7 @@ def with_added(argv: list[str], added: list[str]) -> list[str]:
 
 
 def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
-    """A sweep override's values as Hydra's basic sweeper enumerates them (``glob``'s from conf/ and the primary
-    config's folder, which Hydra's parser cannot list)."""
+    """A sweep override's values as Hydra's basic sweeper enumerates them (``glob``'s from conf/ and --config-dir)."""
     if o.value_type == ValueType.INTERVAL_SWEEP:
         sweepers = [x.partition("=")[2] for x in overrides if override_key(x) == "hydra/sweeper"]
         if any(name != "basic" for name in sweepers):
@@ -195,14 +189,14 @@ def check_folder(cfg: DictConfig, key: str) -> Path | None:
 
 
 def check_missing_key(cfg: DictConfig, key: str, error: Exception | None = None) -> None:
-    """One line for a folder key interpolating a key the config lacks or an unset environment variable (Hydra
-    would fail with a traceback), naming ``${hydra:runtime.choices.GROUP}`` for a group's choice."""
-    if error is None:
-        try:
+    """One line for a folder key interpolating a missing key or an unset environment variable (Hydra: a traceback),
+    naming ``${hydra:runtime.choices.GROUP}`` for a group's choice."""
+    try:
+        if error is None:
             OmegaConf.select(cfg, key)
             return
-        except OmegaConfBaseException as e:
-            error = e
+    except OmegaConfBaseException as e:
+        error = e
     unset = (re.search(r"Environment variable '([^']+)' not found", str(error))   # ${oc.env:VAR}, VAR unset
              if isinstance(error, InterpolationResolutionError) else None)
     found = re.match(r"Interpolation key '([^']+)' not found", str(error))
@@ -251,8 +245,8 @@ def check_groups_chosen(overrides: list[str], cfg: DictConfig, config: Config, p
 
 
 def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package: str | None) -> None:
-    """``--cfg job [--package KEY]``: the composed config (or its KEY section) with a DeepSpeed config's values;
-    the whole config starts with a comment naming the chosen groups (``# stage=zero2 offload=cpu ...``)."""
+    """``--cfg job [--package KEY]``: the composed config (or KEY) with a DeepSpeed config's values, after a comment
+    naming the chosen groups (``# stage=zero2 offload=cpu ...``) unless a KEY."""
     cfg, config = compose_layers(list(overrides), composer=functools.partial(standalone_composer, **primary))
     if config.notices:   # as a run prints them (stderr: stdout stays the YAML a script may read)
         print("\n".join(config.notices), file=sys.stderr, flush=True)
@@ -277,8 +271,8 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
 
 
 def _naming(overrides: list[str], swept: frozenset[str]) -> list:
-    """The overrides that say which job a sweep's job is: all but unswept ``NOT_IDENTITY`` ones (left out of its
-    folder's name under an explicit checkpoint.dir, so a relaunch with more train.steps resumes the job)."""
+    """The overrides that name a sweep's job: all but unswept ``NOT_IDENTITY`` ones (a relaunch with more
+    train.steps resumes the job)."""
     return [o for o in parse_overrides(overrides) if o.key_or_group in swept or not under(o.key_or_group, NOT_IDENTITY)]
 
 
@@ -289,10 +283,8 @@ def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
 
 def _checkpoint_key(config: Config, key: str, older: str) -> str:
     """``key``, or ``older`` (all its overrides, Hydra's ``override_dirname``) where only that folder exists."""
-    if config.checkpoint.dir is None or older == key:
-        return key
     new, old = checkpoint_root(config, None, key), checkpoint_root(config, None, older)
-    if new.exists() or not old.is_dir():
+    if config.checkpoint.dir is None or older == key or new.exists() or not old.is_dir():
         return key
     print(f"checkpoint: using {old} (this job's folder named by all its overrides, those that do not name a job "
           f"included); move it to {new} to resume it under the job's current name", flush=True)
@@ -300,8 +292,7 @@ def _checkpoint_key(config: Config, key: str, older: str) -> str:
 
 
 def sweep_group(job_name: str, sweep_dir: str) -> str:
-    """The W&B group of a sweep's runs: the job's name and the sweep folder (relative to the working folder, else
-    its last two parts: multirun/<date>/<time>), '/' as '_'."""
+    """The W&B group of a sweep's runs: the job's name and the sweep folder (relative, else its last two parts)."""
     folder = os.path.abspath(sweep_dir)
     rel = os.path.relpath(folder, os.getcwd())
     parts = Path(rel).parts if not rel.startswith("..") else Path(folder).parts[-2:]
@@ -318,9 +309,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
     def job(task: DictConfig) -> float:
         hc = HydraConfig.get()
         overrides = passed.given(list(hc.overrides.task))
-        config = configs.get(_key(overrides))
-        if config is None:   # a job another sweeper made up: composed here, from its overrides
-            config = compose(overrides, composer=app_composer)
+        # (a job another sweeper made up: composed here, from its overrides)
+        config = configs.get(_key(overrides)) or compose(overrides, composer=app_composer)
         multirun = hc.mode == RunMode.MULTIRUN
         # Keys the command line does not fix are swept (there or by the sweeper): they tell the jobs apart.
         swept = frozenset(o.key_or_group for o in parse_overrides(overrides)) - fixed
@@ -329,14 +319,12 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname), sweep_dir=Path(hc.sweep.dir),
             naming=frozenset(o.key_or_group for o in _naming(overrides, swept))) if multirun else dict(group=None, name=None)))
         made, owned = made_for(run.run_dir, base), []
-        # (no torchrun peers, whose sweepers would race it: the record is written before launch, for a job refused
-        # before it owns its folder too; else by the folder's owner)
+        # (no torchrun peers' sweepers to race: written before launch, for a job refused before owning too)
         early = multirun and first_rank() and env_int("WORLD_SIZE", 1) <= 1
 
         def own(folder: Path) -> None:
-            """The folder's owner (rank 0, or the launching process) rewrites the sweep's record: under torchrun
-            every rank's sweeper wrote its raw multirun.yaml at the sweep's start, before the ranks connected; by
-            the owning (after the run-directory agreement) all have, so no late rank's write lands after ours."""
+            """The folder's owner rewrites the sweep's record: by then (after the run-directory agreement) every
+            torchrun rank's sweeper wrote its raw multirun.yaml, so no late rank's write lands after ours."""
             owned.append(folder)
             if multirun and not early:
                 record_sweep(Path(hc.sweep.dir), subdir, passed)
@@ -389,10 +377,9 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
 
 
 def _sweep_goes_on(e: Exception) -> bool:
-    """Whether this process may go on with a sweep's next job after failing on ``e``: always alone; as a rank of an
-    external group, only after a FrameworkError every rank raised alike (``every_rank``: an outcome the ranks
-    exchanged), not one perhaps this rank's alone (its peers, still in the failed job, would pair their collectives
-    with the next job's) nor a DistributedError (the group is unusable)."""
+    """Whether this process may go on with a sweep's next job after ``e``: always alone; as a torchrun rank only
+    after a FrameworkError raised alike on every rank (else peers still in the failed job would pair their
+    collectives with the next job's), not a DistributedError (the group is unusable)."""
     return env_int("WORLD_SIZE", 1) <= 1 or (isinstance(e, FrameworkError) and e.every_rank
                                              and not isinstance(e, DistributedError))
 
@@ -405,8 +392,8 @@ def _refused(e: FrameworkError, n: int, overrides: list[str], fixed: frozenset[s
 
 
 def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
-    """The ranks of each job of a sweep on Hydra's submitit launcher (Slurm's or the local one: nodes x
-    tasks_per_node), over which a DeepSpeed file's batch is divided; None for another launcher or one task."""
+    """The ranks (nodes x tasks_per_node) of each job of a sweep on Hydra's submitit launcher, over which a
+    DeepSpeed file's batch is divided; None for another launcher or one task."""
     if folder != "hydra.sweep.dir":
         return None
     try:   # (the launcher's choice is in the tree alone: it never depends on the DeepSpeed file)

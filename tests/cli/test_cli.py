@@ -192,7 +192,7 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkey
     under its lock (a live run holding it keeps it), and one that never held it only if it is empty.
     Another rank of a torchrun sweep (whose Hydra may make the folder again after rank 0 removed it) removes
     an empty one too, after an error every rank raised alike (not one rank 0 may still be writing into)."""
-    from framework.cli._jobfolders import remove_made as _remove_made
+    from framework.cli._hydra import remove_made as _remove_made
     from framework.cli.launch import own_checkpoint_dir, own_run_folder
     from framework.loggers import RunInfo
 
@@ -219,15 +219,15 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkey
     assert (run / "checkpoints" / "step-2").is_dir()
     (run / "checkpoints" / "step-2").rmdir()
     # ... also one committed as the lock is taken: the folder is listed under it
-    from framework.cli import _jobfolders
-    take = _jobfolders._lock
+    from framework.cli import _hydra
+    take = _hydra._lock
 
     def saved_first(held, path):
         if path.parent.name == "checkpoints":
             (path.parent / "step-4").mkdir()
         return take(held, path)
 
-    monkeypatch.setattr(_jobfolders, "_lock", saved_first)
+    monkeypatch.setattr(_hydra, "_lock", saved_first)
     _remove_made([run, run.parent], ".hydra", True)
     assert (run / "checkpoints" / "step-4").is_dir()
     monkeypatch.undo()

@@ -172,7 +172,7 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
     assert slurm_task_env() == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}
     # ... of which task 0 alone rewrites the sweep's multirun.yaml (read before launch sets RANK), as torchrun's rank 0
-    from framework.cli._jobfolders import first_rank
+    from framework.cli._hydra import first_rank
 
     assert not first_rank()
     monkeypatch.setenv("SUBMITIT_LOCAL_GLOBALID", "0")
