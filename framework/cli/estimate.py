@@ -200,7 +200,8 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
 def _model_key(override: str, fields: list[str]) -> str:
     """A ``model.*`` override's key under GPTConfig, or one line naming the valid ones."""
     if (name := override_key(override).removeprefix("model.")) not in fields:
-        raise ConfigError(f"config: unknown key 'model.{name}'{closest_hint(f'model.{name}', [f'model.{f}' for f in fields])}"
+        hint = closest_hint(f'model.{name}', [f'model.{f}' for f in fields])
+        raise ConfigError(f"config: unknown key 'model.{name}'{hint}"
                           f"; valid keys under model: {', '.join(fields)}")
     return name
 

@@ -82,7 +82,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                     dist.device)
     tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
     logger = NullLogger()
-    # The last log_every losses (a save's record) and finite ones (the summary's), bounded for a run of millions of steps
+    # The last log_every losses (a save's record) and finite ones (the summary's), bounded for a run of millions
+    # of steps
     recent, finite, evals = deque(maxlen=t.log_every), deque(maxlen=t.log_every), []
     ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point,   # collective
                         batch_from_config=True, data=data.identity())

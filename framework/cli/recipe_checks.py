@@ -200,7 +200,8 @@ def zero_model_state_bytes(stage: str, params: int, world: int, precision: str =
     """The ZeRO paper's model-state bytes per rank with Adam: 2 + 2 + 12 bytes per parameter in mixed precision,
     4 + 4 + 8 in fp32; zero1 divides the optimizer share by the world size, zero2 also gradients, zero3 all."""
     p, g, k = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
-    per_param = {"ddp": p + g + k, "zero1": p + g + k / world, "zero2": p + (g + k) / world, "zero3": (p + g + k) / world}
+    per_param = {"ddp": p + g + k, "zero1": p + g + k / world, "zero2": p + (g + k) / world,
+                 "zero3": (p + g + k) / world}
     if stage not in per_param:
         raise FrameworkError(f"recipe: no ZeRO formula for stage {stage!r}")
     return per_param[stage] * params

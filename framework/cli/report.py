@@ -218,7 +218,9 @@ def unfinished(folder: Path, width: int = 80) -> str:
         error = why((folder / "train.log").read_text(errors="replace").splitlines())
     except OSError:
         error = None
-    return "failed" if error is None else f"failed: {error if len(error) <= width else error[:width - 3].rstrip() + '...'}"
+    if error is None:
+        return "failed"
+    return f"failed: {error if len(error) <= width else error[:width - 3].rstrip() + '...'}"
 
 
 def why(lines: list[str]) -> str | None:
