@@ -71,15 +71,14 @@ class Checkpoint:
             if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
                 verify(d, resume=True)   # (as a resume: export never reads zero3's 16-bit copy; its damage is a line)
             body = stepfolders.read_json(state, "train state") if state.is_file() else {}
-            if isinstance(body, dict):
-                stepfolders.train_state_versions(body, d)
+            body = body if isinstance(body, dict) else {}   # (nothing of it read)
+            stepfolders.train_state_versions(body, d)
         except stepfolders.NewerVersion as e:
             raise stepfolders.NewerVersion(f"export: {e.what}", "export it with that version") from None
-        if isinstance(body, dict) and "state_format" in body:
+        if "state_format" in body:
             check_format(body["state_format"], f"export: {d}")
         self.metadata = glue().read_metadata(d / ".metadata")
-        # {alias: name} of the tied parameters, saved once
-        tied = body.get("tied") if isinstance(body, dict) else None
+        tied = body.get("tied")   # {alias: name} of the tied parameters, saved once
         self.tied = {a: n for a, n in tied.items() if isinstance(n, str)} if isinstance(tied, dict) else {}
         self.params, self.keys = {}, {}   # name -> its DCP key's prefix
         # the masters, then frozen parameters and buffers (in checkpoints written since they are)

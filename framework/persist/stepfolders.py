@@ -59,8 +59,9 @@ def check_version(value: Any, reads: int, what: str, folder: Path) -> None:
                            f"one reads {reads})")
 
 
-def train_state_versions(body: dict, folder: Path) -> None:
-    """``check_version`` of train_state.json ``body``'s own format and its state's."""
+def train_state_versions(body: Any, folder: Path) -> None:
+    """``check_version`` of train_state.json ``body``'s own format and its state's (none in a body that is no dict)."""
+    body = body if isinstance(body, dict) else {}
     check_version(body.get("format"), TRAIN_STATE_FORMAT, "train_state.json format", folder)
     check_version(body.get("state_format"), STATE_FORMAT, "state format", folder)
 
@@ -239,7 +240,7 @@ def scan(root: Path, around: bool = False, manifests: bool = False) -> tuple[lis
     """The committed ``step-<N>`` folders under ``root``, newest commit first (``seq``, then the step: a rewound run
     goes on from its own newest save), and a note for each ``step-<N>`` that is not one. A manifest that does not
     parse is damage, listed last: a resume fails naming it rather than start afresh over it. ``around``: an
-    ``interrupted`` step listed where it lies (a reader renames nothing). ``manifests``: as (folder, manifest or None)."""
+    ``interrupted`` step listed where it lies (a reader renames nothing). ``manifests``: (folder, manifest or None)."""
     if not root.is_dir():
         return [], []
     out, notes = [], []
@@ -293,9 +294,7 @@ def _step_versions(folder: Path, manifest: dict | None = None) -> None:
     written by a newer version; CheckpointError/UnsafePathError/OSError where either cannot be read."""
     if manifest is None:
         read_manifest(folder)
-    body = read_json(folder / TRAIN_STATE, "the train state")
-    if isinstance(body, dict):
-        train_state_versions(body, folder)
+    train_state_versions(read_json(folder / TRAIN_STATE, "the train state"), folder)
 
 
 def refuse_newer_above(step: Path, last: int) -> None:

@@ -141,7 +141,7 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
 
 
 def _chosen(src: WeightsSource, strict: bool, tgts: list[Target], module: nn.Module) -> dict[str, str]:
-    """``{target name: source key}`` of what ``src`` loads into ``tgts``; a ``ConfigError`` for whatever does not fit."""
+    """``{target name: source key}`` of what ``src`` loads into ``tgts``; a ``ConfigError`` for what does not fit."""
     names = {a for t in tgts for a in t.aliases}
     # source key -> the model name it loads into (None: ignored): a transformers model takes the checkpoint keys its
     # own from_pretrained would map; other models, each key itself

@@ -186,7 +186,7 @@ class Checkpointer:
         self._pending = save(self, state, losses)
 
     def check_finite(self, state, doing: str) -> None:
-        """A save's check that ``state`` is finite, alone, before ``doing``: a TrainingError on every rank. Collective."""
+        """A save's check that ``state`` is finite, alone, before ``doing``: a TrainingError on every rank."""
         self._check_open("check")
         check_finite(self, state, doing)
 
@@ -306,8 +306,7 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
         if stepfolders.check_file(folder, stepfolders.TRAIN_STATE, want) is not None:
             return cfg
         body = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")
-        if isinstance(body, dict):   # (a newer version's keys are not this one's to compare)
-            stepfolders.train_state_versions(body, folder)
+        stepfolders.train_state_versions(body, folder)   # (a newer version's keys are not this one's to compare)
         saved = body["config"]
     except (CheckpointError, UnsafePathError, OSError, KeyError, TypeError, stepfolders.NewerVersion):
         return cfg   # (damage, or a newer version's: the ranks' load names it)

@@ -19,8 +19,7 @@ import torch.distributed.checkpoint as dcp  # noqa: F401 - the package reaches D
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from framework.core.errors import CheckpointError, FrameworkError, one_line

@@ -12,17 +12,14 @@ import torch
 
 from framework.config.schema import get_key
 from framework.engine.state import initial_scalars
-from framework.core.errors import (CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank,
-                                   say)
+from framework.core.errors import CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank, say
 from framework.core.registry import registry
 from framework.models.hf import architecture, without_dtype
 from framework.loggers import RUN_ONLY
-from framework.persist import stepfolders
-from framework.persist import rng
+from framework.persist import rng, stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values, optim_keys
-from framework.persist.layout import (StateLayout, check_format, nonfinite_items, pieces,
-                                      with_saved_scalars)
+from framework.persist.layout import StateLayout, check_format, nonfinite_items, pieces, with_saved_scalars
 from framework.precision import PrecisionState
 from framework.persist.weights import whole_tensors
 from framework.core.utils import counted, few, under
@@ -238,8 +235,7 @@ def _train_state(folder: Path, manifest: dict) -> dict:
     """train_state.json, checked against the manifest: a file edited or mixed from another save is refused."""
     path = folder / stepfolders.TRAIN_STATE
     body = stepfolders.read_json(path, "the train state")
-    if isinstance(body, dict):   # the versions first: a newer version's file may lack or rename any other key
-        stepfolders.train_state_versions(body, folder)
+    stepfolders.train_state_versions(body, folder)   # first: a newer version's file may lack or rename any other key
     missing = [k for k in _BODY_KEYS if k not in body] if isinstance(body, dict) else list(_BODY_KEYS)
     if missing:
         raise CheckpointError(f"checkpoint {folder}: {path} lacks {few(missing)}")

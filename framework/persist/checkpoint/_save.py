@@ -25,8 +25,7 @@ from framework.core.units import MiB
 from framework.engine.state import FORMAT as STATE_FORMAT
 from framework.models.hf import architecture
 from framework.offload import verify_map
-from framework.persist import stepfolders
-from framework.persist import rng
+from framework.persist import rng, stepfolders
 from framework.persist.checkpoint._group import Group, agree_save, glue
 from framework.core.utils import dtype_name, few, tensor_bytes
 from framework.persist.layout import StateLayout, host_copy, nonfinite_items, pieces
