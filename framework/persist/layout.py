@@ -191,10 +191,9 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
                     names: Iterable[str], rank: int = 0, world: int = 1, dist: Any = None,
                     whole: Mapping[str, torch.Tensor] | None = None, seed: int = 0,
                     device: torch.device | None = None) -> TrainState:
-    """Copy the fragments of ``saved`` (every saving rank's state dict) into ``state``'s tensors and return it with
-    the saved scalars; all checked first. ``names``: every trained parameter; ``whole``: the buffers and frozen
-    parameters to fill. Saved by another number of ranks, the generators are derived from (``seed``, step, rank) on
-    ``device``. ``dist``: the loading ranks, which agree on the checks (a refusal on one stops every rank)."""
+    """Copy the fragments of ``saved`` (every saving rank's state dict) into ``state``, all checked first, and return
+    it with the saved scalars. ``names``: every trained parameter; ``whole``: the buffers and frozen parameters to
+    fill; ``seed``, ``device``: a changed world size derives the generators. ``dist``: the ranks agree on the checks."""
     if dist is not None:
         rank, world = dist.rank, dist.world
     flats, per, scalars = pieces(state, specs)

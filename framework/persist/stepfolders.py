@@ -67,10 +67,9 @@ def train_state_versions(body: Any, folder: Path) -> None:
 
 
 def removed_while_read(step: Path, advice: str) -> str:
-    """The line for ``step`` removed while it was read (no damage): the rotation of the run holding the folder's
-    lock, named by its text. Where no run holds it, another process (a library loop takes no lock, a user's ``rm``):
-    the lock's text would name a run that may have ended long ago; where this process holds it, another process too
-    (this run rotates nothing before it saves)."""
+    """The line for ``step`` removed while it was read (no damage): the rotation of the run holding the folder's lock.
+    Where none holds it (the text would name a run long ended), or this process does (it rotates nothing before it
+    saves), another process (a library loop takes no lock, a user's ``rm``)."""
     lock = step.parent / LOCK
     try:
         fd = files.open_nofollow(lock, os.O_RDONLY)

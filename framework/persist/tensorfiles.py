@@ -72,8 +72,7 @@ class WeightsSource(contextlib.AbstractContextManager):
             missing = sorted(set(weight_map or ()) - set(self.meta))
             if missing:
                 raise ConfigError(f"load_weights: {self.where} names {counted(len(missing), 'tensor')} that "
-                                  f"{'is' if len(missing) == 1 else 'are'} not in their "
-                                  f"files: {few(missing, 20, str)}")
+                                  f"{'is' if len(missing) == 1 else 'are'} not in their files: {few(missing, 20, str)}")
         except BaseException:
             self.close()
             raise
@@ -347,9 +346,8 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
 
 def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype: torch.dtype | None, *,
                dist=None, **writer_options) -> list[Path]:
-    """The files of ``plans``, filled by ``write(writer)``, then warnings on what was written; the paths. With
-    ``dist`` every rank writes its share, rank 0 creates and finishes the files, each phase agreed. On a failure the
-    ``.tmp`` files go: an earlier save there stays whole."""
+    """The files of ``plans``, filled by ``write(writer)``, then warnings on what was written; the paths. With ``dist``
+    every rank writes its share, rank 0 creates and finishes the files. An earlier save stays whole on a failure."""
     main = dist is None or dist.is_main
 
     def phase(fn, name: str):
@@ -371,8 +369,7 @@ def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype
     if main and overflow:
         print(f"warning: {what}: {counted(overflow, 'finite value')} beyond the {dtype_name(dtype)} range (largest "
               f"{torch.finfo(dtype).max:g}) {'was' if overflow == 1 else 'were'} written as inf; save as bf16 or fp32 "
-              f"to keep them",
-              file=sys.stderr, flush=True)
+              f"to keep them", file=sys.stderr, flush=True)
     if main and bad:
         print(f"warning: {what}: NaN or inf values in {few(sorted(bad))} were written as they are: the weights hold "
               f"a diverged state (save from a checkpoint before it to get usable ones)", file=sys.stderr, flush=True)
@@ -380,9 +377,8 @@ def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype
 
 
 class Writer(contextlib.AbstractContextManager):
-    """Values into ``create_files``' ``.tmp`` files at their entries' offsets, converted ``WRITE_CHUNK`` elements at a
-    time where they lie; overflows counted and (``check``) NaN or inf flagged on their devices, read once in
-    ``finish``. ``release(part)``: after each chunk (a mapped swap file frees pages)."""
+    """Values into ``create_files``' ``.tmp`` files, converted ``WRITE_CHUNK`` elements at a time where they lie;
+    overflows and (``check``) NaN or inf flagged on their devices, read in ``finish``; ``release(part)`` after each."""
 
     def __init__(self, out_dir: Path, plans: Sequence[FilePlan], what: str, check: bool = True, release=None):
         self.out_dir, self.plans, self.what, self.check, self.release = out_dir, plans, what, check, release

@@ -242,8 +242,7 @@ def check_output(out_dir: Path, what: str, overwrite: bool = False, config: bool
                           f"choose an empty folder, or give --overwrite to replace the weights there{stays}")
     if config:
         print(f"warning: {what}: {out_dir / 'config.json'} stays as it is ({what} writes only the weights); check "
-              f"that it describes the {'exported' if what == 'export' else 'saved'} model", file=sys.stderr,
-              flush=True)
+              f"that it describes the {'exported' if what == 'export' else 'saved'} model", file=sys.stderr, flush=True)
 
 
 def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,

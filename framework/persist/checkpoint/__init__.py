@@ -374,9 +374,8 @@ def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
 
 
 def _scan(root: Path, owned: bool) -> tuple[list[Path], list[str]]:
-    """``stepfolders.scan`` of ``root``, a step a commit moved aside counted (or a resume would go back a save
-    interval): put back first where this run ``owned`` the folder, else read where it lies (a commit may be under way
-    there). Rank 0 only."""
+    """``stepfolders.scan`` of ``root`` with a step a commit moved aside (else a resume goes back a save): put back
+    first where this run ``owned`` the folder, else read where it lies (a commit may be under way). Rank 0 only."""
     if owned:
         restore(root)
     return stepfolders.scan(root, around=not owned)

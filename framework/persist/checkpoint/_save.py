@@ -99,10 +99,9 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
 
     out: dict[str, Any] = dcp_values(layout.share(), flats, keys, take)
     host_scalars = {p: host_copy(v) for p, v in scalars.items()}
-    for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
-        out[f"optim.{keys[path]}"] = torch.as_tensor(value, device="cpu").clone()
-    if whole is not None:   # buffers and frozen parameters, whole on every rank: rank 0's, written once
-        out.update(whole)
+    # DCP writes each once: the scalars (the same on every rank), rank 0's buffers and frozen parameters (whole on all)
+    out.update({f"optim.{keys[p]}": torch.as_tensor(v, device="cpu").clone() for p, v in host_scalars.items()})
+    out.update(whole or {})
     # the files' bytes: the tensors', with room for DCP's per-item records, the JSON files and the metadata
     nbytes = tensor_bytes(t for v in out.values() for t in (v.tensors() if isinstance(v, glue().Boxes) else [v])) \
         + 4096 * len(out) + (64 << 10)
@@ -238,9 +237,8 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
             "train.on_nonfinite=warn keeps training without saving such state"))
     if shorts:
         raise on_every_rank(CheckpointError(f"checkpoint: not saving step {step}: " + "; ".join(
-            s.describe("the checkpoint files") for s in shorts)
-            + "; free space, lower checkpoint.keep_last or set checkpoint.dir to a larger disk "
-              "(the previous checkpoints are kept)"))
+            s.describe("the checkpoint files") for s in shorts) + "; free space, lower checkpoint.keep_last or set "
+            "checkpoint.dir to a larger disk (the previous checkpoints are kept)"))
     snap["need"] = sum(c.need for _, c, _, _ in everyone)   # every rank's files: one number on every rank
     return True
 
