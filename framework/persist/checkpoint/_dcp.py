@@ -182,17 +182,13 @@ class SafeReader(FileSystemReader):
         return self._metadata
 
 
-# What DCP warns on each one-rank save or load: that it assumes one process, which no_dist asks for.
-NO_DIST_WARNING = "torch.distributed is disabled"
-
-
 def quiet_no_dist() -> None:
-    """Ignore DCP's one-process warning (what no_dist asks for) from now on, once. Not ``catch_warnings`` around each
-    call: it restores the filter list on leaving, dropping another thread's filter added meanwhile; not added again:
-    each filterwarnings call clears every module's once-per-place warning registry."""
-    if not any(action == "ignore" and getattr(message, "pattern", None) == NO_DIST_WARNING
-               for action, message, *_ in warnings.filters):
-        warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
+    """Ignore DCP's one-process warning (on each one-rank save or load: what no_dist asks for) from now on, once. Not
+    ``catch_warnings`` around each call: it restores the filter list on leaving, dropping another thread's filter
+    added meanwhile; not added again: each filterwarnings call clears every module's once-per-place warning registry."""
+    text = "torch.distributed is disabled"
+    if not any(act == "ignore" and getattr(message, "pattern", None) == text for act, message, *_ in warnings.filters):
+        warnings.filterwarnings("ignore", message=text)
 
 
 def read(folder: Path, metadata, targets: dict, release: Callable[[torch.Tensor], None] | None = None,
