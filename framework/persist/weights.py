@@ -107,11 +107,10 @@ def _components(engine, what: str) -> Components:
 
 
 def load_weights(engine, source, *, strict: bool = True) -> None:
-    """Load consolidated weights (a path, ``open_weights``, or an open ``WeightsSource``) into ``engine``'s model:
-    masters, zero3 shards, buffers, not the optimizer state; a tied parameter takes any of its names. Collective.
-    Missing and unexpected names (``strict``), shape and dtype-kind mismatches: one ``ConfigError`` before anything
-    is written; NaN or inf (buffers, frozen parameters: NaN) one as it is read, after which the engine refuses to step
-    or save until a load finishes."""
+    """Load consolidated weights (a path or an open ``WeightsSource``) into ``engine``'s model: masters, zero3 shards,
+    buffers, not the optimizer state; a tied parameter takes any of its names. Collective. Names (``strict``), shapes
+    and dtype kinds that do not fit: one ``ConfigError`` before anything is written; NaN or inf (buffers, frozen
+    parameters: NaN) one as read, after which the engine refuses to step or save until a load finishes."""
     if not isinstance(source, (str, os.PathLike, WeightsSource)):
         raise ConfigError(f"load_weights: source must be a path (a weights file or folder), got "
                           f"{type(source).__name__}; a {{name: tensor}} dict in memory goes into the module before "
@@ -131,8 +130,7 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
             return src, _chosen(src, strict, tgts, c.module)
 
         src, chosen = agree(c.dist, check, "load_weights")
-        # From the first write on, a failure (a rank that cannot read its ranges, non-finite values) leaves the
-        # weights partly the file's: the engine refuses to step or save until a load finishes.
+        # From the first write on, a failure (a rank's read, non-finite values) leaves the weights partly the file's
         engine.start_load("load_weights")
         agree(c.dist, lambda: _load(src, chosen, layout, masters, tgts, fmap), "load_weights")
     # (collective: zero1/2 gather the partitions, zero3 refreshes its shards) a strict=False load of only some

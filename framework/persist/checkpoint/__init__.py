@@ -268,11 +268,10 @@ def _other_job(folder: Path, values: dict | None) -> list[tuple[str, str]]:
 
 def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path | None = None,
               own: Callable[[Path], None] | None = None, naming: frozenset[str] = frozenset()):
-    """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (every rank loads the
-    same); another model's or optimizer's checkpoint refused on one line, damage left to the ranks. ``own(folder)``:
-    for a run that saves, once its folder is made and writable, before anything in it is read (the CLI locks it).
-    ``naming``: the keys that say which job a multirun job is; ``auto`` refuses a checkpoint saved with other values
-    of them (a sweep's values in another order), ``latest`` passes over one."""
+    """Before any rank starts: ``cfg`` with resume=latest resolved to a path (every rank loads the same); another
+    model's or optimizer's checkpoint refused on one line, damage left to the ranks. ``own(folder)``: for a run that
+    saves, once its folder is made and writable, before anything in it is read (the CLI locks it). ``naming``: a
+    multirun job's keys; ``auto`` refuses a checkpoint saved with other values of them, ``latest`` passes over one."""
     c = cfg.checkpoint
     for key, given in (("checkpoint.dir", c.dir), ("checkpoint.resume", c.resume)):   # (ENAMETOOLONG: a traceback)
         check_name(given or ".", key)
