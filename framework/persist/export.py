@@ -23,9 +23,8 @@ from framework.persist.tensorfiles import output_dir, plan_files, save_files
 from framework.persist.weights import check_output
 
 def resolve(checkpoint) -> Path:
-    """The DCP step folder of ``checkpoint``: itself; in a folder of our committed step folders the newest, as
-    ``checkpoint.resume=auto`` picks it (one a commit moved aside read where it lies; said when ``latest`` names
-    another: a save that failed to update it); else what its ``latest`` points at (a link, or a file naming it)."""
+    """The DCP step folder of ``checkpoint``: itself; in a folder of committed step folders the newest, as resume=auto
+    picks it (said when ``latest`` names another); else what its ``latest`` points at (a link, or a file naming it)."""
     path, seen = Path(checkpoint), set()
     found = [] if (path / ".metadata").is_file() else stepfolders.scan(path, around=True)[0]   # (renames nothing)
     if found:
@@ -62,8 +61,8 @@ def resolve(checkpoint) -> Path:
 
 
 class Checkpoint:
-    """A DCP step folder opened through the checkpoint's readers (nothing pickled runs); one our save wrote (a
-    manifest, train state or rng file in it) checked against its manifest first: damage is a CheckpointError."""
+    """A DCP step folder opened through the checkpoint's readers (nothing pickled runs); one our save wrote checked
+    against its manifest first."""
 
     def __init__(self, checkpoint):
         d = self.step_dir = resolve(checkpoint)
@@ -72,15 +71,14 @@ class Checkpoint:
             if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
                 verify(d, resume=True)   # (as a resume: export never reads zero3's 16-bit copy; its damage is a line)
             body = stepfolders.read_json(state, "train state") if state.is_file() else {}
-            if isinstance(body, dict):
-                stepfolders.train_state_versions(body, d)
+            body = body if isinstance(body, dict) else {}   # (nothing of it read)
+            stepfolders.train_state_versions(body, d)
         except stepfolders.NewerVersion as e:
             raise stepfolders.NewerVersion(f"export: {e.what}", "export it with that version") from None
-        if isinstance(body, dict) and "state_format" in body:
+        if "state_format" in body:
             check_format(body["state_format"], f"export: {d}")
         self.metadata = glue().read_metadata(d / ".metadata")
-        # {alias: name} of the tied parameters, saved once
-        tied = body.get("tied") if isinstance(body, dict) else None
+        tied = body.get("tied")   # {alias: name} of the tied parameters, saved once
         self.tied = {a: n for a, n in tied.items() if isinstance(n, str)} if isinstance(tied, dict) else {}
         self.params, self.keys = {}, {}   # name -> its DCP key's prefix
         # the masters, then frozen parameters and buffers (in checkpoints written since they are)
@@ -101,7 +99,7 @@ class Checkpoint:
 def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
            overwrite: bool = False) -> list[Path]:
     """The checkpoint's weights as consolidated safetensors (``dtype``: default as stored); the paths. ``overwrite``:
-    replace an earlier export there (``check_output``), which stays whole if this one fails."""
+    replace an earlier export there, which stays whole if this one fails."""
     out_dir = output_dir(out_dir, dtype, "export")
     check_output(out_dir, "export", overwrite)
     return _reading(checkpoint, lambda ckpt: _export(ckpt, out_dir, dtype, max_shard_size))
@@ -122,8 +120,7 @@ def _export(ckpt: Checkpoint, out_dir: Path, dtype: torch.dtype | None, max_shar
             del value
             trim()
 
-    # (an OSError the writes do not name as theirs is a checkpoint read; on a failure an earlier export there stays
-    # whole, as finish_files replaces it last, and the folders the export made are removed)
+    # (an OSError the writes do not name as theirs is a checkpoint read)
     return save_files(out_dir, plans, "export", write, dtype, check=False)
 
 
@@ -137,9 +134,8 @@ def get_fp32_state_dict_from_checkpoint(checkpoint) -> dict[str, torch.Tensor]:
 
 
 def _reading(checkpoint, fn):
-    """``fn(Checkpoint(checkpoint))``. Where its step folder is gone meanwhile (a live run saving there rotated it
-    away: no damage), the newest step then, once, where ``checkpoint`` is the folder of the steps; else one line
-    naming that run (its lock) and the way out."""
+    """``fn(Checkpoint(checkpoint))``; where the step folder is gone meanwhile (a live run rotated it away), the newest
+    step then, once, where ``checkpoint`` is the folder of the steps; else one line naming that run."""
     for again in (False, True):
         step = resolve(checkpoint)
         try:

@@ -87,8 +87,8 @@ class StateLayout:
                 if any(o.rank != h.rank and (o.lo, o.hi) == (h.lo, h.hi) for o in p.holdings)]
 
     def share(self) -> list[tuple[Param, Holding, int, int]]:
-        """This rank's part of writing every parameter once: (parameter, holding, lo, hi); over the ranks the parts
-        tile each parameter, replicated elements spread (parameter i from rank ``i % world``). A gathered layout's."""
+        """This rank's (parameter, holding, lo, hi) of writing every parameter once (a gathered layout's): the ranks'
+        parts tile each parameter, replicated elements spread (parameter i from rank ``i % world``)."""
         out = []
         for i, p in enumerate(self.params.values()):
             order = sorted(p.holdings, key=lambda h: (h.rank - i) % self.world)
@@ -109,8 +109,8 @@ class StateLayout:
 
 
 def pieces(state: TrainState, specs: Sequence[PieceSpec] | None = None) -> tuple[list[dict], dict, dict]:
-    """Each master piece's flat tensors ({'master': its values, optimizer path: its state}), and ``optimizer_leaves``.
-    ``specs``: the stage's, checked to describe the pieces one for one (a stage bug otherwise)."""
+    """Each master piece's flat tensors ({'master': values, optimizer path: state}), and ``optimizer_leaves``;
+    ``specs`` checked to describe the pieces one for one (a stage bug otherwise)."""
     if specs is not None and [s.numel for s in specs] != [p.numel() for p in state.params]:
         raise ValueError(f"piece specs of {[s.numel for s in specs]} elements for master pieces of "
                          f"{[p.numel() for p in state.params]}")
@@ -163,8 +163,7 @@ def check_format(saved_format: Any, caller: str) -> None:
 
 
 def check_ranks(saved: Sequence[dict]) -> int:
-    """The world size of the one run whose state dicts ``saved`` are, each of its ranks once; else one line (the
-    same on every loading rank given the same list, and a refusal too where each passes only its own)."""
+    """The world size of the one run whose state dicts ``saved`` are, each of its ranks once; else one line."""
     how = "pass every rank's state dict (engine.state_dict on each rank), the same list on every rank"
     order = lambda v: (repr(type(v)), v if isinstance(v, int) else repr(v))  # noqa: E731 - (ints in number order)
     worlds = sorted({sd.get("world") for sd in saved}, key=order)
@@ -192,11 +191,9 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
                     names: Iterable[str], rank: int = 0, world: int = 1, dist: Any = None,
                     whole: Mapping[str, torch.Tensor] | None = None, seed: int = 0,
                     device: torch.device | None = None) -> TrainState:
-    """Copy the fragments of ``saved`` (every saving rank's state dict) into ``state``'s tensors and return it with
-    the saved scalars; all checked first (``FrameworkError``). ``names``: every trained parameter; ``whole``: the
-    buffers and frozen parameters to fill. Saved by another number of ranks, each rank's generators are derived
-    from (``seed``, step, rank) on ``device``, as a resume derives them. ``dist``: the loading ranks (their rank
-    and world), which agree on the checks (collective): a refusal on one rank stops every rank, none waits."""
+    """Copy the fragments of ``saved`` (every saving rank's state dict) into ``state``, all checked first, and return
+    it with the saved scalars. ``names``: every trained parameter; ``whole``: the buffers and frozen parameters to
+    fill; ``seed``, ``device``: a changed world size derives the generators. ``dist``: the ranks agree on the checks."""
     if dist is not None:
         rank, world = dist.rank, dist.world
     flats, per, scalars = pieces(state, specs)
@@ -244,8 +241,8 @@ def _list(step, data, world, n) -> str:
 
 
 def _checked(per, scalars, specs, saved, names, rank, world, whole):
-    """``load_state_dict``'s checks, before anything is written: (the first saved dict, the saving run's world size,
-    the saved buffers and frozen parameters to fill or None, per piece the (holding, fragments, cover) to copy)."""
+    """``load_state_dict``'s checks: (the first saved dict, its world size, the saved whole tensors to fill or None,
+    per piece the (holding, fragments, cover) to copy)."""
     if isinstance(saved, Mapping):   # (one rank's state dict: its keys would be read as the ranks' dicts)
         raise FrameworkError("load_state_dict: pass every rank's state dicts as a list: [sd] for a run of one rank")
     if not saved:
@@ -311,8 +308,7 @@ def _checked(per, scalars, specs, saved, names, rank, world, whole):
 
 
 def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_only: bool = False) -> list[str]:
-    """The names among ``items`` ((name, tensor)) whose tensor holds NaN or inf (one sync per device); ``release(t)``
-    after each. ``nan_only``: as ``nonfinite``'s."""
+    """The names among ``items`` ((name, tensor)) holding NaN or inf (``nonfinite``; one sync per device)."""
     flags = []
     for n, t in items:
         if (flag := nonfinite(t, nan_only)) is not None:
@@ -325,7 +321,7 @@ def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_onl
 def with_saved_scalars(state: TrainState, saved: dict, rng: Sequence[torch.Tensor], scalars: dict,
                        policy: Policy) -> TrainState:
     """``state`` with the step, data position and loss scale of ``saved`` (a state dict or train state), ``rng`` and
-    the optimizer ``scalars``. The loss scale carries over only between two dynamic-scaling runs (``Policy.continued``)."""
+    ``scalars``; the loss scale carries over only between two dynamic-scaling runs."""
     rng = tuple(rng)
     if len(rng) != len(state.rng):  # saved with another device type: its CPU generator only
         rng = rng[:1] + state.rng[1:]

@@ -15,9 +15,8 @@ FRESH_STREAM = 8   # and one for a new run's
 
 
 def fresh_seed(seed: int, rank: int) -> int:
-    """The torch seed of ``rank`` at a run's start: keyed by (seed, rank), so ranks draw different dropout masks
-    and no two (seed, rank) pairs share a stream (``seed + rank`` gave rank 1 of seed 1 the masks of rank 0 of
-    seed 2: a multi-rank seed sweep would reuse them across its runs)."""
+    """The torch seed of ``rank`` at a run's start, keyed by (seed, rank): no two pairs share a stream (``seed + rank``
+    gave rank 1 of seed 1 rank 0 of seed 2's dropout masks, reused across a multi-rank seed sweep)."""
     return seeded(FRESH_STREAM, seed, rank).initial_seed()
 
 

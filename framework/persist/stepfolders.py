@@ -43,9 +43,8 @@ _LEFTOVER = (".tmp", ".old", ".del", f".{WEIGHTS16}")
 
 
 class NewerVersion(ConfigError):
-    """A checkpoint file a newer version of the framework wrote (a version field above the one this version reads):
-    no damage, so never fallen back past, overwritten, rotated away or read as if this version's. ``what``: the
-    line without its advice, for a caller to give its own."""
+    """A checkpoint file a newer version wrote: no damage, so never fallen back past, overwritten, rotated away or
+    read as this version's. ``what``: the line without its advice, for a caller to give its own."""
 
     def __init__(self, what: str, advice: str = "read it with that version"):
         super().__init__(f"{what}: {advice}")
@@ -53,28 +52,24 @@ class NewerVersion(ConfigError):
 
 
 def check_version(value: Any, reads: int, what: str, folder: Path) -> None:
-    """NewerVersion where ``value``, the version field ``what`` of a file in the checkpoint ``folder``, is a number
-    above ``reads``; read before any other field (a newer layout may lack or rename them). A value that is no number
-    is the caller's to call damage."""
+    """NewerVersion where the version field ``what`` of a file in ``folder`` is a number above ``reads`` (read first:
+    a newer layout may lack or rename the other fields); a value that is no number is the caller's to call damage."""
     if is_newer(value, reads):
         raise NewerVersion(f"checkpoint {folder} was saved by a newer version of the framework ({what} {value}, this "
                            f"one reads {reads})")
 
 
-def train_state_versions(body: dict, folder: Path) -> None:
-    """``NewerVersion`` where a checkpoint's train_state.json ``body`` was written by a newer version of
-    the framework: its own format or its state's above this version's. Read before any other key (a resume's and
-    an export's), as a newer layout may lack or rename them."""
+def train_state_versions(body: Any, folder: Path) -> None:
+    """``check_version`` of train_state.json ``body``'s own format and its state's (none in a body that is no dict)."""
+    body = body if isinstance(body, dict) else {}
     check_version(body.get("format"), TRAIN_STATE_FORMAT, "train_state.json format", folder)
     check_version(body.get("state_format"), STATE_FORMAT, "state format", folder)
 
 
 def removed_while_read(step: Path, advice: str) -> str:
-    """The line for the step folder ``step`` removed while it was read (no damage, nor a permission): the rotation
-    of the run that holds the folder's lock, named by the lock's text; where no run holds it, some other process
-    (a library loop saving there takes no lock, a user's ``rm``, a clean-up): the text the lock keeps then names
-    the run that held it last, which may have ended long ago; where this process holds it, another process too (this
-    run rotates nothing before it saves). ``advice``: the way out."""
+    """The line for ``step`` removed while it was read (no damage): the rotation of the run holding the folder's lock.
+    Where none holds it (the text would name a run long ended), or this process does (it rotates nothing before it
+    saves), another process (a library loop takes no lock, a user's ``rm``)."""
     lock = step.parent / LOCK
     try:
         fd = files.open_nofollow(lock, os.O_RDONLY)
@@ -92,12 +87,13 @@ def removed_while_read(step: Path, advice: str) -> str:
                 pass
             holder = files.read_holder(f.fileno()) if held else ""
     if held is False or fd is None:
-        return f"{step} was removed while it was read: another process removed it (no run holds {lock}); {advice}"
-    if holder == files.holder_text():
-        # The reader's own lock (a CLI run resuming from the folder it saves into): it has saved nothing yet
-        return f"{step} was removed while it was read: another process removed it (this run holds {lock}); {advice}"
-    who = f"the run holding {lock} ({holder})" if holder else f"a run saving into {step.parent}"
-    return f"{step} was removed while it was read: {who} rotates its checkpoints; {advice}"
+        who = f"another process removed it (no run holds {lock})"
+    elif holder == files.holder_text():   # (a CLI run resuming from the folder it saves into)
+        who = f"another process removed it (this run holds {lock})"
+    else:
+        who = (f"the run holding {lock} ({holder})" if holder else f"a run saving into {step.parent}") + \
+            " rotates its checkpoints"
+    return f"{step} was removed while it was read: {who}; {advice}"
 
 
 def files_of(folder: Path) -> list[str]:
@@ -122,8 +118,8 @@ def a_save_writes(name: str) -> bool:
 
 
 def file_entry(folder: Path, name: str, *, own: bool = True) -> dict:
-    """The manifest's entry of a file: its size and sha256; ``own``: made owner-only too (DCP uses the umask). Read
-    never through a link (in ``model_16bit/<file>`` neither the subfolder nor the file)."""
+    """A file's manifest entry (size, sha256), read never through a link; ``own``: made owner-only (DCP uses the
+    umask)."""
     sub, _, base = name.rpartition("/")
     if not sub:
         fd = files.open_nofollow(folder / name, os.O_RDONLY)
@@ -151,8 +147,8 @@ def write_manifest(folder: Path, files_: dict[str, dict], **fields: Any) -> None
 
 
 def _body_sha(body: dict) -> str:
-    """The sha256 of a manifest's body but its own checksum, as canonical JSON: a flipped bit that still parses
-    (a ``seq`` changed picks another checkpoint to resume) is damage like one in any file it lists."""
+    """The sha256 of a manifest's canonical JSON but its own checksum: a flipped bit that still parses (a ``seq``
+    changed picks another checkpoint to resume) is damage too."""
     rest = {k: v for k, v in body.items() if k != SELF_SHA}
     return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -240,12 +236,10 @@ def committed_step(path: Path) -> Path | None:
 
 
 def scan(root: Path, around: bool = False, manifests: bool = False) -> tuple[list, list[str]]:
-    """The committed ``step-<N>`` folders under ``root`` (holding a manifest), newest commit first (``seq``, then
-    the step: a rewound run goes on from its own newest save), and a note for each ``step-<N>`` that is not one.
-    One whose manifest does not parse is damage, listed last: a resume tries it (and fails, naming the damage)
-    rather than starting afresh over it. ``around``: a step a save's commit left without its folder (``interrupted``,
-    as a resume restores) is listed where it lies, for a reader that may rename nothing there. ``manifests``: each
-    folder as (folder, its manifest or None where it does not parse)."""
+    """The committed ``step-<N>`` folders under ``root``, newest commit first (``seq``, then the step: a rewound run
+    goes on from its own newest save), and a note for each ``step-<N>`` that is not one. A manifest that does not
+    parse is damage, listed last: a resume fails naming it rather than start afresh over it. ``around``: an
+    ``interrupted`` step listed where it lies (a reader renames nothing). ``manifests``: (folder, manifest or None)."""
     if not root.is_dir():
         return [], []
     out, notes = [], []
@@ -299,17 +293,13 @@ def _step_versions(folder: Path, manifest: dict | None = None) -> None:
     written by a newer version; CheckpointError/UnsafePathError/OSError where either cannot be read."""
     if manifest is None:
         read_manifest(folder)
-    body = read_json(folder / TRAIN_STATE, "the train state")
-    if isinstance(body, dict):
-        train_state_versions(body, folder)
+    train_state_versions(read_json(folder / TRAIN_STATE, "the train state"), folder)
 
 
 def refuse_newer_above(step: Path, last: int) -> None:
-    """NewerVersion where the folder of ``step`` (the one a run resumes from and saves into) holds a step above it,
-    and at or below the run's last step ``last`` (train.steps), that a newer version saved: this run's saves could
-    reach it (every N steps, or one at a stop, which lands at or below ``last``) and never replace it (``commit``),
-    so it is refused at the start, not at that save after the training since the last. A newer step above ``last``
-    is no save of this run's: it is left alone, as rotation leaves it."""
+    """NewerVersion where the folder of ``step`` (resumed from, saved into) holds a newer version's step above it and
+    at or below the run's last step ``last``: a save of this run would reach it and never replace it (``commit``), so
+    it is refused at the start, not after the training. One above ``last`` is left alone, as rotation leaves it."""
     n = step_of(step)
     for p, manifest in scan(step.parent, manifests=True)[0]:
         if not n < step_of(p) <= last:
@@ -325,8 +315,8 @@ def refuse_newer_above(step: Path, last: int) -> None:
 
 
 def commit(tmp: Path, final: Path, on_point) -> str | None:
-    """Rename ``step-N.tmp`` to ``step-N`` (an older one moved aside first), then point ``latest`` at it; rank 0.
-    A failure after the rename (the commit point) is returned, to warn. ``on_point(name)``: fault tests'."""
+    """Rename ``step-N.tmp`` to ``step-N`` (an older one moved aside first), then point ``latest`` at it; rank 0. A
+    failure after the rename (the commit point) is returned, to warn."""
     root = final.parent
     files.refuse_links(final, root / f"{final.name}.old", root / files.temp_name(LATEST))
     aside = None
@@ -356,11 +346,9 @@ def commit(tmp: Path, final: Path, on_point) -> str | None:
 
 
 def prune(root: Path, newest: Path, keep_last: int, on_point=None) -> tuple[list[Path], list[Path]]:
-    """Delete committed folders older than ``newest`` beyond the ``keep_last`` newest (0 keeps all), never the
-    newest verified one nor one whose manifest cannot be read; later steps (another run's) are left alone.
-    Returns the folders deleted and the ``step-N.del`` folders a deletion could not empty (a file held open,
-    no permission): those are no checkpoint any more, and the next save tries again. ``on_point(name)``: fault
-    tests'."""
+    """Delete committed folders older than ``newest`` beyond the ``keep_last`` newest (0 keeps all), never the newest
+    verified one nor one whose manifest cannot be read; later steps (another run's) are left alone. The folders
+    deleted, and the ``step-N.del`` ones a deletion could not empty (no checkpoint: the next save tries again)."""
     if keep_last <= 0:
         return [], []
     chain = [(p, m) for p, m in scan(root, manifests=True)[0] if step_of(p) <= step_of(newest)]
@@ -394,10 +382,9 @@ def remove_stale(root: Path, keep: Path | None = None) -> None:
 
 
 def interrupted(root: Path) -> list[tuple[Path, Path]]:
-    """(folder, ``step-<N>``) for each step a save interrupted inside ``commit`` (or under way there) left without
-    its folder, moved aside to ``step-<N>.old``: a complete ``step-<N>.tmp`` (manifest written) holds it, else that
-    ``step-<N>.old``. A complete ``step-<N>.tmp`` with no ``.old`` (killed before its first commit) is no step this
-    run resumed from: restoring it at the next save would commit a checkpoint of the abandoned run."""
+    """(folder, ``step-<N>``) for each step ``commit`` moved aside to ``step-<N>.old`` and left so: a complete
+    ``step-<N>.tmp`` holds it, else that ``.old``. A complete ``.tmp`` with no ``.old`` (killed before its first
+    commit) is not restored: that would commit a checkpoint of the abandoned run."""
     out = []
     for p in sorted(root.iterdir()) if root.is_dir() else []:
         m = _AROUND.fullmatch(p.name)
@@ -413,8 +400,7 @@ def interrupted(root: Path) -> list[tuple[Path, Path]]:
 
 
 def restore(root: Path) -> list[Path]:
-    """Put back each ``interrupted`` step: its folder renamed to ``step-<N>``; the folders restored, each said. Only
-    in a folder this run saves into: elsewhere a live run's commit may be under way (``scan(around=True)``)."""
+    """Put back each ``interrupted`` step, said; only where this run saves (elsewhere a commit may be under way)."""
     done = []
     for p, final in interrupted(root):
         os.replace(p, final)

@@ -37,9 +37,9 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 class WeightsSource(contextlib.AbstractContextManager):
-    """Tensors by name (``meta``: name -> (shape, dtype or, unread here, its name)), read by flat element range from
-    ``tensors`` or the safetensors files ``paths`` (``weight_map``: an index's file of each). A range is one positioned
-    read, never a map: a map's touched pages stay resident, so a model larger than memory would not load."""
+    """Tensors by name (``meta``: name -> (shape, dtype or its unread name)) from ``tensors`` or the safetensors
+    ``paths`` (``weight_map``: an index's file of each), read by flat element range with a positioned read, never a
+    map: a map's touched pages stay resident, so a model larger than memory would not load."""
 
     def __init__(self, where: str, tensors: dict[str, torch.Tensor] | None = None, paths: Sequence[Path] = (),
                  weight_map: dict[str, Path] | None = None):
@@ -72,8 +72,7 @@ class WeightsSource(contextlib.AbstractContextManager):
             missing = sorted(set(weight_map or ()) - set(self.meta))
             if missing:
                 raise ConfigError(f"load_weights: {self.where} names {counted(len(missing), 'tensor')} that "
-                                  f"{'is' if len(missing) == 1 else 'are'} not in their "
-                                  f"files: {few(missing, 20, str)}")
+                                  f"{'is' if len(missing) == 1 else 'are'} not in their files: {few(missing, 20, str)}")
         except BaseException:
             self.close()
             raise
@@ -111,8 +110,8 @@ class WeightsSource(contextlib.AbstractContextManager):
 
 
 def _torch_file(path: Path) -> dict[str, torch.Tensor]:
-    """A torch state-dict file, loaded ``weights_only`` (nothing in it runs) and memory-mapped where the format
-    allows, so reads touch only their ranges. Another format's bytes, read as pickle, raise bare errors too."""
+    """A torch state-dict file, loaded ``weights_only`` (nothing in it runs), memory-mapped where the format allows
+    (reads touch only their ranges). Another format's bytes, read as pickle, raise bare errors too."""
     try:
         try:
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -138,8 +137,8 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _unpickle_reason(error: BaseException) -> str:
-    """torch's own reason for a ``weights_only`` refusal, first sentence: without its advice (which offers
-    ``weights_only=False``, the unsafe load refused here) or its terminal colour codes; a bare error, named."""
+    """torch's reason for a ``weights_only`` refusal, first sentence, without its colour codes or its advice (which
+    offers the unsafe ``weights_only=False``); a bare error, named."""
     said = str(error) if isinstance(error, pickle.UnpicklingError) else f"{type(error).__name__}: {error}"
     advice = ("Weights only load failed", "(1)", "(2)", "Please file an issue", "Check the documentation")
     lines = (re.sub(r"\x1b\[[0-9;]*m", "", ln).strip().removeprefix("WeightsUnpickler error:").strip()
@@ -148,8 +147,7 @@ def _unpickle_reason(error: BaseException) -> str:
 
 
 def open_weights(source: str | os.PathLike) -> WeightsSource:
-    """A reader for ``source``: a ``.safetensors`` file, a ``model.safetensors.index.json``, a torch state-dict
-    file, or a folder holding one (``weights_file``)."""
+    """A reader for a ``.safetensors`` file, an index, a torch state-dict file, or a folder holding one."""
     path = Path(source)
     if path.is_dir():
         if (found := weights_file(path)) is None:
@@ -216,11 +214,11 @@ class FilePlan:
 
 def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_shard_size: int | str,
                as_dtype: torch.dtype | None = None) -> list[FilePlan]:
-    """Lay out ``tensors`` ((name, shape, dtype), in order; floating ones as ``as_dtype`` if given) in safetensors
-    files of at most ``max_shard_size`` bytes (a larger tensor alone). Pure arithmetic: the same on every rank."""
+    """Lay out ``tensors`` ((name, shape, dtype); floating ones as ``as_dtype`` if given) in safetensors files of at
+    most ``max_shard_size`` bytes (a larger tensor alone): pure arithmetic, the same on every rank."""
     limit = parse_size(max_shard_size)
     groups: list[list] = [[]]
-    used = 0
+    used = 0   # (of the last group)
     for name, shape, dtype in tensors:
         dtype = as_dtype if as_dtype is not None and dtype.is_floating_point else dtype
         nbytes = math.prod(shape) * dtype.itemsize
@@ -245,21 +243,18 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_
 
 
 def output_dir(out_dir: str | os.PathLike, dtype: torch.dtype | None, what: str) -> Path:
-    """``out_dir`` as a Path, once ``dtype`` (the floating tensors') is one safetensors has. An empty name is
-    refused: Path("") is the current directory, where the save would replace a model already there."""
+    """``out_dir`` as a Path, once ``dtype`` is one safetensors has. An empty name is refused: Path("") is the
+    current directory, where the save would replace a model already there."""
     allowed = [t for t in _ST_NAMES if t.is_floating_point]
     if dtype is not None and dtype not in allowed:
         raise ConfigError(f"{what}: dtype={dtype} cannot be written; use one of {', '.join(str(t) for t in allowed)}")
     if not os.fspath(out_dir).strip():
         raise ConfigError(f"{what}: the output folder is empty ({os.fspath(out_dir)!r}); name a folder")
     path = Path(out_dir)
-    if path.suffix.lower() in _FILE_SUFFIXES:   # (a name as torch.save takes: a folder of that name would confuse)
+    if path.suffix.lower() in (".safetensors", ".bin", ".pt", ".pth", ".ckpt"):   # (a folder so named would confuse)
         raise ConfigError(f"{what} takes a folder, not a file name: {os.fspath(out_dir)} ends in {path.suffix}; pass "
                           f"the folder to write model.safetensors (or its shards) into, e.g. {path.parent / path.stem}")
     return path
-
-
-_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 
 _OUTPUT = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
@@ -273,10 +268,9 @@ def is_output(name: str) -> bool:
 
 @contextlib.contextmanager
 def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_weights"):
-    """While held: each planned file as ``<name>.tmp`` at its final size with its header (the data a hole the
-    writers fill), the folder locked (``LOCK``) against another save, which would remove or rename these files; an
-    earlier save's outputs stay until ``finish_files``. Refused: a folder in a committed checkpoint step, one another
-    save is writing, a file system without room (ENOSPC). On leaving, the ``.tmp`` files and the lock are removed."""
+    """While held: each planned file as ``<name>.tmp`` at its final size with its header (the data a hole), the folder
+    locked (``LOCK``) against another save; an earlier save's outputs stay until ``finish_files``. Refused: a folder
+    in a committed step, one another save writes, a disk without room. On leaving, the ``.tmp`` files and lock go."""
     with _writing(out_dir, plans, what):
         step = stepfolders.committed_step(out_dir)
         if step is not None:
@@ -327,8 +321,7 @@ def remove_tmp(out_dir: Path) -> None:
 
 
 def finish_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_weights") -> list[Path]:
-    """Flush and rename the ``.tmp`` files, write the index of several, then remove the outputs of an earlier save
-    that this one did not replace (its other shards, its index)."""
+    """Flush and rename the ``.tmp`` files, write the index of several, then remove an earlier save's other outputs."""
     with _writing(out_dir, plans, what):
         for plan in plans:
             with os.fdopen(files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_RDWR), "rb") as f:
@@ -353,9 +346,8 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
 
 def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype: torch.dtype | None, *,
                dist=None, **writer_options) -> list[Path]:
-    """The files ``plans`` lays out, filled by ``write(writer)`` (a ``Writer``), then the warnings on what was
-    written; the paths. With ``dist`` every rank writes its share, rank 0 creates and finishes the files, each phase
-    agreed (every rank raises alike). On any failure the ``.tmp`` files go: an earlier save there stays whole."""
+    """The files of ``plans``, filled by ``write(writer)``, then warnings on what was written; the paths. With ``dist``
+    every rank writes its share, rank 0 creates and finishes the files. An earlier save stays whole on a failure."""
     main = dist is None or dist.is_main
 
     def phase(fn, name: str):
@@ -377,8 +369,7 @@ def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype
     if main and overflow:
         print(f"warning: {what}: {counted(overflow, 'finite value')} beyond the {dtype_name(dtype)} range (largest "
               f"{torch.finfo(dtype).max:g}) {'was' if overflow == 1 else 'were'} written as inf; save as bf16 or fp32 "
-              f"to keep them",
-              file=sys.stderr, flush=True)
+              f"to keep them", file=sys.stderr, flush=True)
     if main and bad:
         print(f"warning: {what}: NaN or inf values in {few(sorted(bad))} were written as they are: the weights hold "
               f"a diverged state (save from a checkpoint before it to get usable ones)", file=sys.stderr, flush=True)
@@ -386,9 +377,8 @@ def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype
 
 
 class Writer(contextlib.AbstractContextManager):
-    """Values into the ``.tmp`` files ``create_files`` made, at their entries' offsets, converted ``WRITE_CHUNK``
-    elements at a time where they lie, one file open at a time; overflows counted and (``check``) NaN or inf flagged
-    on their devices, read once in ``finish``. ``release(part)``: after each chunk (a mapped swap file frees pages)."""
+    """Values into ``create_files``' ``.tmp`` files, converted ``WRITE_CHUNK`` elements at a time where they lie;
+    overflows and (``check``) NaN or inf flagged on their devices, read in ``finish``; ``release(part)`` after each."""
 
     def __init__(self, out_dir: Path, plans: Sequence[FilePlan], what: str, check: bool = True, release=None):
         self.out_dir, self.plans, self.what, self.check, self.release = out_dir, plans, what, check, release
@@ -413,14 +403,13 @@ class Writer(contextlib.AbstractContextManager):
                     self.release(part)
 
     def finish(self) -> tuple[int, list[str]]:
-        """Flush the files; the values that overflowed, and the names of the tensors written with NaN or inf."""
+        """Flush the files; the overflow count, and the names of the tensors written with NaN or inf."""
         with _writing(self.out_dir, self.plans, self.what):
             self._close()
         got = read_per_device(self._flags)
         return sum(n for name, n in got if name is None), sorted({name for name, n in got if name is not None and n})
 
     def _close(self, sync: bool = True) -> None:
-        """fsync (``sync``) and close the open file (an error still closes it)."""
         if self._open is not None:
             fd, self._open = self._open[1], None
             try:
@@ -434,8 +423,8 @@ class Writer(contextlib.AbstractContextManager):
 
 
 def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
-    """How many finite values of ``src`` are infinite in ``out`` (its conversion), a count on their device; None
-    where none can be (float32 to float16 can overflow, to bfloat16 not: the same exponent range)."""
+    """How many finite values of ``src`` are infinite in ``out`` (its conversion), on their device; None where none
+    can be (float32 to bfloat16: the same exponent range)."""
     a, b = src.dtype, out.dtype
     if a.is_floating_point and b.is_floating_point and torch.finfo(b).max < torch.finfo(a).max / 2:
         return (torch.isinf(out) & torch.isfinite(src)).sum()
@@ -452,8 +441,8 @@ def read_per_device(items: Sequence[tuple[Any, torch.Tensor]]) -> list[tuple[Any
 
 
 def nonfinite(src: torch.Tensor, nan_only: bool = False) -> torch.Tensor | None:
-    """A flag on its device: ``src`` holds NaN or inf (``nan_only``: NaN; a buffer or frozen parameter may hold inf
-    by design, an additive mask), from its min and max (no temporary of ``src``'s size); None: nothing to flag."""
+    """A flag on its device: ``src`` holds NaN or inf (``nan_only``: NaN; an inf may be by design, an additive
+    mask), from its min and max (no temporary of ``src``'s size); None: nothing to flag."""
     if not src.is_floating_point() or not src.numel():
         return None
     mm = _min_max(src)
@@ -461,19 +450,17 @@ def nonfinite(src: torch.Tensor, nan_only: bool = False) -> torch.Tensor | None:
 
 
 _CHUNK = 1 << 22   # elements upcast at a time where a dtype has no min/max kernel
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bits_sum(src: torch.Tensor) -> torch.Tensor:
-    """An int64 on ``src``'s device: its elements' raw bits summed as integers of their own width (no wider copy),
-    wrapping around: a bit-exact digest, independent of the order, that two copies of the same values share."""
-    bits = _BITS[src.element_size()]
+    """An int64 on ``src``'s device: its raw bits summed as integers of their own width (no wider copy), wrapping:
+    a bit-exact digest, independent of the order."""
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[src.element_size()]
     return src.reshape(-1).view(bits).sum(dtype=bits).to(torch.int64)
 
 
 def _min_max(t: torch.Tensor) -> torch.Tensor:
-    """[min, max] of ``t`` (NaN if any element is NaN); float8 dtypes, which have no aminmax kernel, upcast a chunk
-    at a time (a bounded temporary, not a float32 copy of the whole tensor)."""
+    """[min, max] of ``t`` (NaN if any is); float8, which has no aminmax kernel, upcast a chunk at a time."""
     if t.element_size() > 1:
         return torch.stack(t.aminmax())
     flat = t.reshape(-1)
@@ -483,8 +470,7 @@ def _min_max(t: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _writing(out_dir: Path, plans: Sequence[FilePlan], what: str):
-    """Around writes (never reads: a read error is no write error): an OSError as one line naming the folder
-    (``what``: the caller), with the room the files need on a full disk."""
+    """Around writes (not reads): an OSError as one line naming the folder, with the room needed on a full disk."""
     try:
         yield
     except OSError as e:

@@ -45,16 +45,20 @@ class Target:
     tensor: torch.Tensor | None  # a whole tensor every rank holds (buffers, unstaged parameters); else None
 
 
-def _buffers_once(module: nn.Module) -> list[tuple[torch.Tensor, list[str]]]:
-    """Each persistent buffer once, with every name it is registered under (several: shared), in module order."""
+def _once(named) -> list[tuple[torch.Tensor, list[str]]]:
+    """Each tensor of ``named`` ((name, tensor)) once, with every name it is under (several: tied, shared), in order."""
     out: dict[int, tuple[torch.Tensor, list[str]]] = {}
-    # (every name, as state_dict lists them: a submodule or buffer registered twice is under both)
-    for mod_name, sub in module.named_modules(remove_duplicate=False):
-        for b_name, buf in sub.named_buffers(recurse=False, remove_duplicate=False):   # (None buffers are not named)
-            # (no public flag says whether a buffer is persistent, short of state_dict(), which a model may override)
-            if b_name not in sub._non_persistent_buffers_set:
-                out.setdefault(id(buf), (buf, []))[1].append(f"{mod_name}.{b_name}" if mod_name else b_name)
+    for n, t in named:
+        out.setdefault(id(t), (t, []))[1].append(n)
     return list(out.values())
+
+
+def _buffers_once(module: nn.Module) -> list[tuple[torch.Tensor, list[str]]]:
+    # Every name, as state_dict lists them (a submodule or buffer registered twice is under both; None buffers are
+    # not named); no public flag says whether a buffer is persistent, short of state_dict(), which a model may override.
+    return _once((f"{m}.{b}" if m else b, buf) for m, sub in module.named_modules(remove_duplicate=False)
+                 for b, buf in sub.named_buffers(recurse=False, remove_duplicate=False)
+                 if b not in sub._non_persistent_buffers_set)
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -63,29 +67,25 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _named_once(module: nn.Module) -> list[tuple[nn.Parameter, list[str]]]:
-    """Each parameter once, with every name it is registered under (several: tied), in module order."""
-    params: dict[int, tuple[nn.Parameter, list[str]]] = {}
-    for n, p in module.named_parameters(remove_duplicate=False):
-        params.setdefault(id(p), (p, []))[1].append(n)
-    return list(params.values())
+    return _once(module.named_parameters(remove_duplicate=False))
 
 
 def tied_names(module: nn.Module) -> dict[str, str]:
-    """``{alias: name}`` of the tied parameters and shared persistent buffers: each later name with the first,
-    under which it is saved once (``state_dict`` holds every name: a fp32 state dict restores them)."""
+    """``{alias: first name}`` of the tied parameters and shared buffers, saved once under the first (``state_dict``
+    holds every name: a fp32 state dict restores them)."""
     return {alias: names[0] for _, names in [*_named_once(module), *_buffers_once(module)] for alias in names[1:]}
 
 
 def whole_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's tensors every rank holds whole, by checkpoint key: ``frozen.<name>`` (requires_grad=False: no
-    stage shards them) and ``buffer.<name>`` (persistent; each rank's own, a checkpoint keeps rank 0's)."""
+    """The tensors every rank holds whole, by checkpoint key: ``frozen.<name>`` (no stage shards them) and
+    ``buffer.<name>`` (persistent; each rank's own, a checkpoint keeps rank 0's)."""
     return {**{f"frozen.{n}": p for n, p in module.named_parameters() if not p.requires_grad},
             **{f"buffer.{n}": b for n, b in persistent_buffers(module).items()}}
 
 
 def _targets(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor], list[Target]]:
-    """Every rank's holdings of the ``mapped`` state's master pieces (collective), those pieces, and the model's
-    tensors as the files name them, in module order: parameters, then persistent buffers."""
+    """Every rank's holdings (collective), the ``mapped`` state's master pieces, and the model's tensors as the files
+    name them: parameters, then persistent buffers."""
     c = engine.components
     layout = StateLayout.of(c.stage.piece_specs(), dist=c.dist, what=f"{what}: layout gather")
     masters = list(mapped.params)
@@ -98,8 +98,7 @@ def _targets(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor]
 
 
 def _components(engine, what: str) -> Components:
-    """``engine``'s components; one line for another first argument (the model itself: a plausible slip, as
-    transformers' save_pretrained is called on the model)."""
+    """``engine``'s components; one line for another first argument (the model: transformers' habit)."""
     if not isinstance(c := getattr(engine, "components", None), Components):
         hint = "a module: pass its engine" if isinstance(engine, nn.Module) else "not an engine"
         raise ConfigError(f"{what}: the first argument is the engine framework.initialize returned, got a "
@@ -108,11 +107,10 @@ def _components(engine, what: str) -> Components:
 
 
 def load_weights(engine, source, *, strict: bool = True) -> None:
-    """Load consolidated weights (a path, ``open_weights``, or an open ``WeightsSource``) into ``engine``'s model:
-    masters, zero3 shards, buffers, not the optimizer state; a tied parameter takes any of its names, values converted
-    to each target's dtype. Collective. Missing and unexpected names (``strict``), shape and dtype-kind mismatches: one
-    ``ConfigError`` before anything is written; NaN or inf (buffers, frozen parameters: NaN) one as it is read, after
-    which the engine refuses to step or save until a load finishes (its weights are partly the file's)."""
+    """Load consolidated weights (a path or an open ``WeightsSource``) into ``engine``'s model: masters, zero3 shards,
+    buffers, not the optimizer state; a tied parameter takes any of its names. Collective. Names (``strict``), shapes
+    and dtype kinds that do not fit: one ``ConfigError`` before anything is written; NaN or inf (buffers, frozen
+    parameters: NaN) one as read, after which the engine refuses to step or save until a load finishes."""
     if not isinstance(source, (str, os.PathLike, WeightsSource)):
         raise ConfigError(f"load_weights: source must be a path (a weights file or folder), got "
                           f"{type(source).__name__}; a {{name: tensor}} dict in memory goes into the module before "
@@ -132,8 +130,7 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
             return src, _chosen(src, strict, tgts, c.module)
 
         src, chosen = agree(c.dist, check, "load_weights")
-        # From the first write on, a failure (a rank that cannot read its ranges, non-finite values) leaves the
-        # weights partly the file's: the engine refuses to step or save until a load finishes.
+        # From the first write on, a failure (a rank's read, non-finite values) leaves the weights partly the file's
         engine.start_load("load_weights")
         agree(c.dist, lambda: _load(src, chosen, layout, masters, tgts, fmap), "load_weights")
     # (collective: zero1/2 gather the partitions, zero3 refreshes its shards) a strict=False load of only some
@@ -142,8 +139,7 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
 
 
 def _chosen(src: WeightsSource, strict: bool, tgts: list[Target], module: nn.Module) -> dict[str, str]:
-    """``{target name: source key}`` of what ``src`` loads into ``tgts``; a ``ConfigError`` for whatever does not
-    fit, before anything is written."""
+    """``{target name: source key}`` of what ``src`` loads into ``tgts``; a ``ConfigError`` for what does not fit."""
     names = {a for t in tgts for a in t.aliases}
     # source key -> the model name it loads into (None: ignored): a transformers model takes the checkpoint keys its
     # own from_pretrained would map; other models, each key itself
@@ -187,10 +183,8 @@ def _chosen(src: WeightsSource, strict: bool, tgts: list[Target], module: nn.Mod
 
 def _load(src: WeightsSource, chosen: dict[str, str], layout: StateLayout, masters: list[torch.Tensor],
           tgts: list[Target], fmap) -> None:
-    """``chosen``'s values into the masters and whole tensors. ``fmap``: the mapped swap file or None; its pages
-    leave the process range by range as written."""
+    """``chosen``'s values into the masters and whole tensors (``fmap``: the mapped swap file, released as written)."""
     def read(key: str, lo: int, hi: int, nan_only: bool = False) -> torch.Tensor:
-        """The file's values, refused where a diverged run left NaN or inf (host tensors: no device sync)."""
         values = src.read(key, lo, hi)
         if (bad := nonfinite(values, nan_only)) is not None and bad:
             raise ConfigError(f"load_weights: non-finite values (NaN or inf) in {key!r} of {src.where}: not weights "
@@ -211,8 +205,7 @@ def _load(src: WeightsSource, chosen: dict[str, str], layout: StateLayout, maste
 
 
 def _same_values(src: WeightsSource, a: str, b: str, t: Target) -> bool:
-    """Whether the file's tensors ``a`` and ``b`` load the same values into ``t`` (read chunk by chunk; a NaN
-    equals a NaN: the read refuses it, naming it, rather than calling the copies different)."""
+    """Whether ``a`` and ``b`` load the same values into ``t``, chunk by chunk (NaN equals NaN: the read names it)."""
     n = math.prod(t.shape)
     step = WRITE_CHUNK // 4
     return all(torch.allclose(src.read(a, s, min(s + step, n)).to(t.dtype), src.read(b, s, min(s + step, n)).to(t.dtype),
@@ -225,9 +218,8 @@ _WEIGHTS = re.compile(r".*\.safetensors(\.index\.json)?|pytorch_model.*\.bin(\.i
 
 
 def check_output(out_dir: Path, what: str, overwrite: bool = False, config: bool = False) -> None:
-    """Refuse an output folder holding other weights or, unless ``overwrite`` (``save_weights`` always replaces its
-    earlier files), an earlier save's or a ``config.json`` that ``what`` does not write (with ``overwrite``: kept,
-    with a warning; ``config``: ``what`` writes its own)."""
+    """Refuse an output folder holding other weights or, unless ``overwrite``, an earlier save's or a ``config.json``
+    (with ``overwrite``: kept, with a warning; ``config``: ``what`` writes its own)."""
     if committed_step(out_dir) is not None:   # (refused as such by create_files)
         return
     try:
@@ -248,23 +240,20 @@ def check_output(out_dir: Path, what: str, overwrite: bool = False, config: bool
                           f"choose an empty folder, or give --overwrite to replace the weights there{stays}")
     if config:
         print(f"warning: {what}: {out_dir / 'config.json'} stays as it is ({what} writes only the weights); check "
-              f"that it describes the {'exported' if what == 'export' else 'saved'} model", file=sys.stderr,
-              flush=True)
+              f"that it describes the {'exported' if what == 'export' else 'saved'} model", file=sys.stderr, flush=True)
 
 
 def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                  max_shard_size: int | str = "5GB", check: bool = True) -> list[Path]:
     """The model's weights and persistent buffers as consolidated safetensors in ``out_dir`` (tied weights once; an
     index beyond ``max_shard_size``), the masters as ``dtype`` (default theirs; a 16-bit one gives the working
-    parameters bit for bit). Collective; the paths. ``check``: warn of NaN or inf written (off where the caller
-    checks the same values itself: a checkpoint's state check). Another model's weights in ``out_dir`` are refused,
-    its ``config.json`` kept with a warning (``check_output``); an earlier save's files are replaced."""
+    parameters bit for bit). Collective; the paths. ``check``: warn of NaN or inf written. Another model's weights
+    in ``out_dir`` are refused, a ``config.json`` kept with a warning; an earlier save's files are replaced."""
     return _save_weights(engine, out_dir, dtype, max_shard_size, check, "save_weights", config=False)
 
 
 def _save_weights(engine, out_dir, dtype, max_shard_size, check, what: str, config: bool) -> list[Path]:
-    """``save_weights`` (``what``: the caller, named by the folder check); ``config``: the caller writes a
-    config.json (one already in ``out_dir`` is replaced, no warning)."""
+    """``save_weights`` for the caller ``what``; ``config``: it writes a config.json (replaced, no warning)."""
     dist = _components(engine, what).dist
     out_dir = output_dir(out_dir, dtype, what)
     agree(dist, lambda: check_output(out_dir, what, overwrite=True, config=config) if dist.is_main else None,
@@ -302,8 +291,7 @@ def _save_weights(engine, out_dir, dtype, max_shard_size, check, what: str, conf
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
                     max_shard_size: int | str = "5GB", check: bool = True) -> list[Path]:
-    """``save_weights`` plus a Hugging Face model's config (and generation config), for ``from_pretrained``.
-    Collective."""
+    """``save_weights`` plus a Hugging Face model's config (and generation config), for ``from_pretrained``."""
     c = _components(engine, "save_pretrained")
     module, dist = unwrapped(c.module), c.dist   # (a torch.compile'd model: the class from_pretrained builds)
     config = getattr(module, "config", None)
@@ -333,8 +321,8 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
 
 
 def save_on_model_save(engine, out_dir, check: bool = True) -> list[Path] | None:
-    """``save_pretrained`` of the working-dtype weights when ``stage.stage3_gather_16bit_weights_on_model_save``
-    (DeepSpeed's key) is set. Collective on the default group: call it from the training thread."""
+    """``save_pretrained`` of the working-dtype weights where ``stage3_gather_16bit_weights_on_model_save`` is set.
+    Collective on the default group: call it from the training thread."""
     c = engine.components
     return save_pretrained(engine, out_dir, dtype=c.policy.param_dtype, check=check) if c.stage.weights_on_save() \
         else None

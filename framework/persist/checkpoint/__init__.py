@@ -48,10 +48,9 @@ class Checkpointer:
                  on_point: Callable[[str], None] | None = None, batch_from_config: bool = False,
                  data: dict | None = None):
         """``run_dir``, ``job``: see ``checkpoint_root``. ``on_point``: ``save``'s (fault tests). ``data``: the data's
-        ``DataSource.identity()``, saved with each checkpoint: a resume refuses data whose vocabulary changed since
-        (its ids would stand for other characters) and says when only its content did. ``batch_from_config``: each
-        rank's batches are ``train.micro_batch`` x ``train.grad_accum`` rows (the command line's; a loop of one's
-        own does not read them): a resume says when the global batch changed."""
+        ``DataSource.identity()``, saved with each checkpoint: a resume refuses a changed vocabulary (its ids would
+        stand for other characters) and says when only the content changed. ``batch_from_config``: batches are
+        ``train.micro_batch`` x ``train.grad_accum`` rows (the CLI's): a resume says when the global batch changed."""
         self.cfg, self.config, self.seed, self.engine = cfg.checkpoint, cfg.to_dict(), cfg.seed, engine
         self.run_cfg = cfg   # (a resume's note rebuilds its lr schedule over the saved run's length)
         self.batch_from_config, self.data = batch_from_config, data
@@ -67,8 +66,7 @@ class Checkpointer:
         self._pending: concurrent.futures.Future | None = None
         self.writer = None   # DCP's storage writer, None: FileSystemWriter (tests put one that fails on purpose here)
         self.resumed_from: Path | None = None   # the checkpoint folder ``resume`` loaded
-        # the last steps' losses ``resume``'s checkpoint recorded (``save``'s ``losses``), oldest first
-        self.recent_losses: list[float] = []
+        self.recent_losses: list[float] = []   # the last steps' losses it recorded (``save``'s ``losses``)
         self.closed = False   # close() ended its group (and async pool): no save or resume after it
         self._said_none = False   # that checkpoint.every=0 saves nothing (maybe_save, once)
 
@@ -153,7 +151,7 @@ class Checkpointer:
             f"folders are kept; {way}): " + " | ".join(errors) + spent))
 
     def _relist(self, what: str, resume: str, every: int) -> list[Path] | None:
-        """``choose``'s folders again (rank 0 looks, every rank gets them), None where ``resume`` names one step."""
+        """``_choose``'s folders again, None where ``resume`` names one step."""
         if resume not in ("auto", "latest") and stepfolders.step_of(Path(user_path(resume))) >= 0:
             return None
         return self._choose(what, resume, every)[0] or None
@@ -164,14 +162,12 @@ class Checkpointer:
         return self.group.all_gather(mine, "resume choice")[0]
 
     def afresh(self, folder: Path) -> str:
-        """What a refusal of the checkpoint ``folder`` says to start this run afresh instead (``resumed_from``: of
-        the one it resumed): another checkpoint.dir, or checkpoint.resume=off, whichever does not read it again."""
+        """``afresh``'s advice for ``folder`` in this run."""
         return afresh(self.resume_given, Path(folder), self.root, self.cfg.every)
 
     def maybe_save(self, state, last: bool = False, metrics: dict | None = None,
                    losses: list[float] | None = None) -> None:
-        """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite;
-        ``losses``: as ``save``'s."""
+        """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite."""
         if not self.cfg.every and not self._said_none:   # (compose's default): said once, not passed over silently
             self._said_none = True
             self._say("none saved (checkpoint.every=0): maybe_save saves nothing; set checkpoint.every=N to save "
@@ -190,8 +186,7 @@ class Checkpointer:
         self._pending = save(self, state, losses)
 
     def check_finite(self, state, doing: str) -> None:
-        """A save's check that ``state`` is finite, alone, before ``doing`` (one line: what is not done, at which
-        step): non-finite state is a TrainingError on every rank. Collective."""
+        """A save's check that ``state`` is finite, alone, before ``doing``: a TrainingError on every rank."""
         self._check_open("check")
         check_finite(self, state, doing)
 
@@ -221,8 +216,8 @@ CHECKPOINTS = "checkpoints"
 
 
 def checkpoint_root(cfg, run_dir: Path | None, job: str | None = None) -> Path:
-    """``checkpoint.dir`` (a multirun job, ``job``: its overrides, gets ``<dir>/<job>``, so jobs of a sweep never
-    resume from each other's), else ``checkpoints/`` in the run folder, else in the working directory."""
+    """``checkpoint.dir`` (a multirun ``job``, its overrides, gets ``<dir>/<job>``: jobs never resume each other's),
+    else ``checkpoints/`` in the run folder, else in the working directory."""
     c = cfg.checkpoint
     if c.dir is None:
         return (Path(run_dir) if run_dir is not None else Path.cwd()).resolve() / CHECKPOINTS
@@ -240,9 +235,8 @@ _RUN_TREES = ("outputs", "multirun")
 def find_latest(root: Path, sweep_dir: Path | None = None, owned: Path | None = None,
                 values: dict | None = None) -> Path | None:
     """The newest committed checkpoint (by commit time) in ``root`` and the ``checkpoints`` folders one to three
-    levels under the run trees, or None; a multirun job passes over its sweep's (``sweep_dir``) other jobs' and,
-    outside ``root``, any saved with other ``values`` of the keys that name it, saying so. A step a commit moved
-    aside counts (``_scan``; put back in ``owned``, the folder this run saves into)."""
+    levels under the run trees, or None; passed over, said: the sweep's (``sweep_dir``) other jobs' and, outside
+    ``root``, any saved with other ``values`` of the job's keys. A step a commit moved aside counts (``_scan``)."""
     skip = Path(sweep_dir).resolve() if sweep_dir is not None else None
     roots = {root, *(p for tree in _RUN_TREES for depth in ("*", "*/*", "*/*/*")
                      for p in (Path.cwd() / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink()
@@ -263,7 +257,7 @@ def find_latest(root: Path, sweep_dir: Path | None = None, owned: Path | None = 
 
 
 def _other_job(folder: Path, values: dict | None) -> list[tuple[str, str]]:
-    """``other_job`` of ``folder``'s recorded config; none where it has no readable one (damage is the load's)."""
+    """``other_job`` of ``folder``'s recorded config; none where it is unreadable (damage is the load's)."""
     if not values:
         return []
     try:
@@ -274,12 +268,10 @@ def _other_job(folder: Path, values: dict | None) -> list[tuple[str, str]]:
 
 def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path | None = None,
               own: Callable[[Path], None] | None = None, naming: frozenset[str] = frozenset()):
-    """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (``find_latest``: every
-    rank loads the same); another model's or optimizer's checkpoint refused on one line, damage left to the ranks.
-    ``own(folder)``: called for a run that saves, once the folder it saves into is made and writable and before
-    anything in it is read (the CLI locks it there). ``naming``: the keys that say which job a multirun job is (its
-    overrides but how long or where it runs); ``auto`` refuses a checkpoint saved with other values of them
-    (another job's: a sweep's values in another order), ``latest`` passes over one."""
+    """Before any rank starts: ``cfg`` with resume=latest resolved to a path (every rank loads the same); another
+    model's or optimizer's checkpoint refused on one line, damage left to the ranks. ``own(folder)``: for a run that
+    saves, once its folder is made and writable, before anything in it is read (the CLI locks it). ``naming``: a
+    multirun job's keys; ``auto`` refuses a checkpoint saved with other values of them, ``latest`` passes over one."""
     c = cfg.checkpoint
     for key, given in (("checkpoint.dir", c.dir), ("checkpoint.resume", c.resume)):   # (ENAMETOOLONG: a traceback)
         check_name(given or ".", key)
@@ -313,8 +305,7 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
         if stepfolders.check_file(folder, stepfolders.TRAIN_STATE, want) is not None:
             return cfg
         body = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")
-        if isinstance(body, dict):   # (a newer version's keys are not this one's to compare)
-            stepfolders.train_state_versions(body, folder)
+        stepfolders.train_state_versions(body, folder)   # (a newer version's keys are not this one's to compare)
         saved = body["config"]
     except (CheckpointError, UnsafePathError, OSError, KeyError, TypeError, stepfolders.NewerVersion):
         return cfg   # (damage, or a newer version's: the ranks' load names it)
@@ -332,9 +323,8 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
 
 
 def shared(dist, root: Path) -> None:
-    """Before training (collective): a ConfigError on every rank unless every rank sees in ``root`` the file of a
-    random name and content rank 0 writes there. On a node-local folder each node would write its own copy of a
-    step folder: saves reported done that no resume can read."""
+    """A ConfigError on every rank unless every rank sees in ``root`` the file rank 0 writes there (collective): on a
+    node-local folder each node would write its own copy of a step folder, which no resume can read."""
     if dist.world == 1:
         return
     token, problem, wrote = secrets.token_hex(16), None, False
@@ -369,8 +359,8 @@ def shared(dist, root: Path) -> None:
 
 
 def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
-    """``checkpoint.resume=off`` (or one elsewhere: ``choose``): a ConfigError if this run would save into a folder
-    holding committed checkpoints (its saves would overwrite or rotate them); else the note to print, if any."""
+    """``checkpoint.resume=off`` (or elsewhere): a ConfigError where this run's saves would overwrite or rotate
+    committed checkpoints; else the note to print, if any."""
     existing = _scan(root, owned=bool(every))[0]
     if not existing:
         return None
@@ -383,9 +373,8 @@ def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
 
 
 def _scan(root: Path, owned: bool) -> tuple[list[Path], list[str]]:
-    """``stepfolders.scan`` of ``root``, a step a save's commit moved aside counted (or the resume would go back a
-    save interval): put back first where this run ``owned`` the folder (saves there: the CLI holds its lock), else
-    read where it lies: another run's commit may be under way there, and a reader renames nothing. Rank 0 only."""
+    """``stepfolders.scan`` of ``root`` with a step a commit moved aside (else a resume goes back a save): put back
+    first where this run ``owned`` the folder, else read where it lies (a commit may be under way). Rank 0 only."""
     if owned:
         restore(root)
     return stepfolders.scan(root, around=not owned)
@@ -404,8 +393,7 @@ def restore(root: Path) -> None:
 
 def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None,
            values: dict | None = None) -> tuple[list[Path], list[str]]:
-    """``candidates``, or for ``off`` none and ``fresh_start``'s note; resuming from another folder than ``root``
-    is refused as ``off`` is where ``root`` holds committed checkpoints."""
+    """``candidates``, or for ``off`` none and ``fresh_start``'s note (which also refuses another folder's)."""
     if resume == "off":
         note = fresh_start(root, every)
         return [], [note] if note else []
@@ -417,9 +405,8 @@ def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None,
 
 def candidates(resume: str, root: Path, sweep_dir: Path | None = None, owned: Path | None = None,
                values: dict | None = None) -> tuple[list[Path], list[str]]:
-    """Candidate folders for ``checkpoint.resume`` (``auto``; ``latest``: ``find_latest``'s run folder; a step
-    folder or a folder of them), best first, and a line for each ``step-<N>`` passed over (or none found).
-    ``owned``: the folder this run saves into, the one where an interrupted commit is put back (``_scan``)."""
+    """Candidate folders for ``checkpoint.resume`` (auto, latest, a step folder or a folder of them), best first,
+    and a line for each ``step-<N>`` passed over (or none found). ``owned``: the folder this run saves into."""
     def mine(folder: Path) -> bool:
         return owned is not None and folder.resolve() == owned.resolve()
 
@@ -453,8 +440,7 @@ def candidates(resume: str, root: Path, sweep_dir: Path | None = None, owned: Pa
 
 
 def _nearby(path: Path) -> str | None:
-    """The way to the checkpoints a ``checkpoint.resume`` path that names none meant, where they are plain: those
-    beside a step that is not there (mistyped, or rotated away), or in ``checkpoints/`` of a run folder."""
+    """The checkpoints a ``checkpoint.resume`` path naming none meant: beside a missing step, or a run folder's."""
     run = path.is_dir()
     try:
         steps = stepfolders.scan(path / CHECKPOINTS if run else path.parent)[0]

@@ -19,8 +19,7 @@ import torch.distributed.checkpoint as dcp  # noqa: F401 - the package reaches D
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from framework.core.errors import CheckpointError, FrameworkError, one_line
@@ -54,8 +53,8 @@ def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...],
 
 
 class Boxes:
-    """A parameter's global shape and this rank's boxes of it: views of ``pieces`` (((lo, hi), flat): a range of
-    the flattened parameter) that DCP reads or writes; ``take(box)``: the tensor to use instead of a view."""
+    """A parameter's global shape and this rank's boxes of it, views of ``pieces`` (((lo, hi), flat)) that DCP reads
+    or writes; ``take(box)``: the tensor to use instead of a view."""
 
     def __init__(self, shape: Sequence[int], pieces: Sequence[tuple[tuple[int, int], torch.Tensor]],
                  take: Callable[[torch.Tensor], torch.Tensor] | None = None):
@@ -94,8 +93,7 @@ def _lookup(state_dict: dict, index: MetadataIndex, default: Callable[[MetadataI
 
 
 class SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, routing ``Boxes``' chunks to their views; ``release(t)``: each value once the
-    writer asked for the next (a mapped swap file's pages leave the process as written)."""
+    """DCP's default save planner for ``Boxes``; ``release(t)``: each value once the writer asked for the next."""
 
     def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -114,8 +112,7 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner for ``Boxes`` and tensors; it never loads a pickled object. ``release(t)``: each
-    target once DCP filled it."""
+    """DCP's default load planner for ``Boxes``, never unpickling; ``release(t)``: each target once filled."""
 
     def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
@@ -185,25 +182,19 @@ class SafeReader(FileSystemReader):
         return self._metadata
 
 
-# What DCP warns on each one-rank save or load: that it assumes one process, which no_dist asks for.
-NO_DIST_WARNING = "torch.distributed is disabled"
-
-
 def quiet_no_dist() -> None:
-    """Ignore DCP's one-process warning from now on (no_dist is what a one-rank save or load asks for): one
-    targeted, lasting filter, set again without being added twice. Not ``catch_warnings`` around each call:
-    it restores the process-wide filter list on leaving, dropping a filter another thread (the user's, while an
-    async save runs) added meanwhile. Present already, it is left as it is: each filterwarnings call would clear
-    every module's once-per-place warning registry."""
-    if not any(action == "ignore" and getattr(message, "pattern", None) == NO_DIST_WARNING
-               for action, message, *_ in warnings.filters):
-        warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
+    """Ignore DCP's one-process warning (on each one-rank save or load: what no_dist asks for) from now on, once. Not
+    ``catch_warnings`` around each call: it restores the filter list on leaving, dropping another thread's filter
+    added meanwhile; not added again: each filterwarnings call clears every module's once-per-place warning registry."""
+    text = "torch.distributed is disabled"
+    if not any(act == "ignore" and getattr(message, "pattern", None) == text for act, message, *_ in warnings.filters):
+        warnings.filterwarnings("ignore", message=text)
 
 
 def read(folder: Path, metadata, targets: dict, release: Callable[[torch.Tensor], None] | None = None,
          **kwargs: Any) -> None:
-    """DCP's load of ``targets`` (``Boxes`` or tensors by key) from ``folder`` (``kwargs``: the group or ``no_dist``);
-    a failure is one CheckpointError (naming a record torch refuses to unpickle)."""
+    """DCP's load of ``targets`` from ``folder`` (``kwargs``: the group or ``no_dist``); a failure is one
+    CheckpointError."""
     try:
         if kwargs.get("no_dist"):
             quiet_no_dist()

@@ -53,8 +53,8 @@ class Group:
 
 def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, need: int = 0) -> list:
     """``fn()`` on every rank, outcomes exchanged; every rank's result. A failure anywhere: rank 0 removes ``tmp``
-    (``cleanup``) and every rank raises one CheckpointError naming the rank and cause, or the interrupt (``_stop``)
-    where a rank was interrupted. ``need``: the checkpoint's bytes, for a full disk's message."""
+    (``cleanup``), every rank raises one CheckpointError naming the rank and cause, or the interrupt (``_stop``).
+    ``need``: the checkpoint's bytes, for a full disk's message."""
     result, problem, stop = None, None, None
     try:
         result = fn()
@@ -85,9 +85,8 @@ def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, 
 
 
 def agree_load(group: Group, what: str, fn):
-    """``fn()`` on every rank, outcomes exchanged: every rank raises one kind, so all take one path (ConfigError:
-    another run's, no fallback; CheckpointError: damaged, fall back; another FrameworkError: stop; an interrupt,
-    ``_stop``, wins over all); a rank whose own error is of that kind raises it, the others the first one."""
+    """``fn()`` on every rank, outcomes exchanged: every rank raises one kind (ConfigError: no fallback;
+    CheckpointError: fall back; another FrameworkError: stop; an interrupt wins over all), its own if of that kind."""
     result, problem, stop = None, None, None
     try:
         result = fn()
@@ -114,8 +113,8 @@ def agree_load(group: Group, what: str, fn):
 
 
 def _exchange(group: Group, outcome: tuple, stop: BaseException | None, what: str) -> list:
-    """Every rank's ``outcome``; where the exchange fails (a peer interrupted inside it), this rank's own
-    ``stop`` is raised rather than a dead or stalled peer: the whole group got the Ctrl-C or SIGTERM."""
+    """Every rank's ``outcome``; where the exchange fails, this rank's own ``stop`` rather than a dead peer (the
+    whole group got the Ctrl-C or SIGTERM)."""
     try:
         return group.all_gather(outcome, what)
     except DistributedError:
@@ -125,9 +124,8 @@ def _exchange(group: Group, outcome: tuple, stop: BaseException | None, what: st
 
 
 def _stop(e: BaseException) -> KeyboardInterrupt | SystemExit | None:
-    """The Ctrl-C (KeyboardInterrupt) or SIGTERM (SystemExit) that DCP wrapped in ``e``, as a plain one of its
-    kind (it pickles for the exchange), else None: read as a failed save or damage, a Ctrl-C would let a sweep go
-    on or a resume fall back. Causes only, not ``__context__``: a save inside ``except KeyboardInterrupt:`` would
+    """The Ctrl-C or SIGTERM that DCP wrapped in ``e``, as a plain one (it pickles), else None: read as a failure, it
+    would let a sweep go on or a resume fall back. Causes only: a save inside ``except KeyboardInterrupt:`` would
     report a full disk as a Ctrl-C."""
     for c in glue().causes(e, implicit=False):
         if isinstance(c, KeyboardInterrupt):
@@ -138,8 +136,8 @@ def _stop(e: BaseException) -> KeyboardInterrupt | SystemExit | None:
 
 
 def _write_error(e: BaseException, tmp: Path, need: int) -> str:
-    """One line for a failed write: a full disk (torch's zip writer says "unexpected pos") with the free and needed
-    bytes; EFBIG first (that "unexpected pos" hides it too): a file size limit, where more room would not help."""
+    """One line for a failed write: a full disk (torch's zip writer: "unexpected pos") with the free and needed bytes;
+    EFBIG first (hidden by that too): a file size limit."""
     found = glue().causes(e)
     if (many := next((c for c in found if isinstance(c, OSError) and c.errno in DESCRIPTORS), None)) is not None:
         return descriptors_line(many)

@@ -12,17 +12,14 @@ import torch
 
 from framework.config.schema import get_key
 from framework.engine.state import initial_scalars
-from framework.core.errors import (CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank,
-                                   say)
+from framework.core.errors import CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank, say
 from framework.core.registry import registry
 from framework.models.hf import architecture, without_dtype
 from framework.loggers import RUN_ONLY
-from framework.persist import stepfolders
-from framework.persist import rng
+from framework.persist import rng, stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values, optim_keys
-from framework.persist.layout import (StateLayout, check_format, nonfinite_items, pieces,
-                                      with_saved_scalars)
+from framework.persist.layout import StateLayout, check_format, nonfinite_items, pieces, with_saved_scalars
 from framework.precision import PrecisionState
 from framework.persist.weights import whole_tensors
 from framework.core.utils import counted, few, under
@@ -36,16 +33,14 @@ _HF_RECORDED_FREE = {"config"}
 
 
 def saves_among(folder: Path, root: Path, every: int) -> bool:
-    """Whether a run saving every ``every`` steps into ``root`` saves among the checkpoint ``folder``'s (there,
-    resume=off and a resume from another folder are refused: ``fresh_start``)."""
+    """Whether a run saving into ``root`` saves among ``folder``'s checkpoints (``fresh_start`` refuses others)."""
     return bool(every) and folder.parent.resolve() == root.resolve()
 
 
 def afresh(resume: str, folder: Path, root: Path, every: int) -> str:
-    """What a refusal of the checkpoint ``folder`` (another run's: no fallback, the user chooses) says to start afresh,
-    for ``checkpoint.resume=resume`` (as typed) in a run saving every ``every`` steps into ``root``: resume=off; where
-    the run saves among the folder's checkpoints, which refuses that, another checkpoint.dir, with resume=off unless
-    auto (a path, or latest, which searches the run folders wherever checkpoint.dir is, would read it again)."""
+    """What a refusal of ``folder`` (another run's: no fallback) says to start afresh: resume=off; where the run saves
+    among its checkpoints, which refuses that, another checkpoint.dir, with resume=off unless auto (a path, or latest,
+    which searches the run folders wherever checkpoint.dir is, would read it again)."""
     if not saves_among(folder, root, every):
         return "set checkpoint.resume=off to start this run afresh"
     if resume == "auto":
@@ -55,10 +50,9 @@ def afresh(resume: str, folder: Path, root: Path, every: int) -> str:
 
 def same_run(folder: Path, saved: dict, mine: dict, resume: str, recorded=None, current: dict | None = None, *,
              way: str) -> None:
-    """ConfigError unless ``saved`` (``folder``'s config) has the model and optimizer of ``mine`` (this run's), for
-    each folder a resume reads (another model whose shapes happen to fit is still refused). ``recorded``: the HF
-    model config the train state holds, compared with this model's ``current`` one where both are known. ``way``:
-    ``afresh``'s advice."""
+    """ConfigError unless ``saved`` (``folder``'s config) has the model and optimizer of ``mine`` (another model whose
+    shapes happen to fit is still refused). ``recorded``: the HF model config the train state holds, compared with
+    this model's ``current`` one where both are known. ``way``: ``afresh``'s advice."""
     free, whose = _MODEL_FREE, ""
     if mine["model"].get("name") == "hf":
         free = free | _HF_FREE | (_HF_RECORDED_FREE if isinstance(recorded, dict) else set())
@@ -85,8 +79,8 @@ def same_optimizer(folder: Path, saved: dict, mine: dict, resume: str, *, way: s
 
 
 def job_values(config: dict, keys) -> dict:
-    """``config``'s value of each of ``keys`` (those naming a sweep's job), a group by its choice; checkpoint.resume
-    (a checkpoint records where ``latest`` led) and the keys of how a job runs (``RUN_ONLY``) aside."""
+    """``config``'s value of each of ``keys`` (naming a sweep's job), a group by its choice; checkpoint.resume (a
+    checkpoint records where ``latest`` led) and ``RUN_ONLY`` aside."""
     def value(key: str):
         node = get_key(config, key)
         return node.get("name") if isinstance(node, dict) else node
@@ -94,8 +88,7 @@ def job_values(config: dict, keys) -> dict:
 
 
 def other_job(saved: dict, mine: dict) -> list[tuple[str, str]]:
-    """(``KEY=VALUE`` of ``saved``, a checkpoint's config, of ``mine``: ``job_values``) for each key whose values
-    differ: the checkpoint of another job of a sweep."""
+    """(``KEY=VALUE`` of the checkpoint's config ``saved``, of ``mine``) for each job key whose values differ."""
     theirs = job_values(saved, mine)
     return [(f"{k}={theirs[k]}", f"{k}={mine[k]}") for k in mine if theirs[k] != mine[k]]
 
@@ -106,8 +99,8 @@ _UNLISTED = {"dist.nproc", "offload.nvme_path"}
 
 
 def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two config dicts (checkpoint.* and ``_UNLISTED`` aside); a group
-    chosen anew is one entry, ``offload none->cpu``, whatever keys the two choices have."""
+    """The dotted keys that differ between two config dicts (checkpoint.* and ``_UNLISTED`` aside); a group chosen
+    anew is one entry, ``offload none->cpu``."""
     out = []
     for k in sorted(set(a) | set(b)):
         x, y = a.get(k), b.get(k)
@@ -121,8 +114,7 @@ def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str | None:
-    """The resume line's note where the global batch (micro_batch x grad_accum x world: a changed world size shows
-    here, ``_UNLISTED``) of the saving run differs from this run's."""
+    """The resume line's note where the global batch (micro_batch x grad_accum x world) changed."""
     def rows(cfg: dict, world: int):
         micro, accum = get_key(cfg, "train.micro_batch"), get_key(cfg, "train.grad_accum")
         return micro * accum * world if isinstance(micro, int) and isinstance(accum, int) else None
@@ -135,11 +127,9 @@ def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str |
 
 
 def schedule_change(saved: dict, cfg, position: int) -> str | None:
-    """The resume line's note where train.steps changed and the scheduler's length follows it (its
-    total_num_steps or decay_steps null): the schedule stretches over the new length, so the lr of the updates
-    after ``position`` (the applied updates) moves, which a bare "config differs in train.steps" hides. None where
-    no update follows (``position`` at or past the new length) or the scheduler itself changed (another choice or
-    value: the saved run's lr is not this scheduler's over the old length, and "config differs in" names it)."""
+    """The resume line's note where train.steps changed and the scheduler's length follows it: the lr of the updates
+    after ``position`` (those applied) moves, which a bare "config differs in train.steps" hides. None where no update
+    follows or the scheduler itself changed (its old lr is not this one's; "config differs in" names it)."""
     before, now = get_key(saved, "train.steps"), cfg.train.steps
     if not isinstance(before, int) or before < 1 or before == now or position >= now:
         return None
@@ -163,10 +153,8 @@ def schedule_change(saved: dict, cfg, position: int) -> str | None:
 
 
 def _first_moved(old, new, start: int, end: int) -> int | None:
-    """The first update in [start, end) whose lr, as the note prints it, differs between the ``old`` and ``new``
-    schedules: a warm-up's updates (the default's first 100, or many thousands) are the same over either length.
-    At most ~10,000 points on a grid over the run, then the grid step before the first that differs (a closed
-    form each: milliseconds for a run of any length)."""
+    """The first update in [start, end) whose lr, as printed, differs between the schedules (a warm-up's are the
+    same over either length): ~10,000 points on a grid, then the grid step before the first that differs."""
     differs = lambda i: f"{old(i):.2e}" != f"{new(i):.2e}"   # noqa: E731
     stride = max(1, (end - start) // 10_000)
     hit = next((i for i in range(start, end, stride) if differs(i)), None)
@@ -174,9 +162,8 @@ def _first_moved(old, new, start: int, end: int) -> int | None:
 
 
 def data_change(saved, mine) -> tuple[str, bool] | None:
-    """What differs between the data a checkpoint was saved with (``saved``: ``DataSource.identity()``, none in a
-    checkpoint of an older version) and this run's (``mine``): (what, whether the ids stand for other characters
-    now); None where nothing is known to differ. Contents are compared within one kind of source."""
+    """(what differs between the saved and this run's ``DataSource.identity()``, whether the ids stand for other
+    characters now); None where nothing is known to differ. Contents compare within one kind of source."""
     if not isinstance(saved, dict) or not isinstance(mine, dict):
         return None
     then, now = saved.get("vocab"), mine.get("vocab")
@@ -196,8 +183,8 @@ _NEWER = "<newer>"   # (verify's mark of a newer version's manifest among the fi
 
 
 def verify(folder: Path, group: Group | None = None, resume: bool = False) -> dict:
-    """The manifest, every file checked against it (each rank a share): every rank raises one CheckpointError
-    naming the bad files. ``resume`` (or an export: neither reads ``model_16bit/``): damage there is a line."""
+    """The manifest, every file checked against it (each rank a share; one CheckpointError on every rank).
+    ``resume`` (or an export: neither reads ``model_16bit/``): damage there is a line."""
     rank, world = (0, 1) if group is None else (group.rank, group.world)
     copy16 = f"{stepfolders.WEIGHTS16}/"
     try:
@@ -248,8 +235,7 @@ def _train_state(folder: Path, manifest: dict) -> dict:
     """train_state.json, checked against the manifest: a file edited or mixed from another save is refused."""
     path = folder / stepfolders.TRAIN_STATE
     body = stepfolders.read_json(path, "the train state")
-    if isinstance(body, dict):   # the versions first: a newer version's file may lack or rename any other key
-        stepfolders.train_state_versions(body, folder)
+    stepfolders.train_state_versions(body, folder)   # first: a newer version's file may lack or rename any other key
     missing = [k for k in _BODY_KEYS if k not in body] if isinstance(body, dict) else list(_BODY_KEYS)
     if missing:
         raise CheckpointError(f"checkpoint {folder}: {path} lacks {few(missing)}")
@@ -284,11 +270,9 @@ def _train_state(folder: Path, manifest: dict) -> dict:
 
 def load(engine, state, folder: Path, *, group: Group, seed: int, way: str, same: tuple[dict, str] | None = None,
          data: dict | None = None):
-    """Check ``folder`` against this engine and return ``read``, which loads it into ``state`` and returns (state,
-    train state); both collective, only ``read`` writes. Damage: CheckpointError on every rank (auto falls back);
-    with ``same`` (this run's config dict, ``checkpoint.resume``), another model or optimizer, or with ``data``
-    (this run's ``DataSource.identity()``) data whose ids stand for other characters: ConfigError, ending in
-    ``way`` (``afresh``'s advice)."""
+    """Check ``folder`` against this engine; ``read``, which loads it into ``state``: (state, train state). Damage:
+    CheckpointError (auto falls back); with ``same`` (config dict, resume) another model or optimizer, or with
+    ``data`` (``DataSource.identity()``) a changed vocabulary: ConfigError ending in ``way``. Collective."""
     # Before anything is read: the checks below and the read take the trainable set from requires_grad, which a
     # change after initialize makes disagree with the stage's layout (a parameter left unread, or called missing).
     agree_load(group, "requires_grad check", lambda: engine.check_trainable("checkpoint resume"))
@@ -333,11 +317,9 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
         # or is not finite raises on every rank, and resume stops or falls back to one that overwrites every holding.
         release = fmap.release if fmap is not None else None   # pages leave as they are filled
         flats, per, own = pieces(mapped)
-        # The optimizer's state the checkpoint lacks (SGD's momentum_buffer, saved with optimizer.momentum=0; ``_fits``
-        # admits it for the same optimizer only) is not read: it starts as the optimizer's init starts it, as
-        # torch.optim's does where a loaded state dict lacks it, whatever the engine stepped before this resume (a
-        # library loop's): its step counts are the init's, and a transform's first step sets the per-element state
-        # (SGD's buffer is the next gradient); state this optimizer keeps none of is not read.
+        # State the checkpoint lacks (SGD's momentum_buffer, saved with momentum=0; ``_fits`` admits it for the same
+        # optimizer only) starts as the optimizer's init starts it, as in torch.optim, whatever the engine stepped
+        # before this resume; state this optimizer keeps none of is not read.
         saved = body["optimizer"]
         fresh, unread = _state_change(saved, per, own)
         first = initial_scalars(c.update.tx, mapped.params) if fresh else {}   # (only what the checkpoint lacks)
@@ -382,8 +364,8 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
 
 
 def _rng_of(c, folder: Path, body: dict, seed: int):
-    """(torch, host) generator states: each rank its own under the same world size, else re-derived; saved on
-    another kind of device, the CPU's and host's kept, the device generator's derived (or dropped)."""
+    """(torch, host) generator states: each rank its own under the same world size, else re-derived; saved on another
+    kind of device, the device generator's derived (or dropped)."""
     rank, device = c.dist.rank, c.dist.device
     derived = rng.derive(seed, body["step"], rank, device)
     if body["world"] != c.dist.world:
@@ -409,10 +391,9 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
 
 
 def _state_change(opt: dict, per: dict, scalars: dict) -> tuple[list[str], list[str]]:
-    """(the state of this optimizer, ``optimizer_leaves``' ``per`` and ``scalars``, that a checkpoint's ``opt``, its
-    train state's "optimizer", lacks; the state it holds that this optimizer lacks), by torch.optim's names: the
-    per-element states, which their step counts go with (torch.optim.SGD keeps no "step": one named beside them
-    reads as the training step), or the scalars where no per-element state differs."""
+    """(this optimizer's state, ``per`` and ``scalars``, that the saved ``opt`` lacks; the saved state this one lacks)
+    by torch.optim's names: the per-element states, or the scalars where none differs (SGD keeps no "step": one named
+    beside them reads as the training step)."""
     mine, theirs = optim_keys(sorted(per), sorted(scalars)), [*opt["per_element"], *opt["scalars"]]
 
     def named(keys: list[str], per_element, names: dict[str, str]) -> list[str]:
@@ -424,9 +405,8 @@ def _state_change(opt: dict, per: dict, scalars: dict) -> tuple[list[str], list[
 
 def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict,
           whole: dict[str, torch.Tensor], way: str, named: bool) -> None:
-    """ConfigError for another model or optimizer (no fallback; ``way``: ``afresh``'s advice); CheckpointError when
-    the files lack what the train state names. ``whole``: the buffers and frozen parameters by key. ``named``: the
-    checkpoint's config names this run's optimizer, so that other state is another setting of it (SGD's momentum)."""
+    """ConfigError for another model or optimizer; CheckpointError when the files lack what the train state names.
+    ``named``: the saved config names this optimizer, so other state is another setting of it (SGD's momentum)."""
     opt = body["optimizer"]
     if not named and any(_state_change(opt, per, scalars)):
         theirs = sorted(opt["keys"][k] for k in [*opt["per_element"], *opt["scalars"]])
@@ -452,8 +432,7 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
 
 
 def _same_trainable(folder: Path, trainable: list[str], saved: dict, keys, whole: dict, way: str) -> None:
-    """ConfigError naming the parameters frozen when saved and trainable now, or the reverse (a resume cannot
-    continue them), rather than calling them missing. ``keys``: the checkpoint's."""
+    """ConfigError naming the parameters frozen when saved and trainable now, or the reverse, not "missing"."""
     were = sorted(n for n in set(trainable) - set(saved) if f"frozen.{n}" in keys)
     now = sorted(n for n in set(saved) - set(trainable) if f"frozen.{n}" in whole)
     if were or now:

@@ -25,8 +25,7 @@ from framework.core.units import MiB
 from framework.engine.state import FORMAT as STATE_FORMAT
 from framework.models.hf import architecture
 from framework.offload import verify_map
-from framework.persist import stepfolders
-from framework.persist import rng
+from framework.persist import rng, stepfolders
 from framework.persist.checkpoint._group import Group, agree_save, glue
 from framework.core.utils import dtype_name, few, tensor_bytes
 from framework.persist.layout import StateLayout, host_copy, nonfinite_items, pieces
@@ -35,11 +34,9 @@ from framework.persist.weights import save_on_model_save, tied_names, whole_tens
 
 
 def _version() -> str | None:
-    """The framework's version (pyproject's), recorded in train_state.json: a later version's refusal of a layout
-    it no longer reads can name the version that wrote it. The checkout's pyproject.toml next to the package first:
-    a checkout run by PYTHONPATH (the GPU image, gpu_check.sh) has no package metadata, or the metadata of another,
-    older install in the same environment, which is not the code that runs. The installed package's metadata where
-    there is no such file (a wheel install); None where neither says (Python 3.10 has no tomllib)."""
+    """The framework's version, recorded in train_state.json (a later version's refusal can name it). The checkout's
+    pyproject.toml first: a checkout run by PYTHONPATH has no package metadata, or another install's; else the
+    installed package's metadata (a wheel); None where neither says (Python 3.10 has no tomllib)."""
     try:
         import tomllib
 
@@ -74,8 +71,7 @@ def dcp_key(key: str, name: str, keys: dict[str, str]) -> str:
 
 
 def dcp_values(parts, flats, keys: dict[str, str], take=None) -> dict:
-    """``parts`` ((parameter, holding, lo, hi): elements [lo, hi) of that holding) as ``Boxes`` of the flat tensors
-    ``flats[piece]`` ({'master' or optimizer path: tensor}) by DCP key."""
+    """``parts`` ((parameter, holding, lo, hi)) as ``Boxes`` of the flat tensors ``flats[piece]`` by DCP key."""
     out: dict[str, tuple[tuple[int, ...], list]] = {}
     for p, h, a, b in parts:
         for key, t in flats[h.piece].items():
@@ -84,9 +80,8 @@ def dcp_values(parts, flats, keys: dict[str, str], take=None) -> dict:
 
 
 def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
-    """This rank's ``StateLayout.share`` of ``state`` as DCP values, with what the save records (collective). Each
-    box is a host copy of exactly its bytes (DCP's writer clones views of larger storages: no second copy);
-    ``zero_copy``: a mapped swap file's (``fmap``) boxes from its pages."""
+    """This rank's ``StateLayout.share`` of ``state`` as DCP values, with what the save records (collective); each box
+    a host copy of exactly its bytes (DCP clones views of larger storages), or with ``zero_copy`` ``fmap``'s pages."""
     c = engine.components
     layout, flats, per, scalars, keys = _share(engine, state, group)
     release = fmap.release if fmap is not None else None
@@ -104,10 +99,9 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
 
     out: dict[str, Any] = dcp_values(layout.share(), flats, keys, take)
     host_scalars = {p: host_copy(v) for p, v in scalars.items()}
-    for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
-        out[f"optim.{keys[path]}"] = torch.as_tensor(value, device="cpu").clone()
-    if whole is not None:   # buffers and frozen parameters, whole on every rank: rank 0's, written once
-        out.update(whole)
+    # DCP writes each once: the scalars (the same on every rank), rank 0's buffers and frozen parameters (whole on all)
+    out.update({f"optim.{keys[p]}": torch.as_tensor(v, device="cpu").clone() for p, v in host_scalars.items()})
+    out.update(whole or {})
     # the files' bytes: the tensors', with room for DCP's per-item records, the JSON files and the metadata
     nbytes = tensor_bytes(t for v in out.values() for t in (v.tensors() if isinstance(v, glue().Boxes) else [v])) \
         + 4096 * len(out) + (64 << 10)
@@ -133,10 +127,9 @@ def _share(engine, state, group: Group):
 
 
 def _nonfinite(layout: StateLayout, flats, keys: dict[str, str], state, whole: dict | None, release=None) -> list[str]:
-    """The pre-save check of this rank's share: the masters and optimizer values holding NaN or inf (``release``
-    after each), and with ``whole`` (rank 0's buffers and frozen parameters) a NaN there or a loss scale that is
-    not a positive finite number. A NaN forward under train.on_nonfinite=warn leaves NaN in BatchNorm's running
-    statistics, which a resume would load into every rank; an inf there may be by design (an additive mask)."""
+    """The pre-save check of this rank's share: masters and optimizer values holding NaN or inf, and with ``whole``
+    (rank 0's buffers and frozen parameters) a NaN there (a NaN forward under on_nonfinite=warn leaves one in
+    BatchNorm's statistics; an inf may be a mask) or a loss scale that is not a positive finite number."""
     names = nonfinite_items([(dcp_key(key, p.name, keys), h.of(t)) for p, h in layout.mine()
                              for key, t in flats[h.piece].items()], release)
     if whole is not None:
@@ -154,8 +147,7 @@ def _held(per_rank: list[list[str]]) -> str | None:
 
 
 def check_finite(ckpt, state, doing: str) -> None:
-    """The pre-save check of ``state`` alone (collective), before ``doing`` (e.g. an export): non-finite state stops
-    every rank alike, as a save refuses it under train.on_nonfinite=stop."""
+    """The pre-save check of ``state`` alone (collective), before ``doing`` (e.g. an export)."""
     engine, group = ckpt.engine, ckpt.group
     with contextlib.ExitStack() as stack:   # offload=nvme: the swap file, mapped and checked
         mapped, fmap = group.enter(stack, engine.mapped_state(state), "swap file check")
@@ -168,9 +160,8 @@ def check_finite(ckpt, state, doing: str) -> None:
 
 
 def save(ckpt, state, losses: list[float] | None = None):
-    """Save ``state`` as ``<ckpt.root>/step-<state.step>`` (collective), its host copy taken before returning;
-    with ``ckpt.pool`` the files are written there (its future returned). ``ckpt.on_point``: at ``save-<N>:``
-    ``after-shard`` (every rank), ``before-manifest``, ``before-rename``, ``before-latest`` (rank 0): fault tests."""
+    """Save ``state`` as ``<ckpt.root>/step-<state.step>`` (collective), its host copy taken before returning; with
+    ``ckpt.pool`` written there (its future returned). ``ckpt.on_point``: at ``save-<N>:<point>``, fault tests'."""
     engine, group, root, background = ckpt.engine, ckpt.group, ckpt.root, ckpt.pool
     staged16 = None
     if engine.components.stage.weights_on_save():
@@ -211,9 +202,9 @@ def save(ckpt, state, losses: list[float] | None = None):
 
 
 def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
-    """Every rank's verdict on the state (finite, replicated copies alike) and the room for it, exchanged; True to
-    save (``snap["need"]``: the bytes all ranks will write). Non-finite state is a TrainingError (unless ``recheck``:
-    the swap file changed under it), copies that differ or too little room a CheckpointError."""
+    """Every rank's verdict on the state (finite, replicated copies alike) and the room, exchanged; True to save
+    (``snap["need"]``: all ranks' bytes). Non-finite state is a TrainingError (unless ``recheck`` finds the swap file
+    changed under it), differing copies or too little room a CheckpointError."""
     step, group, root = snap["step"], ckpt.group, ckpt.root
     problem, claim = None, None
     try:
@@ -246,9 +237,8 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
             "train.on_nonfinite=warn keeps training without saving such state"))
     if shorts:
         raise on_every_rank(CheckpointError(f"checkpoint: not saving step {step}: " + "; ".join(
-            s.describe("the checkpoint files") for s in shorts)
-            + "; free space, lower checkpoint.keep_last or set checkpoint.dir to a larger disk "
-              "(the previous checkpoints are kept)"))
+            s.describe("the checkpoint files") for s in shorts) + "; free space, lower checkpoint.keep_last or set "
+            "checkpoint.dir to a larger disk (the previous checkpoints are kept)"))
     snap["need"] = sum(c.need for _, c, _, _ in everyone)   # every rank's files: one number on every rank
     return True
 
@@ -339,9 +329,8 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
 
 
 def unseen(tmp: Path, entries: dict[str, dict], world: int) -> None:
-    """A CheckpointError unless ``tmp`` as rank 0 sees it holds exactly the files the ranks hashed (``entries``) and
-    every ``rng-<rank>.json``: on a node-local ``checkpoint.dir`` each node writes its own copy, and the manifest
-    would vouch for files this folder does not hold."""
+    """A CheckpointError unless ``tmp`` as rank 0 sees it holds exactly the files the ranks hashed and every
+    ``rng-<rank>.json``: on a node-local ``checkpoint.dir`` the manifest would vouch for files it does not hold."""
     names = set(stepfolders.files_of(tmp))
     missing = sorted({*entries, *(f"rng-{r}.json" for r in range(world))} - names)
     extra = sorted(n for n in names - set(entries) if stepfolders.a_save_writes(n))
