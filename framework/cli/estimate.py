@@ -130,7 +130,8 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
 
 
 def _no_hf_checkpointing(override: str, value: str) -> ConfigError:
-    """Refuse transformers' checkpointing before the model is traced (the trace would fail, after its warnings)."""
+    """The refusal of transformers' checkpointing, before the model is traced (the trace would fail, after its
+    warnings)."""
     return ConfigError(f"estimate: {override} does not apply to model={value} (its activations are traced on the "
                        f"meta device, where transformers' checkpointing cannot run); drop it")
 

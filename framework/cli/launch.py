@@ -282,7 +282,8 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
 
 def remove_killed_swap(folder: Path | None, codes: list[int | None]) -> None:
     """Once every rank ended: remove, with one line, the swap files a rank killed by a signal (SIGKILL: out of memory)
-    left in the run's default swap ``folder`` (None: ``offload.nvme_path``'s, which the next run there cleans)."""
+    left in the run's default swap ``folder`` (None: none, or ``offload.nvme_path``'s, which the next run there
+    cleans)."""
     if folder is None or not any(code is not None and code < 0 for code in codes):
         return
     count, freed = remove_stale(folder)

@@ -62,7 +62,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} differs from the {data.vocab_size} token ids of the "
                           f"data, which set the model's vocabulary; drop model.vocab_size (set data.vocab_size "
                           f"where the data source has it)")
-    # The config as built (W&B's, summary.json's): the data's vocabulary (checkpoints keep the composed one)
+    # The config as built (W&B's, summary.json's): the data's vocabulary (checkpoints keep the composed one, which a
+    # resume is compared with)
     built = cfg if getattr(cfg.model, "vocab_size", None) in (None, data.vocab_size) else \
         replace(cfg, model=replace(cfg.model, vocab_size=data.vocab_size))
     model = component(cfg, "model")

@@ -222,7 +222,8 @@ def _restrict_batch(own: dict[str, str], overrides: list[str], cfg,
 
 
 def _disk_dir(cfg, base: list[str]) -> Path:
-    """Where offload=nvme would swap (free bytes, the probe's disk test): ``offload.nvme_path``'s folder, or cwd."""
+    """Where offload=nvme would swap (free bytes, the probe's disk test): the nearest existing folder of
+    ``offload.nvme_path``, or cwd."""
     given = [o.partition("=")[2].strip() for o in base if override_key(o) == "offload.nvme_path" and o[0] != "~"]
     path = given[-1] if given else getattr(cfg.offload, "nvme_path", None)
     return Path(os.getcwd()) if path in (None, "", "null") else nearest_existing(Path(user_path(path)))

@@ -377,9 +377,10 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
 
 
 def _sweep_goes_on(e: Exception) -> bool:
-    """Whether this process may go on with a sweep's next job after ``e``: always alone; as a torchrun rank only
-    after a FrameworkError raised alike on every rank (else peers still in the failed job would pair their
-    collectives with the next job's), not a DistributedError (the group is unusable)."""
+    """Whether this process may go on with a sweep's next job after ``e``: always alone; as a rank of an external
+    group (torchrun's or submitit's tasks) only after a FrameworkError raised alike on every rank (else peers still
+    in the failed job would pair their collectives with the next job's), not a DistributedError (the group is
+    unusable)."""
     return env_int("WORLD_SIZE", 1) <= 1 or (isinstance(e, FrameworkError) and e.every_rank
                                              and not isinstance(e, DistributedError))
 

@@ -270,9 +270,10 @@ def _train_state(folder: Path, manifest: dict) -> dict:
 
 def load(engine, state, folder: Path, *, group: Group, seed: int, way: str, same: tuple[dict, str] | None = None,
          data: dict | None = None):
-    """Check ``folder`` against this engine; ``read``, which loads it into ``state``: (state, train state). Damage:
-    CheckpointError (auto falls back); with ``same`` (config dict, resume) another model or optimizer, or with
-    ``data`` (``DataSource.identity()``) a changed vocabulary: ConfigError ending in ``way``. Collective."""
+    """Check ``folder`` against this engine and return ``read``, which loads it into ``state`` and returns (state,
+    train state). Damage: CheckpointError (auto falls back); with ``same`` (config dict, resume) another model or
+    optimizer, or with ``data`` (``DataSource.identity()``) a changed vocabulary: ConfigError ending in ``way``.
+    Collective."""
     # Before anything is read: the checks below and the read take the trainable set from requires_grad, which a
     # change after initialize makes disagree with the stage's layout (a parameter left unread, or called missing).
     agree_load(group, "requires_grad check", lambda: engine.check_trainable("checkpoint resume"))
