@@ -83,10 +83,8 @@ def value(text: str) -> Any:
     """A value as Hydra reads it: null, booleans, numbers (1e9 is a float), quoted or plain
     strings, and [a, b] lists of those."""
     tokens = _TOKEN.findall(text)   # (an escaped space at either end stays: a\  is 'a ')
-    while tokens and tokens[0] in (" ", "\t"):
-        tokens.pop(0)
-    while tokens and tokens[-1] in (" ", "\t"):
-        tokens.pop()
+    kept = [i for i, t in enumerate(tokens) if t not in (" ", "\t")]
+    tokens = tokens[kept[0]:kept[-1] + 1] if kept else []
     text = "".join(tokens)
     if text[:1] in ("'", '"') and (end := _closing(text)) is None:   # 'a\': its last quote is escaped
         escaped = f" (\\{text[0]} is a quote inside the value)" if "\\" + text[0] in text else ""
@@ -227,15 +225,14 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
 # Hydra 1.3's own config (hydra.conf.HydraConf), its structured nodes spelled out: without Hydra there is no
 # schema to read (tests/config/test_plainconf.py checks this against Hydra's). Below a key with no keys under it
 # here (launcher, sweeper, job_logging, job.env_set, ...) any key is Hydra's to check.
-HYDRA_KEYS = frozenset({
-    "callbacks", "defaults", "help", "help.app_name", "help.footer", "help.header", "help.template", "hydra_help",
-    "hydra_help.hydra_help", "hydra_help.template", "hydra_logging", "job", "job.chdir", "job.config",
-    "job.config.override_dirname", "job.config.override_dirname.exclude_keys", "job.config.override_dirname.item_sep",
-    "job.config.override_dirname.kv_sep", "job.config_name", "job.env_copy", "job.env_set", "job.id", "job.name",
-    "job.num", "job.override_dirname", "job_logging", "launcher", "mode", "output_subdir", "overrides",
-    "overrides.hydra", "overrides.task", "run", "run.dir", "runtime", "runtime.choices", "runtime.config_sources",
-    "runtime.cwd", "runtime.output_dir", "runtime.version", "runtime.version_base", "searchpath", "sweep",
-    "sweep.dir", "sweep.subdir", "sweeper", "verbose"})
+HYDRA_KEYS = frozenset((
+    "callbacks defaults help help.app_name help.footer help.header help.template hydra_help hydra_help.hydra_help "
+    "hydra_help.template hydra_logging job job.chdir job.config job.config.override_dirname "
+    "job.config.override_dirname.exclude_keys job.config.override_dirname.item_sep job.config.override_dirname.kv_sep "
+    "job.config_name job.env_copy job.env_set job.id job.name job.num job.override_dirname job_logging launcher mode "
+    "output_subdir overrides overrides.hydra overrides.task run run.dir runtime runtime.choices runtime.config_sources "
+    "runtime.cwd runtime.output_dir runtime.version runtime.version_base searchpath sweep sweep.dir sweep.subdir "
+    "sweeper verbose").split())
 
 
 def check_hydra_key(key: str) -> None:
@@ -253,12 +250,11 @@ def check_hydra_key(key: str) -> None:
 
 
 def given_twice(message: str, overrides: list[str], primary: Path) -> str:
-    """Hydra's advice for a group added twice (``override stage: zero2``) is defaults-list syntax, which no
-    command line takes. Added once, the group is in the primary config's defaults already: the fix is to
-    override that choice (no ``+``); added twice, to give it once. Hydra words the same mistakes, spelled with
-    the name already chosen, as the group appearing more than once. A group with no choice in the defaults
-    (``stage``) is added with ``+``, and an override with no key (``=5``) is named as given, not as the ``++``
-    form the framework passes it as. Empty: another message."""
+    """Hydra's advice for a group added twice (``override stage: zero2``) is defaults-list syntax, which no command
+    line takes. Added once, the group is in the primary config's defaults already: the fix is to override that choice
+    (no ``+``); added twice, to give it once (Hydra words it, with the chosen name, as the group appearing more than
+    once). A group with no choice in the defaults (``stage``) is added with ``+``, and an override with no key
+    (``=5``) is named as given, not as the ``++`` form the framework passes. Empty: another message."""
     if m := re.match(r"Could not override '([\w/]+)'\. No match in the defaults list", message):
         given = next((o for o in overrides if override_key(o) == m[1]), m[1] + "=NAME")
         absent = f" ({DEFAULT_STAGE} when none is given)" if m[1] == "stage" else ""
