@@ -123,16 +123,9 @@ def value(text: str) -> Any:
 
 def _closing(text: str) -> int | None:
     """Where ``text``'s opening quote closes (the last character when quoted once; earlier, as in 'a'/'b', when
-    quoted in parts); None: it never does."""
-    escaped = False
-    for i, c in enumerate(text[1:], 1):
-        if escaped:
-            escaped = False
-        elif c == "\\":
-            escaped = True
-        elif c == text[0]:
-            return i
-    return None
+    quoted in parts); None: it never does. A backslash escapes the character after it."""
+    m = re.match(rf"(?:\\.|[^\\{text[0]}])*{text[0]}", text[1:], re.S)
+    return m.end() if m else None
 
 
 # Hydra's numbers (its override grammar): ASCII digits, '_' only between digits, no leading zero on an
@@ -150,14 +143,8 @@ _TOKEN = re.compile(r"\\[\\()\[\]{}:=, \t]|.", re.S)
 
 def _split(inner: str) -> list[str]:
     """Top-level comma split of a list body (quotes, nested brackets and escapes kept together)."""
-    out, cur = [], ""
-    for c, plain, depth in _walk(inner):
-        if plain and c == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += c
-    return out + [cur]
+    cuts = [i for i, (c, plain, depth) in enumerate(_walk(inner)) if plain and c == "," and depth == 0]
+    return [inner[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(inner)])]
 
 
 def load_yaml(path: Path) -> dict:
