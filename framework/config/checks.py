@@ -55,7 +55,7 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
                                                 {f.name for f in dataclasses.fields(registry(group).get(n).config)}]
             if owners:
                 spelled = str(value).lower() if isinstance(value, bool) else "null" if value is None else value
-                choose = f"{'+' if group == 'stage' else ''}{group}={owners[0]}"
+                choose = plainconf.choice_override(group, owners[0])
                 named = ", ".join(f"{group}={n}" for n in owners[:4]) + (", ..." if len(owners) > 4 else "")
                 raise ConfigError(f"config: {group}.{key} is a key of {named}, not of {group}={option} (chosen); "
                                   f"choose such an option ({choose} {group}.{key}={spelled}) or drop {group}.{key}")

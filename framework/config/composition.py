@@ -281,7 +281,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
                               f"{t.choice_keys['stage']} in the file means stage={mine['stage']}; make them agree")
         if run_stage is not None:
             del mine["stage"]
-    choice_overrides = [choice_override(g, n) for g, n in mine.items()]
+    choice_overrides = [plainconf.choice_override(g, n) for g, n in mine.items()]
     (cfg, choices), refusal = _as_given(composer, choice_overrides + list(cli.forced), cli)
     if refusal is not None:
         validate(cfg, choices, final=False)   # (an unknown key: its line)
@@ -395,12 +395,6 @@ def _set_key(cfg: Any, key: str, value: Any) -> None:
         from omegaconf import OmegaConf
 
         OmegaConf.update(cfg, key, value, merge=True, force_add=True)
-
-
-def choice_override(group: str, name: str) -> str:
-    """The override choosing ``name`` for ``group`` (a DeepSpeed file's choice): ``+stage=`` as no
-    defaults list of ours chooses a stage."""
-    return f"{'+' if group == 'stage' else ''}{group}={name}"
 
 
 @dataclass(frozen=True)

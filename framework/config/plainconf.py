@@ -32,6 +32,12 @@ def override_key(override: str) -> str:
     return override.partition("=")[0].lstrip("+~")
 
 
+def choice_override(group: str, name: str) -> str:
+    """The override choosing ``name`` for ``group`` (a DeepSpeed file's, another option's): ``+stage=`` as no
+    defaults list of ours chooses a stage."""
+    return f"{'+' if group == 'stage' else ''}{group}={name}"
+
+
 def parse(line: str) -> Override:
     """One override in Hydra's spelling (the subset above)."""
     prefix = next((p for p in ("~", "++", "+") if line.startswith(p)), "")
