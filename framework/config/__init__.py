@@ -7,9 +7,9 @@ validate the result into a frozen, picklable ``Config``; a bad key is one line n
 from __future__ import annotations
 
 from framework.config.checks import check_batch_world, check_compatible, leaf_key, validate
-from framework.config.composition import (app_composer, choice_override, compose, compose_layers, have_hydra,
-                                           parse_overrides, search_order, standalone_composer)
-from framework.config.plainconf import override_key
+from framework.config.composition import (app_composer, compose, compose_layers, have_hydra, parse_overrides,
+                                           search_order, standalone_composer)
+from framework.config.plainconf import choice_override, override_key
 from framework.config.schema import COMPATIBLE, ROOT_KEYS, Config
 from framework.core.registry import GROUPS
 

@@ -18,7 +18,8 @@ except ImportError:   # a machine without Hydra/OmegaConf (a GPU image): framewo
     DictConfig = OmegaConf = OmegaConfBaseException = None   # only read where OmegaConf is present
 
 from framework.config import plainconf
-from framework.config.schema import COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema, reads_grad_accum_dtype
+from framework.config.schema import (COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema, get_key,
+                                     reads_grad_accum_dtype)
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
 from framework.core.registry import GROUPS, closest, closest_hint, registry
@@ -54,7 +55,7 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
                                                 {f.name for f in dataclasses.fields(registry(group).get(n).config)}]
             if owners:
                 spelled = str(value).lower() if isinstance(value, bool) else "null" if value is None else value
-                choose = f"{'+' if group == 'stage' else ''}{group}={owners[0]}"
+                choose = plainconf.choice_override(group, owners[0])
                 named = ", ".join(f"{group}={n}" for n in owners[:4]) + (", ..." if len(owners) > 4 else "")
                 raise ConfigError(f"config: {group}.{key} is a key of {named}, not of {group}={option} (chosen); "
                                   f"choose such an option ({choose} {group}.{key}={spelled}) or drop {group}.{key}")
@@ -92,9 +93,8 @@ def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) 
         key = ".".join(map(plainconf.yaml_name, key.split(".")))   # as YAML spells the field
         if not key:
             raise ConfigError(f"config: {prefix.rstrip('.')}: {str(e).splitlines()[0]}") from None
-        value, hint = node, schema   # (the value as given: OmegaConf's may be its node)
+        value, hint = get_key(node, str(e.full_key)), schema   # (the value as given: OmegaConf's may be its node)
         for part in str(e.full_key).split("."):
-            value = value.get(part) if isinstance(value, Mapping) else None
             hint = typing.get_type_hints(hint).get(part) if dataclasses.is_dataclass(hint) else None
         raise ConfigError("config: " + plainconf.library_line(prefix + key, str(e).splitlines()[0], value, hint)
                           ) from None
@@ -153,9 +153,11 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str], *, final: bo
             raise ConfigError(f"config: {' '.join(str(e).split())}") from None
     roots = list(ROOT_KEYS) + list(GROUPS)
     for key in raw:
-        if key not in roots:
-            raise ConfigError(f"config: unknown key '{key}'{_root_hint(key, raw[key], choices)}; "
-                              f"valid top-level keys: {', '.join(roots)}")
+        if key not in roots:   # did you mean: the key of that name (or another tool's name for it) anywhere in the
+            # run's config (steps=5: train.steps), else (a mapping given: only) a top-level key or group close to it
+            leaf = None if isinstance(raw[key], Mapping) else leaf_key(key, choices)
+            hint = f" (did you mean '{leaf}'?)" if leaf else closest_hint(key, roots)
+            raise ConfigError(f"config: unknown key '{key}'{hint}; valid top-level keys: {', '.join(roots)}")
     root = _typed({k: raw[k] for k in ROOT_KEYS if k in raw}, RootSchema, "")
     chosen, nodes = {}, {}
     for group in GROUPS:
@@ -208,16 +210,6 @@ def refuse_inert(config: Config) -> Config:
     return config
 
 
-def _root_hint(key: str, value: Any, choices: Mapping[str, str]) -> str:
-    """The "did you mean" of an unknown top-level key: the key of that name (or another tool's name for it,
-    ``max_steps``) anywhere (``steps=5``: train.steps), the run's chosen components' keys included, else a
-    top-level key or group close to it (a mapping given: only those)."""
-    roots = [*ROOT_KEYS, *GROUPS]
-    if not isinstance(value, Mapping) and (leaf := leaf_key(key, choices)) is not None:
-        return f" (did you mean '{leaf}'?)"
-    return closest_hint(key, roots)
-
-
 def leaf_key(key: str, choices: Mapping[str, str] | None = None) -> str | None:
     """The dotted key whose last name is ``key`` or another tool's name for it (``seq_len``: model.context) in
     the config of ``choices`` (None: conf/train.yaml's defaults); None: no such key. Leaves match by name only:
@@ -227,8 +219,7 @@ def leaf_key(key: str, choices: Mapping[str, str] | None = None) -> str | None:
     by_leaf = {}
     schemas = [("", RootSchema), *((f"{g}.", registry(g).get(n).config) for g in GROUPS
                                    if (n := choices.get(g) or (DEFAULT_STAGE if g == "stage" else None)))]
-    while schemas:
-        prefix, schema = schemas.pop(0)
+    for prefix, schema in schemas:   # (breadth first: a nested schema's appended while the list is walked)
         for f in dataclasses.fields(schema):
             name = plainconf.yaml_name(f.name)
             if dataclasses.is_dataclass(sub := typing.get_type_hints(schema)[f.name]):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from framework.comm.distributed import run_world
 from framework.config import dsconfig, plainconf
 from framework.config.checks import refuse_inert, root_value, validate
-from framework.config.schema import Config, RootSchema, flat
+from framework.config.schema import Config, RootSchema, flat, get_key
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir, user_path
 from framework.core.registry import GROUPS, registry
@@ -50,14 +50,12 @@ CONFIG_DIR = ("--config-dir", "-cd")   # (its value: the next word, or after "="
 
 def search_order(config_dir: str | None, config_name: str,
                  overrides: list[str]) -> tuple[str, list[str], list[str]]:
-    """(the folder Hydra is initialised with, ``overrides`` less any ``hydra.searchpath``, the one
-    ``hydra.searchpath`` override giving the rest of the search path, if any), the
-    same for the composed config and the training command's Hydra app (its run folder, .hydra/config.yaml). A
-    ``--config-dir`` folder holding the primary config (``<config_name>.yaml``) comes first, then conf/ (Hydra
-    finds the primary config only in the folder it is initialised with); another comes after conf/. The folders
-    ``hydra.searchpath`` names come last (Hydra takes one value: the given ones are merged into it).
-    ``search_notes`` says which file is used where two folders hold one. ``overrides`` may be a whole command line
-    (its --config-dir value then becomes the folder found: Hydra's own read would keep a leading ~)."""
+    """(the folder Hydra is initialised with, ``overrides`` less any ``hydra.searchpath``, the one override giving
+    the rest of the search path), alike for the composed config and the training command's Hydra app. A
+    ``--config-dir`` folder holding ``<config_name>.yaml`` comes first, then conf/ (Hydra finds the primary config
+    only in the folder it is initialised with); another comes after conf/; ``hydra.searchpath``'s folders last (Hydra
+    takes one value: the given ones are merged into it). ``overrides`` may be a whole command line (its --config-dir
+    value becomes the folder found: Hydra's own read would keep a leading ~)."""
     if config_dir is None:
         return str(conf_dir()), list(overrides), []
     given = Path(user_path(config_dir)).resolve()
@@ -161,7 +159,9 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    _check_hydra_keys(overrides)
+    for o in parse_overrides(overrides):   # a hydra.* key Hydra's own config lacks: one line naming the closest
+        if o.key_or_group.startswith("hydra."):
+            plainconf.check_hydra_key(o.key_or_group)
     try:
         with (initialize_config_dir(config_dir=config_dir, version_base="1.3") if config_dir
               else contextlib.nullcontext()):
@@ -223,24 +223,14 @@ def _takes(key: str, overrides: list[str], primary: Path) -> set[str]:
     return {kind for h in hints if (kind := plainconf.kind_of(h)) in ("list", "str")}
 
 
-def _check_hydra_keys(overrides: list[str]) -> None:
-    """A ``hydra.*`` key Hydra's own config lacks: one line naming the closest (as without Hydra)."""
-    for o in parse_overrides(overrides):
-        if o.key_or_group.startswith("hydra."):
-            plainconf.check_hydra_key(o.key_or_group)
-
-
 def compose(overrides: list[str] | tuple[str, ...] = (), *, ds_config: str | Path | Mapping | None = None,
             world: int | None = None, hidden_size: int | None = None, hidden_from_model: bool = True,
             composer: Composer = standalone_composer, config_dir: str | None = None,
             config_name: str = "train") -> Config:
-    """Compose conf/train.yaml with Hydra-style overrides and validate it (library use).
-
-    ``ds_config`` (a path or a dict; or ``ds_config=PATH`` among the overrides) layers a DeepSpeed
-    config between our YAML and the overrides. ``world`` (default: the torchrun environment, else
-    dist.nproc) sizes its batch triple; its "auto" bucket sizes use ``hidden_size``, or the model
-    config's d_model when ``hidden_from_model``.
-    """
+    """Compose conf/train.yaml with Hydra-style overrides and validate it (library use). ``ds_config`` (a path or a
+    dict; or ``ds_config=PATH`` among the overrides) layers a DeepSpeed config between our YAML and the overrides.
+    ``world`` (default: the torchrun environment, else dist.nproc) sizes its batch triple; its "auto" bucket sizes
+    use ``hidden_size``, or the model config's d_model when ``hidden_from_model``."""
     if config_dir is not None or config_name != "train":
         composer = functools.partial(standalone_composer, config_dir=config_dir, config_name=config_name)
     return compose_layers(overrides, ds_config=ds_config, world=world, hidden_size=hidden_size,
@@ -291,7 +281,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
                               f"{t.choice_keys['stage']} in the file means stage={mine['stage']}; make them agree")
         if run_stage is not None:
             del mine["stage"]
-    choice_overrides = [choice_override(g, n) for g, n in mine.items()]
+    choice_overrides = [plainconf.choice_override(g, n) for g, n in mine.items()]
     (cfg, choices), refusal = _as_given(composer, choice_overrides + list(cli.forced), cli)
     if refusal is not None:
         validate(cfg, choices, final=False)   # (an unknown key: its line)
@@ -314,9 +304,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     except ConfigError as e:   # e.g. a stage and an offload the file chose that do not go together
         raise ConfigError(_from_file(str(e), {}, chosen_by)) from None
     values = flat(base.to_dict())
-    if callable(world):
-        world = world()
-    if world is None:
+    if (world := world() if callable(world) else world) is None:
         world = run_world(base.dist.nproc)
     if hidden_from_model and hidden_size is None:   # from the model's config (e.g. a HF config.json)
         hidden_size = registry("model").get(base.choices["model"]).hidden_size(base.model)
@@ -380,10 +368,8 @@ def _as_given(composer: Composer, overrides: list[str],
 
 def _in(tree: Mapping, key: str) -> bool:
     """Whether the composed ``tree`` holds the dotted ``key``."""
-    *path, last = key.split(".")
-    for part in path:
-        tree = tree.get(part) if isinstance(tree, Mapping) else None
-    return isinstance(tree, Mapping) and last in tree
+    path, _, last = key.rpartition(".")
+    return isinstance(node := get_key(tree, path) if path else tree, Mapping) and last in node
 
 
 def _from_file(message: str, ds_keys: Mapping[str, str], choice_keys: Mapping[str, str]) -> str:
@@ -409,12 +395,6 @@ def _set_key(cfg: Any, key: str, value: Any) -> None:
         from omegaconf import OmegaConf
 
         OmegaConf.update(cfg, key, value, merge=True, force_add=True)
-
-
-def choice_override(group: str, name: str) -> str:
-    """The override choosing ``name`` for ``group`` (a DeepSpeed file's choice): ``+stage=`` as no
-    defaults list of ours chooses a stage."""
-    return f"{'+' if group == 'stage' else ''}{group}={name}"
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,12 @@ def override_key(override: str) -> str:
     return override.partition("=")[0].lstrip("+~")
 
 
+def choice_override(group: str, name: str) -> str:
+    """The override choosing ``name`` for ``group`` (a DeepSpeed file's, another option's): ``+stage=`` as no
+    defaults list of ours chooses a stage."""
+    return f"{'+' if group == 'stage' else ''}{group}={name}"
+
+
 def parse(line: str) -> Override:
     """One override in Hydra's spelling (the subset above)."""
     prefix = next((p for p in ("~", "++", "+") if line.startswith(p)), "")
@@ -83,10 +89,8 @@ def value(text: str) -> Any:
     """A value as Hydra reads it: null, booleans, numbers (1e9 is a float), quoted or plain
     strings, and [a, b] lists of those."""
     tokens = _TOKEN.findall(text)   # (an escaped space at either end stays: a\  is 'a ')
-    while tokens and tokens[0] in (" ", "\t"):
-        tokens.pop(0)
-    while tokens and tokens[-1] in (" ", "\t"):
-        tokens.pop()
+    kept = [i for i, t in enumerate(tokens) if t not in (" ", "\t")]
+    tokens = tokens[kept[0]:kept[-1] + 1] if kept else []
     text = "".join(tokens)
     if text[:1] in ("'", '"') and (end := _closing(text)) is None:   # 'a\': its last quote is escaped
         escaped = f" (\\{text[0]} is a quote inside the value)" if "\\" + text[0] in text else ""
@@ -125,16 +129,9 @@ def value(text: str) -> Any:
 
 def _closing(text: str) -> int | None:
     """Where ``text``'s opening quote closes (the last character when quoted once; earlier, as in 'a'/'b', when
-    quoted in parts); None: it never does."""
-    escaped = False
-    for i, c in enumerate(text[1:], 1):
-        if escaped:
-            escaped = False
-        elif c == "\\":
-            escaped = True
-        elif c == text[0]:
-            return i
-    return None
+    quoted in parts); None: it never does. A backslash escapes the character after it."""
+    m = re.match(rf"(?:\\.|[^\\{text[0]}])*{text[0]}", text[1:], re.S)
+    return m.end() if m else None
 
 
 # Hydra's numbers (its override grammar): ASCII digits, '_' only between digits, no leading zero on an
@@ -152,14 +149,8 @@ _TOKEN = re.compile(r"\\[\\()\[\]{}:=, \t]|.", re.S)
 
 def _split(inner: str) -> list[str]:
     """Top-level comma split of a list body (quotes, nested brackets and escapes kept together)."""
-    out, cur = [], ""
-    for c, plain, depth in _walk(inner):
-        if plain and c == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += c
-    return out + [cur]
+    cuts = [i for i, (c, plain, depth) in enumerate(_walk(inner)) if plain and c == "," and depth == 0]
+    return [inner[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(inner)])]
 
 
 def load_yaml(path: Path) -> dict:
@@ -227,15 +218,14 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
 # Hydra 1.3's own config (hydra.conf.HydraConf), its structured nodes spelled out: without Hydra there is no
 # schema to read (tests/config/test_plainconf.py checks this against Hydra's). Below a key with no keys under it
 # here (launcher, sweeper, job_logging, job.env_set, ...) any key is Hydra's to check.
-HYDRA_KEYS = frozenset({
-    "callbacks", "defaults", "help", "help.app_name", "help.footer", "help.header", "help.template", "hydra_help",
-    "hydra_help.hydra_help", "hydra_help.template", "hydra_logging", "job", "job.chdir", "job.config",
-    "job.config.override_dirname", "job.config.override_dirname.exclude_keys", "job.config.override_dirname.item_sep",
-    "job.config.override_dirname.kv_sep", "job.config_name", "job.env_copy", "job.env_set", "job.id", "job.name",
-    "job.num", "job.override_dirname", "job_logging", "launcher", "mode", "output_subdir", "overrides",
-    "overrides.hydra", "overrides.task", "run", "run.dir", "runtime", "runtime.choices", "runtime.config_sources",
-    "runtime.cwd", "runtime.output_dir", "runtime.version", "runtime.version_base", "searchpath", "sweep",
-    "sweep.dir", "sweep.subdir", "sweeper", "verbose"})
+HYDRA_KEYS = frozenset((
+    "callbacks defaults help help.app_name help.footer help.header help.template hydra_help hydra_help.hydra_help "
+    "hydra_help.template hydra_logging job job.chdir job.config job.config.override_dirname "
+    "job.config.override_dirname.exclude_keys job.config.override_dirname.item_sep job.config.override_dirname.kv_sep "
+    "job.config_name job.env_copy job.env_set job.id job.name job.num job.override_dirname job_logging launcher mode "
+    "output_subdir overrides overrides.hydra overrides.task run run.dir runtime runtime.choices runtime.config_sources "
+    "runtime.cwd runtime.output_dir runtime.version runtime.version_base searchpath sweep sweep.dir sweep.subdir "
+    "sweeper verbose").split())
 
 
 def check_hydra_key(key: str) -> None:
@@ -253,12 +243,11 @@ def check_hydra_key(key: str) -> None:
 
 
 def given_twice(message: str, overrides: list[str], primary: Path) -> str:
-    """Hydra's advice for a group added twice (``override stage: zero2``) is defaults-list syntax, which no
-    command line takes. Added once, the group is in the primary config's defaults already: the fix is to
-    override that choice (no ``+``); added twice, to give it once. Hydra words the same mistakes, spelled with
-    the name already chosen, as the group appearing more than once. A group with no choice in the defaults
-    (``stage``) is added with ``+``, and an override with no key (``=5``) is named as given, not as the ``++``
-    form the framework passes it as. Empty: another message."""
+    """Hydra's advice for a group added twice (``override stage: zero2``) is defaults-list syntax, which no command
+    line takes. Added once, the group is in the primary config's defaults already: the fix is to override that choice
+    (no ``+``); added twice, to give it once (Hydra words it, with the chosen name, as the group appearing more than
+    once). A group with no choice in the defaults (``stage``) is added with ``+``, and an override with no key
+    (``=5``) is named as given, not as the ``++`` form the framework passes. Empty: another message."""
     if m := re.match(r"Could not override '([\w/]+)'\. No match in the defaults list", message):
         given = next((o for o in overrides if override_key(o) == m[1]), m[1] + "=NAME")
         absent = f" ({DEFAULT_STAGE} when none is given)" if m[1] == "stage" else ""

@@ -84,9 +84,9 @@ ZERO_STAGE = {"reduce_bucket_size": ("int", "h*h"), "allgather_bucket_size": ("i
               "round_robin_gradients": ("bool", ""), "stage3_gather_16bit_weights_on_model_save": ("bool", "")}
 # zero_optimization keys that only tune speed or memory in DeepSpeed and have no counterpart here.
 ZERO_PERF = ("use_multi_rank_bucket_allreduce", "compute_grad_norm", "ignore_unused_parameters", "parameter_alignment",
-             "memory_efficient_linear",
-             "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
-             "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "mics_hierarchical_params_gather",
+             "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+             "log_trace_cache_warnings", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory",
+             "mics_hierarchical_params_gather",
              "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
              "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential", "allgather_partitions")
 # zero_optimization features: (key, value that switches it off, what it is).
@@ -134,9 +134,8 @@ NOT_IMPLEMENTED_OPTIMIZERS = {"lamb": "LAMB", "onebitadam": "1-bit Adam", "zeroo
                               "onebitlamb": "1-bit LAMB", "muadam": "MuAdam", "muadamw": "MuAdamW",
                               "musgd": "MuSGD", "muon": "Muon", "adafactor": "Adafactor", "fusedadam": "FusedAdam"}
 # Optimizer params that select an implementation, not the math.
-OPTIMIZER_INERT = {"torch_adam": "selects torch's implementation; the math is the same",
-                   "fused": "selects a kernel", "foreach": "selects a kernel",
-                   "differentiable": "autograd through the step",
+OPTIMIZER_INERT = {"torch_adam": "selects torch's implementation; the math is the same", "fused": "selects a kernel",
+                   "foreach": "selects a kernel", "differentiable": "autograd through the step",
                    "capturable": "CUDA-graph capture", "set_grad_none": "gradients are freed by the stages anyway"}
 OPTIMIZER_REFUSED = {"amsgrad": (False, "AMSGrad is not implemented"),
                      "fp32_optimizer_states": (True, "optimizer states below fp32 are not implemented"),

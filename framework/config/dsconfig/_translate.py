@@ -113,10 +113,9 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
     if "leaf_module" in z:
         tr.inert_or_error(switched_off(z["leaf_module"], "leaf_module"), Z + "leaf_module", f"{Z}leaf_module is not "
                           "implemented here; use stage.gather_unit to name gather units", "empty")
-    for key in ZERO_PERF:
-        if key in z:
-            tr.typed(z[key], "int" if "threshold" in key else "bool", Z + key)
-            tr.inert_key(Z + key, "a speed/memory knob of DeepSpeed's with no counterpart here")
+    for key in (k for k in ZERO_PERF if k in z):
+        tr.typed(z[key], "int" if "threshold" in key else "bool", Z + key)
+        tr.inert_key(Z + key, "a speed/memory knob of DeepSpeed's with no counterpart here")
 
 
 def load_from_fp32(tr: Translation, z: dict) -> None:
