@@ -226,9 +226,7 @@ class Gatherer:
             self.gather_now(self.persistent)
         elif self.persistent is not None:   # views again, as every gather makes (module.half() or .to() since)
             for g in self.persistent.groups:
-                base, size = g.full.data_ptr(), g.full.element_size()
-                if any(p.dtype != g.full.dtype or p.data_ptr() != base + s.offset * size
-                       for p, s in zip(g.params, g.layout.slots)):
+                if g.astray(self.empty, gathered=True):
                     self._point(g)
         self.trace.begin(grad_mode, driven)
         self.mode, self.driven = grad_mode, driven
@@ -341,6 +339,17 @@ class Gatherer:
         for g in unit.groups:
             self._point(g)
         unit.to(UnitState.GATHERED)
+
+    def stray(self, repoint: bool = False) -> list[torch.Tensor]:
+        """Sharded parameters moved by module.half(), .to()... (``UnitGroup.astray``); ``repoint``: put back."""
+        out = []
+        for gathered, g in ((u.state is UnitState.GATHERED, g) for u in self.all_units for g in u.groups):
+            out += (found := g.astray(self.empty, gathered))
+            if repoint and found and gathered:   # views of the gathered buffer again, or the empty shard
+                self._point(g)
+            for p in found if repoint and not gathered else ():
+                p.data = self.empty
+        return out
 
     @staticmethod
     def _point(g: UnitGroup) -> None:   # each parameter a view of its slice of the gathered buffer

@@ -181,6 +181,16 @@ class UnitGroup:
     # Where a non-resident partition comes from (gradients in the swap file); None: zeros, kept.
     load_grad: Callable[[], torch.Tensor] | None = None
 
+    def astray(self, empty: torch.Tensor, gathered: bool) -> list[ShardedParameter]:
+        """Its parameters not as gathers and releases leave them, views of ``full`` (``gathered``) or ``empty``:
+        ``module.half()`` or ``.to(...)`` gave them storage of their own (dtype, and device or address, compared:
+        metadata only, no tensor read; a parameter of no elements has no address)."""
+        if not gathered:
+            return [p for p in self.params if p.dtype != empty.dtype or p.device != empty.device]
+        base, size = self.full.data_ptr(), self.full.element_size()
+        return [p for p, s in zip(self.params, self.layout.slots)   # (another device: another address)
+                if p.dtype != self.full.dtype or (s.numel and p.data_ptr() != base + s.offset * size)]
+
     def grad(self) -> torch.Tensor:
         """The gradient partition, allocated on first use (construction holds only the shards)."""
         if self.part_grad.numel() != self.shard.numel():

@@ -81,9 +81,9 @@ class BaseStage:
     forward_gathers = False   # whether each forward runs collectives with every rank (zero3's gathers)
     watched: tuple = ()   # (name, parameter, version counter, its (module, attribute) owners) per trainable one
     # Whether the trainable parameters stay views of the stage's own buffers from setup on (zero3 re-points each
-    # at every gather and release instead, so a parameter whose storage a module.to() replaced is re-pointed there).
+    # at every gather and release instead, and checks them against its gatherer: its ``detached``).
     fixed_views = True
-    bound: tuple = ()   # (parameter, the view of the stage's buffer it holds), with fixed_views
+    bound: tuple = ()   # (parameter, the view of the stage's buffer it holds): every one with fixed_views, else frozen
     bound_buffers: tuple = ()   # (module, name, buffer) as at initialize
     views: dict   # id(parameter) -> its view in ``bound`` (set with it)
 
@@ -112,7 +112,7 @@ class BaseStage:
             # (an alias of each view: the stage's buffers, which live as long as the stage, hold no more memory;
             # frozen parameters and the module's buffers too, so that a discard puts back all that module.half()
             # or .to() cast, not only what is checked)
-            self.bound = tuple((p, p.data) for p in self.module.parameters()) if self.fixed_views else ()
+            self.bound = tuple((p, p.data) for p in self.module.parameters() if self.fixed_views or not p.requires_grad)
             self.views = {id(p): view for p, view in self.bound}
             self.bound_buffers = tuple((m, a, t) for m in self.module.modules() for a, t in m._buffers.items()
                                        if t is not None)
@@ -158,8 +158,6 @@ class BaseStage:
         ``.float()``, ``.cuda()``... (``nn.Module._apply``) gave them new storage under the same Parameter and
         version counter, so from then on the forward would read stale weights and no update would reach them.
         (Dtype, device and data address compared: host metadata, no tensor read.)"""
-        if not self.bound:   # (zero3: its gathers point the parameters anew)
-            return []
         return [n for n, p, _, _ in self.watched if id(p) in self.views and _moved(p, self.views[id(p)])]
 
     def in_edit(self, p: torch.Tensor) -> bool:   # whether a block that settles p's edits at its exit is open

@@ -53,7 +53,7 @@ class Zero3Stage(PartitionedStage):
     """The partitions are the unit groups' shards, gathered per unit by the ``Gatherer``."""
 
     forward_gathers = True
-    fixed_views = False   # (each gather and release re-points every parameter's .data)
+    fixed_views = False   # (each gather and release re-points every sharded parameter's .data: ``detached`` below)
 
     def __init__(self, cfg: Zero3Config, dist: Dist, offload: Placement):
         # One piece per unit group already: the pipeline's unit (no chunking).
@@ -216,6 +216,14 @@ class Zero3Stage(PartitionedStage):
 
     def publish_finish(self) -> None:
         self.gatherer.refresh()   # gathered copies are stale after the step or load
+
+    def detached(self) -> list[str]:   # frozen ones are fixed views, as under the other stages; sharded ones:
+        stray = {id(p) for p in self.gatherer.stray()}
+        return [n for n, p, _, _ in self.watched if id(p) in stray]
+
+    def rebind(self) -> None:
+        super().rebind()
+        self.gatherer.stray(repoint=True)
 
     def in_edit(self, p: torch.Tensor) -> bool:   # a framework.gathered block settles it at its exit
         return p.zero3_unit.held > 0

@@ -369,6 +369,41 @@ def test_gathered_modification_and_16bit_export(pools):
     plain.load_state_dict(export)  # loadable by the plain model
 
 
+def _cast_and_discard(dist):
+    """module.half() after a step (a frozen layer, a BatchNorm, units gathered per pass and always): refused;
+    discard_edits; the next step's loss and weights, and those of a run without the cast."""
+    micro = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
+             for g in [torch.Generator().manual_seed(dist.rank)] for _ in range(2)]
+    loss = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    out = []
+    for cast in (False, True):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Linear(8, 1))
+        module[0].requires_grad_(False)
+        cfg = tiny_config("+stage=zero3", "scheduler=constant", "stage.stage3_param_persistence_threshold=50")
+        with framework.initialize(module, loss, cfg, dist) as engine:
+            engine.train_step(engine.state, Batch(micro[:1]))
+            refused = None
+            if cast:
+                module.half()
+                try:
+                    engine.train_step(engine.state, Batch(micro[1:]))
+                except framework.TrainingError as e:
+                    refused = str(e)
+                engine.discard_edits(engine.state)
+            _, m = engine.train_step(engine.state, Batch(micro[1:]))
+            out.append((m["loss"], engine.consolidated_state_dict(), refused))
+    return out
+
+
+def test_module_cast_after_initialize_is_refused_and_discard_edits_gives_the_uncast_step(pools):
+    for (loss, weights, _), (cast_loss, cast_weights, refused) in pools(2).run(_cast_and_discard, timeout=60):
+        assert refused is not None and refused.startswith("train_step: module.to(), .half()"), refused
+        assert "gave 6 trainable parameters" in refused and refused.endswith("engine.discard_edits(engine.state)")
+        assert loss == cast_loss and (weights is None) == (cast_weights is None)
+        assert weights is None or all(torch.equal(v, cast_weights[k]) for k, v in weights.items())
+
+
 def test_world1_gathers_in_place_and_gathered_still_discards_edits():
     """At world size 1 the hooks use each shard as its gathered buffer (no copy), while
     framework.gathered keeps a buffer of its own: an edit without modifier_rank is discarded as at

@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import functools
 import gc
-import math
 import threading
 import weakref
 from dataclasses import replace
@@ -1507,29 +1506,39 @@ def test_module_to_after_initialize_is_refused_and_discard_edits_reattaches_the_
             assert torch.equal(engine.consolidated_state_dict()["0.weight"], module[0].weight.detach()), stage
 
 
-def test_module_half_after_initialize_frozen_weights_buffers_and_zero3_persistent_ones_come_back():
-    """discard_edits after module.half() puts back the frozen parameters and the buffers it cast too (the next
-    forward mixed dtypes); under zero3 the persistent unit's parameters (small ones, gathered once) are views
-    again at the next pass, as every other unit's after its gather."""
-    micro = (torch.randn(4, 8), torch.randn(4, 1))
+def test_module_half_after_initialize_is_refused_under_every_stage_and_discard_edits_puts_all_back():
+    """module.half() after initialize: refused in one line under zero3 too (it re-pointed its trainable parameters
+    at each gather, silently, while the frozen ones and the buffers stayed half: a mixed-dtype model); discard_edits
+    puts back the parameters (sharded ones: empty or views of the gathered buffer), the frozen ones and the buffers
+    it cast, and the next step equals the one of a run without the cast."""
+    micro = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(2)]
     loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
     for stage in ("ddp", "zero3"):
-        torch.manual_seed(0)
-        module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
-        module[0].requires_grad_(stage == "zero3")   # (frozen under ddp)
-        with framework.initialize(module, loss, tiny_config(f"+stage={stage}", "scheduler=constant")) as engine:
-            engine.train_step(engine.state, framework.Batch((micro,)))
-            module.half()
-            if stage == "ddp":
-                with pytest.raises(framework.TrainingError, match="call engine.discard_edits"):
-                    engine.train_step(engine.state, framework.Batch((micro,)))
-                engine.discard_edits(engine.state)
-                floats = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
-                assert {t.dtype for t in floats} == {torch.float32}, stage
-            else:
-                module[1].float()   # (zero3 re-points parameters; buffers are the module's)
-            _, m = engine.train_step(engine.state, framework.Batch((micro,)))
-            assert math.isfinite(m["loss"]) and module[2].weight.dtype == torch.float32, stage
+        runs = []
+        for cast in (False, True):
+            torch.manual_seed(0)
+            module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 8),
+                                         torch.nn.Linear(8, 1))
+            module[0].requires_grad_(False)
+            # (zero3: the 8x8 weight gathered per pass, the smaller parameters always gathered)
+            cfg = tiny_config(f"+stage={stage}", "scheduler=constant",
+                              *["stage.stage3_param_persistence_threshold=50"] * (stage == "zero3"))
+            with framework.initialize(module, loss, cfg) as engine:
+                engine.train_step(engine.state, framework.Batch((micro[0],)))
+                if cast:
+                    module.half()
+                    said = r"module\.to\(\), \.half\(\).* gave 6 trainable parameters .*discard_edits\(engine\.state\)$"
+                    for what, call in (("train_step", lambda: engine.train_step(engine.state, framework.Batch(micro[1:]))),
+                                       ("eval_step", lambda: engine.eval_step(engine.state, micro[1:]))):
+                        with pytest.raises(framework.TrainingError, match=f"^{what}: {said}"):
+                            call()
+                    engine.discard_edits(engine.state)
+                    floats = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+                    assert {t.dtype for t in floats} == {torch.float32}, stage
+                _, m = engine.train_step(engine.state, framework.Batch((micro[1],)))
+                runs.append((m["loss"], engine.consolidated_state_dict()))
+        assert runs[0][0] == runs[1][0], (stage, runs[0][0], runs[1][0])
+        assert all(torch.equal(v, runs[1][1][k]) for k, v in runs[0][1].items()), stage
 
 
 def test_a_load_after_parameters_were_replaced_gives_the_module_the_engines_back(tmp_path):
