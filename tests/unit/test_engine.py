@@ -1528,8 +1528,9 @@ def test_module_half_after_initialize_is_refused_under_every_stage_and_discard_e
                 if cast:
                     module.half()
                     said = r"module\.to\(\), \.half\(\).* gave 6 trainable parameters .*discard_edits\(engine\.state\)$"
-                    for what, call in (("train_step", lambda: engine.train_step(engine.state, framework.Batch(micro[1:]))),
-                                       ("eval_step", lambda: engine.eval_step(engine.state, micro[1:]))):
+                    calls = (("train_step", lambda: engine.train_step(engine.state, framework.Batch(micro[1:]))),
+                             ("eval_step", lambda: engine.eval_step(engine.state, micro[1:])))
+                    for what, call in calls:
                         with pytest.raises(framework.TrainingError, match=f"^{what}: {said}"):
                             call()
                     engine.discard_edits(engine.state)
