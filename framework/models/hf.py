@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from framework.core.errors import ConfigError, FrameworkError, one_line
 from framework.core.paths import WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
+from framework.models._hf_batch import dict_forward
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -335,12 +336,16 @@ def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[s
     return out
 
 
-def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
-    """``gpt_loss`` for an HF causal LM; a mixture-of-experts model's router ``aux_loss`` is added times
-    ``router_aux_loss_coef``, as transformers' own loss does."""
-    x, y = batch
-    out = model(input_ids=x, use_cache=False)
-    loss = next_token_loss(out.logits, y)
+def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor] | Mapping[str, Tensor]) -> Tensor:
+    """``gpt_loss`` for an HF causal LM: a tuple ``(x, y)``, ``y`` already the next tokens (the data sources'), or
+    transformers' dict (``_hf_batch``: unshifted ``labels``, shifted here); a mixture-of-experts model's router
+    ``aux_loss`` is added times ``router_aux_loss_coef``, as transformers' own loss does."""
+    if isinstance(batch, Mapping):
+        out, loss = dict_forward(model, batch)
+    else:
+        x, y = batch
+        out = model(input_ids=x, use_cache=False)
+        loss = next_token_loss(out.logits, y)
     aux = getattr(out, "aux_loss", None)
     if aux is not None:
         loss = loss + _router_aux_loss_coef(model) * aux.to(loss.device)

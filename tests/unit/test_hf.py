@@ -127,6 +127,31 @@ def test_loss_is_hf_causal_lm_loss(tmp_path):
     assert component(cfg, "model").loss is causal_lm_loss
 
 
+def test_a_transformers_dict_batch_is_shifted_as_transformers_does(tmp_path):
+    """{input_ids, labels (unshifted, -100 ignored), attention_mask}: the loss is transformers' own; a tuple keeps
+    meaning (x, y) with y already shifted; any other dict is one line naming the keys taken."""
+    from framework import DataError
+
+    model, _ = build(hf_cfg(write_config("gpt2", tmp_path)), meta=False)
+    ids = torch.randint(0, 96, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0   # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, :4] = -100   # a prompt left out of the loss
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    assert torch.equal(causal_lm_loss(model, batch), model(**batch).loss)
+    unlabelled = {"input_ids": ids}   # labels absent: the input ids, as transformers' collator gives them
+    assert torch.equal(causal_lm_loss(model, unlabelled), model(input_ids=ids, labels=ids).loss)
+    assert causal_lm_loss(model, (ids[:, :-1], ids[:, 1:])).item() == pytest.approx(
+        model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss.item(), abs=1.0)   # a tuple: still (x, y)
+    for bad, needle in (({**batch, "token_type_ids": ids}, "has key(s) ['token_type_ids'] it does not take"),
+                        ({"labels": ids}, "has no 'input_ids'"),
+                        ({"input_ids": ids, "labels": ids[:, 1:]}, "has labels of shape [3, 9] (input_ids: [3, 10])")):
+        with pytest.raises(DataError) as e:
+            causal_lm_loss(model, bad)
+        assert needle in str(e.value) and "'input_ids': [B, T] ids" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_model_keys_reach_transformers(tmp_path):
     cfg = hf_cfg(write_config("llama", tmp_path), "model.attn_implementation=eager",
                  "model.activation_checkpointing=true")
