@@ -240,6 +240,12 @@ def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
                             f"model.safetensors.index.json, model.safetensors, pytorch_model.bin); give a "
                             f"save_pretrained folder with its weights, or model.config={folder} to train a new "
                             f"model from its config.json")
+    # Sharded torch .bin weights (not read sharded): refused there too, before any rank loads (and fails) alike.
+    (folder / "pytorch_model.bin.index.json").write_text('{"weight_map": {"a": "pytorch_model-00001-of-00001.bin"}}')
+    with pytest.raises(ConfigError) as e:
+        framework.compose(["model=hf", f"model.pretrained={folder}", "model.context=16"])
+    assert str(e.value).startswith(f"model.pretrained={folder}: its only weights are torch .bin shards "
+                                   f"(pytorch_model.bin.index.json), which are not read sharded; convert")
     from safetensors.torch import save_file
 
     # The hub's layout: experts unfused under block_sparse_moe, which transformers renames and fuses on load.
