@@ -27,6 +27,7 @@ from framework.core.errors import ConfigError, FrameworkError, one_line
 from framework.core.paths import WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 from framework.models._hf_batch import dict_forward
+from framework.models._hf_files import TOKENIZER_FILES, carry_tokenizer_files, tokenizer_files  # noqa: F401 (public here)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,6 +278,7 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
                               f"pass the model to framework.initialize, or use model.config to train one from scratch")
         if (file.parent / "generation_config.json").is_file():   # e.g. a chat model's eos ids, kept on export
             model.generation_config = transformers.GenerationConfig.from_pretrained(file.parent)
+        carry_tokenizer_files(model, file.parent)   # (so are its tokenizer's files)
     if cfg.activation_checkpointing:   # (transformers 5 calls it activation_checkpointing, older ones gradient_)
         what = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
         getattr(model, f"{what}_checkpointing_enable")(**{f"{what}_checkpointing_kwargs": {"use_reentrant": False}})

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from framework import ConfigError
 from framework.engine.build import component
 from framework.models.hf import HFConfig, HFInit, causal_lm_loss, config_vocab, materialize
 from framework.models.hf import build as hf_build
-from tests._hf import CONFIGS, build, hf_cfg, write_config
+from tests._hf import BASE, CONFIGS, build, hf_cfg, write_config
 
 
 def _meta(arch, tmp_path, **overrides):
@@ -381,6 +382,24 @@ def test_pretrained_folder_generation_config_reaches_the_model(tmp_path):
     with framework.zero_init():
         model = component(cfg, "model").build(cfg.model)
     assert model.generation_config.eos_token_id == [0, 7] and model.generation_config.max_new_tokens == 5
+
+
+def test_pretrained_folder_tokenizer_files_are_carried_to_its_exports(tmp_path):
+    """model_16bit/ and save_pretrained of a model.pretrained run load with AutoTokenizer as the source did."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    src = tmp_path / "src"
+    model, _ = build(hf_cfg(write_config("gpt2", src)), meta=False)
+    model.save_pretrained(src)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    carried = [Path(f).name for f in PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(src)]
+    assert "tokenizer.json" in carried
+    with _engine(framework.compose([*BASE, f"model.pretrained={src}"])) as engine:
+        engine.save_pretrained(tmp_path / "out")
+    assert all((tmp_path / "out" / n).read_bytes() == (src / n).read_bytes() for n in carried)
+    assert AutoTokenizer.from_pretrained(tmp_path / "out", local_files_only=True)("w3 w5").input_ids == [3, 5]
 
 
 def test_pretrained_takes_a_base_model_checkpoint_as_from_pretrained_does(tmp_path):
