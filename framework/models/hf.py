@@ -26,6 +26,8 @@ from torch import Tensor, nn
 from framework.core.errors import ConfigError, FrameworkError, one_line
 from framework.core.paths import WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
+from framework.models._hf_batch import dict_forward
+from framework.models._hf_files import TOKENIZER_FILES, carry_tokenizer_files, tokenizer_files  # noqa: F401 (public here)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,10 +101,15 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
     ``model.pretrained`` folder without weights, and what ``_checked_config`` finds in the config (nothing is
     built; the data's vocabulary where its config states one, as synthetic data does)."""
     _raw_config(cfg)
-    if cfg.pretrained is not None and weights_file(Path(user_path(cfg.pretrained))) is None:
+    found = weights_file(Path(user_path(cfg.pretrained))) if cfg.pretrained is not None else None
+    if cfg.pretrained is not None and found is None:
         raise ConfigError(f"model.pretrained={cfg.pretrained}: the folder holds no weights (none of "
                           f"{WEIGHTS_READ}); give a save_pretrained folder with its weights, or "
                           f"model.config={cfg.pretrained} to train a new model from its config.json")
+    if found is not None and found.name not in WEIGHTS_READ.split(", "):   # here, not on each rank's load
+        raise ConfigError(f"model.pretrained={cfg.pretrained}: its only weights are torch .bin shards ({found.name}), "
+                          f"which are not read sharded; convert the checkpoint to safetensors (transformers' "
+                          f"from_pretrained, then save_pretrained) and load that")
     _checked_config(cfg, getattr(nodes["data"], "vocab_size", None))
     return cfg
 
@@ -271,6 +278,7 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
                               f"pass the model to framework.initialize, or use model.config to train one from scratch")
         if (file.parent / "generation_config.json").is_file():   # e.g. a chat model's eos ids, kept on export
             model.generation_config = transformers.GenerationConfig.from_pretrained(file.parent)
+        carry_tokenizer_files(model, file.parent)   # (so are its tokenizer's files)
     if cfg.activation_checkpointing:   # (transformers 5 calls it activation_checkpointing, older ones gradient_)
         what = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
         getattr(model, f"{what}_checkpointing_enable")(**{f"{what}_checkpointing_kwargs": {"use_reentrant": False}})
@@ -335,12 +343,16 @@ def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[s
     return out
 
 
-def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
-    """``gpt_loss`` for an HF causal LM; a mixture-of-experts model's router ``aux_loss`` is added times
-    ``router_aux_loss_coef``, as transformers' own loss does."""
-    x, y = batch
-    out = model(input_ids=x, use_cache=False)
-    loss = next_token_loss(out.logits, y)
+def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor] | Mapping[str, Tensor]) -> Tensor:
+    """``gpt_loss`` for an HF causal LM: a tuple ``(x, y)``, ``y`` already the next tokens (the data sources'), or
+    transformers' dict (``_hf_batch``: unshifted ``labels``, shifted here); a mixture-of-experts model's router
+    ``aux_loss`` is added times ``router_aux_loss_coef``, as transformers' own loss does."""
+    if isinstance(batch, Mapping):
+        out, loss = dict_forward(model, batch)
+    else:
+        x, y = batch
+        out = model(input_ids=x, use_cache=False)
+        loss = next_token_loss(out.logits, y)
     aux = getattr(out, "aux_loss", None)
     if aux is not None:
         loss = loss + _router_aux_loss_coef(model) * aux.to(loss.device)

@@ -24,7 +24,7 @@ from torch import nn
 from framework.comm.distributed import agree
 from framework.core import files
 from framework.core.errors import ConfigError
-from framework.models.hf import checkpoint_names, is_hf_model
+from framework.models.hf import checkpoint_names, is_hf_model, tokenizer_files
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16, committed_step
@@ -304,7 +304,8 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
         return paths
 
     def write_configs() -> None:
-        files.refuse_links(*(Path(out_dir) / n for n in ("config.json", "generation_config.json")))   # HF opens by path
+        tokenizer = tokenizer_files(module)   # a model.pretrained folder's, carried as its generation config
+        files.refuse_links(*(Path(out_dir) / n for n in ("config.json", "generation_config.json", *tokenizer)))
         # As transformers' own save_pretrained: the config names the dtype actually written (from_pretrained
         # casts to it, so a source config's bfloat16 would round fp32 trained values) and the class.
         written = copy.deepcopy(config)
@@ -314,6 +315,8 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
         gen = getattr(module, "generation_config", None)
         if gen is not None and type(gen).__name__ == "GenerationConfig":
             gen.save_pretrained(out_dir)
+        for name, data in tokenizer.items():
+            files.write_atomic(Path(out_dir) / name, data, shared=True)
 
     # Agreed: every rank returns once the folder is complete, or all raise (not rank 0 alone).
     agree(dist, write_configs if dist.is_main else (lambda: None), "save_pretrained: config files")

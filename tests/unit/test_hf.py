@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from framework import ConfigError
 from framework.engine.build import component
 from framework.models.hf import HFConfig, HFInit, causal_lm_loss, config_vocab, materialize
 from framework.models.hf import build as hf_build
-from tests._hf import CONFIGS, build, hf_cfg, write_config
+from tests._hf import BASE, CONFIGS, build, hf_cfg, write_config
 
 
 def _meta(arch, tmp_path, **overrides):
@@ -127,6 +128,31 @@ def test_loss_is_hf_causal_lm_loss(tmp_path):
     assert component(cfg, "model").loss is causal_lm_loss
 
 
+def test_a_transformers_dict_batch_is_shifted_as_transformers_does(tmp_path):
+    """{input_ids, labels (unshifted, -100 ignored), attention_mask}: the loss is transformers' own; a tuple keeps
+    meaning (x, y) with y already shifted; any other dict is one line naming the keys taken."""
+    from framework import DataError
+
+    model, _ = build(hf_cfg(write_config("gpt2", tmp_path)), meta=False)
+    ids = torch.randint(0, 96, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0   # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, :4] = -100   # a prompt left out of the loss
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    assert torch.equal(causal_lm_loss(model, batch), model(**batch).loss)
+    unlabelled = {"input_ids": ids}   # labels absent: the input ids, as transformers' collator gives them
+    assert torch.equal(causal_lm_loss(model, unlabelled), model(input_ids=ids, labels=ids).loss)
+    assert causal_lm_loss(model, (ids[:, :-1], ids[:, 1:])).item() == pytest.approx(
+        model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss.item(), abs=1.0)   # a tuple: still (x, y)
+    for bad, needle in (({**batch, "token_type_ids": ids}, "has key(s) ['token_type_ids'] it does not take"),
+                        ({"labels": ids}, "has no 'input_ids'"),
+                        ({"input_ids": ids, "labels": ids[:, 1:]}, "has labels of shape [3, 9] (input_ids: [3, 10])")):
+        with pytest.raises(DataError) as e:
+            causal_lm_loss(model, bad)
+        assert needle in str(e.value) and "'input_ids': [B, T] ids" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_model_keys_reach_transformers(tmp_path):
     cfg = hf_cfg(write_config("llama", tmp_path), "model.attn_implementation=eager",
                  "model.activation_checkpointing=true")
@@ -215,6 +241,12 @@ def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
                             f"model.safetensors.index.json, model.safetensors, pytorch_model.bin); give a "
                             f"save_pretrained folder with its weights, or model.config={folder} to train a new "
                             f"model from its config.json")
+    # Sharded torch .bin weights (not read sharded): refused there too, before any rank loads (and fails) alike.
+    (folder / "pytorch_model.bin.index.json").write_text('{"weight_map": {"a": "pytorch_model-00001-of-00001.bin"}}')
+    with pytest.raises(ConfigError) as e:
+        framework.compose(["model=hf", f"model.pretrained={folder}", "model.context=16"])
+    assert str(e.value).startswith(f"model.pretrained={folder}: its only weights are torch .bin shards "
+                                   f"(pytorch_model.bin.index.json), which are not read sharded; convert")
     from safetensors.torch import save_file
 
     # The hub's layout: experts unfused under block_sparse_moe, which transformers renames and fuses on load.
@@ -350,6 +382,24 @@ def test_pretrained_folder_generation_config_reaches_the_model(tmp_path):
     with framework.zero_init():
         model = component(cfg, "model").build(cfg.model)
     assert model.generation_config.eos_token_id == [0, 7] and model.generation_config.max_new_tokens == 5
+
+
+def test_pretrained_folder_tokenizer_files_are_carried_to_its_exports(tmp_path):
+    """model_16bit/ and save_pretrained of a model.pretrained run load with AutoTokenizer as the source did."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    src = tmp_path / "src"
+    model, _ = build(hf_cfg(write_config("gpt2", src)), meta=False)
+    model.save_pretrained(src)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    carried = [Path(f).name for f in PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(src)]
+    assert "tokenizer.json" in carried
+    with _engine(framework.compose([*BASE, f"model.pretrained={src}"])) as engine:
+        engine.save_pretrained(tmp_path / "out")
+    assert all((tmp_path / "out" / n).read_bytes() == (src / n).read_bytes() for n in carried)
+    assert AutoTokenizer.from_pretrained(tmp_path / "out", local_files_only=True)("w3 w5").input_ids == [3, 5]
 
 
 def test_pretrained_takes_a_base_model_checkpoint_as_from_pretrained_does(tmp_path):
