@@ -27,7 +27,8 @@ from framework.core.errors import ConfigError, FrameworkError, one_line
 from framework.core.paths import WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 from framework.models._hf_batch import dict_forward
-from framework.models._hf_files import TOKENIZER_FILES, carry_tokenizer_files, tokenizer_files  # noqa: F401 (public here)
+from framework.models._hf_files import (  # noqa: F401 (TOKENIZER_FILES: public here)
+    TOKENIZER_FILES, carry_tokenizer_files, tokenizer_files)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -394,7 +394,8 @@ def test_pretrained_folder_tokenizer_files_are_carried_to_its_exports(tmp_path):
     model.save_pretrained(src)
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
-    carried = [Path(f).name for f in PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(src)]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0")
+    carried = [Path(f).name for f in tokenizer.save_pretrained(src)]
     assert "tokenizer.json" in carried
     with _engine(framework.compose([*BASE, f"model.pretrained={src}"])) as engine:
         engine.save_pretrained(tmp_path / "out")
