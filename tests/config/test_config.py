@@ -1,5 +1,6 @@
 """Config groups = registries; every YAML composes and builds; strict validation."""
 import dataclasses
+import pickle
 import re
 import sys
 import types
@@ -495,3 +496,17 @@ def test_the_composed_config_and_its_groups_are_frozen():
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(node, key, getattr(node, key))
     assert dataclasses.replace(cfg.optimizer, lr=0.5).lr == 0.5
+
+
+def test_the_composed_configs_mappings_and_lists_are_frozen_too():
+    """``initialize`` picks each component by ``cfg.choices``: a write into it (or ``sources``, or a list field)
+    was taken unchecked (zero2+offload=cpu ran as ddp without its offload). Refused; the config still pickles (a
+    spawned rank's: test_cli.py's test_zero_stages_from_the_command_line) and hashes."""
+    cfg = compose(["train.steps=2", "+stage=zero3", "offload=cpu", "logger=wandb", "+logger.tags=[a,b]"])
+    for write in (lambda: cfg.choices.__setitem__("stage", "ddp"), lambda: cfg.sources.pop("seed"),
+                  lambda: cfg.choices.update(stage="ddp"), lambda: cfg.sources.clear()):
+        with pytest.raises(TypeError, match="^the composed config is read-only"):
+            write()
+    assert cfg.stage.gather_unit == ("Block",) and cfg.logger.tags == ("a", "b")
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and hash(pickle.loads(pickle.dumps(cfg))) == hash(cfg)
+    assert cfg.to_dict()["logger"]["tags"] == ["a", "b"]   # plain lists again (YAML, JSON, W&B)
