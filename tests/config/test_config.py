@@ -423,6 +423,19 @@ def test_an_installed_packages_entry_point_adds_a_component(tmp_path, monkeypatc
         assert {"ulion", "ulion2", "adamw"} <= set(registry("optimizer").names())
         cfg = compose(["optimizer=ulion", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
         assert type(cfg.optimizer).__name__ == "ULionConfig" and cfg.optimizer.lr == 3e-4
+        # Code without a YAML file, a YAML file without code: one line each (not Hydra's search path, nor "did
+        # you mean 'lion'")
+        with pytest.raises(ConfigError) as e:
+            compose(["optimizer=ulion2", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
+        assert str(e.value) == ("config: optimizer 'ulion2' (uplug) has no YAML file; add conf/optimizer/ulion2.yaml (or "
+                                "optimizer/ulion2.yaml in a --config-dir or hydra.searchpath folder) with its fields "
+                                "(lr, beta1, beta2, weight_decay, decay_1d)")
+        (tmp_path / "conf" / "optimizer" / "ulion3.yaml").write_text("lr: 1.0\n")
+        with pytest.raises(ConfigError) as e:
+            compose(["optimizer=ulion3", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
+        assert str(e.value) == (f"config: optimizer 'ulion3': {tmp_path / 'conf' / 'optimizer' / 'ulion3.yaml'} has "
+                                "no code; a component is a module of framework/optimizers/ or a `framework.optimizer` "
+                                "entry point of an installed package (docs/architecture.md#where-a-new-piece-goes)")
         points.write_text("[framework.optimizer]\nadamw = uplug\n")
         registry.cache_clear()
         with pytest.raises(ConfigError) as e:
