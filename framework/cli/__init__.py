@@ -78,8 +78,8 @@ def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: di
                 raise ConfigError(f"{tool}: unknown flag {arg} (known: {known}, --help)")
             else:
                 key, eq, value = arg.partition("=")
-                if not eq:
-                    raise ConfigError(f"{tool}: expected key=value, got {arg!r} "
+                if not eq and not arg.startswith("~"):   # (Hydra's delete, ~KEY, has no value)
+                    raise ConfigError(f"{tool}: expected key=value or ~key, got {arg!r} "
                                       f"(see python -m framework.{tool} --help)")
                 top = override_key(key).split(".")[0].split("@")[0]
                 if key in own_keys:

@@ -156,6 +156,7 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
         name = _model_key(o, fields)
         try:
             if key.startswith("~"):   # back to the schema's default (or missing)
+                _check_delete(parse(o), name, OmegaConf.select(node, name, throw_on_missing=False))
                 node = OmegaConf.merge(schema, {k: v for k, v in OmegaConf.to_container(node).items() if k != name})
             else:
                 OmegaConf.update(node, name, OmegaConf.from_dotlist([f"v={text}"])["v"], merge=False)
@@ -189,6 +190,8 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
         name = _model_key(o, fields)
         override = parse(o)
         if override.prefix == "~":   # back to the schema's default (or missing)
+            default = next(f.default for f in dataclasses.fields(GPTConfig) if f.name == name)
+            _check_delete(override, name, node.get(name, None if default is dataclasses.MISSING else default))
             node.pop(name, None)
         else:
             set_key(node, dataclasses.replace(override, prefix="", key=name))
@@ -196,6 +199,13 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
         return typed(node, GPTConfig, "model.")
     except ConfigError as e:   # (a value neither the file nor the command line gave names the file, as OmegaConf's)
         raise ConfigError(f"{e} (model={path})" if "Missing mandatory value" in str(e) else str(e)) from None
+
+
+def _check_delete(override, name: str, current) -> None:
+    """Hydra's rule for ``~key=value``, as a preset gets it: deleted only where the key holds that value."""
+    if override.value is not None and override.value != current:
+        raise ConfigError(f"config: Could not delete from config. The value of 'model.{name}' is {current} and not "
+                          f"{override.value}.")
 
 
 def _model_key(override: str, fields: list[str]) -> str:

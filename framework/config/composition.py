@@ -186,7 +186,21 @@ def _no_option(message: str) -> str:
         registry(m[1]).get(m[2])
     except ConfigError as e:
         return f"{str(e).removeprefix('config: ')} (chosen in a config file's defaults list)"
-    return ""
+    return plainconf.no_yaml(m[1], m[2])   # (code, no YAML: not Hydra's search path, which omits the name)
+
+
+def _code_missing(error: ConfigError, composer: Composer, overrides: list[str], group: str, name: str) -> ConfigError:
+    """``error`` (an unknown name), or, where a folder of the search path holds its YAML, the line naming that
+    file and where a component's code goes (composed only on this error's path, to read the search path)."""
+    with contextlib.suppress(Exception):   # (no such YAML, or another error: the registry's line stands)
+        cfg = composer(overrides)[0]
+        folders = [conf_dir()] if isinstance(cfg, dict) else [
+            Path(s.path) for s in cfg.hydra.runtime.config_sources if s.schema == "file"]
+        found = next(f / group / f"{name}.yaml" for f in folders if (f / group / f"{name}.yaml").is_file())
+        return ConfigError(f"config: {group} {name!r}: {found} has no code; a component is a module of "
+                           f"{GROUPS[group].replace('.', '/')}/ or a `framework.{group}` entry point of an installed "
+                           "package (docs/architecture.md#where-a-new-piece-goes)")
+    return error
 
 
 def _ambiguous(message: str, overrides: list[str], primary: Path) -> str:
@@ -252,7 +266,10 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         raise ConfigError(f"config: world={world}: the number of ranks must be >= 1")
     cli = CommandLine.parse(overrides)
     for group in cli.named:   # an unknown name: one line naming the closest, before Hydra's search path
-        registry(group).get(cli.choices[group])
+        try:
+            registry(group).get(cli.choices[group])
+        except ConfigError as e:
+            raise _code_missing(e, composer, overrides, group, cli.choices[group]) from None
     if ds_config is not None and cli.ds_config is not None:
         raise ConfigError("config: a DeepSpeed config given twice (ds_config= argument and override); give one")
     source = ds_config if ds_config is not None else cli.ds_config

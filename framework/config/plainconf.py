@@ -159,6 +159,14 @@ def load_yaml(path: Path) -> dict:
     return dict(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
 
 
+def no_yaml(group: str, name: str) -> str:
+    """The line for a registered component that no ``<group>/<name>.yaml`` on the search path configures."""
+    config = registry(group).get(name).config
+    fields = ", ".join(yaml_name(f.name) for f in dataclasses.fields(config))
+    return (f"{group} {name!r} ({config.__module__}) has no YAML file; add conf/{group}/{name}.yaml (or {group}/"
+            f"{name}.yaml in a --config-dir or hydra.searchpath folder) with its fields ({fields or 'none'})")
+
+
 def plain_composer(overrides: list[str], *, config_dir: str | None = None,
                    config_name: str = "train") -> tuple[dict, dict[str, str]]:
     """(config tree, group choices) for conf/train.yaml and ``overrides``, as Hydra would compose them."""
@@ -206,7 +214,7 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
         path = conf / group / f"{name}.yaml"
         if not path.is_file():
             registry(group).get(name)   # raises, naming the closest option
-            raise ConfigError(f"config: no {path}")
+            raise ConfigError(f"config: {no_yaml(group, name)}")
         tree[group] = load_yaml(path)
     _merge(tree, primary)
     for o in parsed:

@@ -55,6 +55,31 @@ class RootSchema:
 ROOT_KEYS = tuple(f.name for f in dataclasses.fields(RootSchema))
 
 
+class ReadOnlyDict(dict):
+    """A mapping of the frozen ``Config`` (``choices``, ``sources``): a write is refused like a field's, since
+    ``initialize`` reads it without checking again. A dict, not a mappingproxy, so that it pickles (a spawned
+    rank's Config) and hashes (the Config does)."""
+
+    def _refuse(self, *_args, **_kwargs):
+        raise TypeError("the composed config is read-only (its checks ran at compose): compose again with the "
+                        "change as an override, e.g. framework.compose([..., 'optimizer=sgd'])")
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _refuse
+
+    def __reduce__(self):   # (pickle's default refills the dict through __setitem__)
+        return type(self), (dict(self),)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self.items()))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with the tuples a composed config holds its lists in as lists again (YAML/JSON/W&B form)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
 @dataclass(frozen=True)
 class Config(RootSchema):
     choices: Mapping[str, str]      # group -> registry name of the chosen component
@@ -77,12 +102,16 @@ class Config(RootSchema):
     # checkpoint.resume as the user gave it where the launch resolved it to a folder (latest): what messages say
     resume_given: str | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choices", ReadOnlyDict(self.choices))
+        object.__setattr__(self, "sources", ReadOnlyDict(self.sources))
+
     def to_dict(self) -> dict:
         """Plain, resolved config (for logging and summary files)."""
         out = {k: getattr(self, k) for k in ROOT_KEYS}
         for k in ("train", "dist", "checkpoint"):   # YAML spells the schema's async_ (a Python keyword) async
             out[k] = {f.rstrip("_"): v for f, v in dataclasses.asdict(out[k]).items()}
-        return out | {g: {"name": self.choices[g], **dataclasses.asdict(getattr(self, g))} for g in GROUPS}
+        return _plain(out | {g: {"name": self.choices[g], **dataclasses.asdict(getattr(self, g))} for g in GROUPS})
 
 
 def flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:

@@ -483,6 +483,21 @@ def test_model_yaml_path(capsys):
         [f"model={ROOT / 'conf' / 'model' / 'gpt-nano.yaml'}", "model.context=128"], capsys)
 
 
+def test_hydra_deletes_as_train_takes_them(tmp_path, capsys):
+    """``~KEY`` (Hydra's delete, no value) is taken as training takes it; ``~KEY=VALUE`` deletes only that value,
+    from a model YAML file as from a preset, with or without OmegaConf."""
+    from framework.cli.estimate import _plain_yaml_model
+    path = tmp_path / "m.yaml"
+    path.write_text("vocab_size: 65\ncontext: 64\nn_layer: 2\nn_head: 4\nd_model: 128\ndropout: 0.1\nbias: false\n")
+    assert main(["model=gpt-nano", "~model.dropout", "--json"]) == 0
+    assert main([f"model={path}", "~model.dropout=0.1", "--json"]) == 0
+    capsys.readouterr()
+    fields = [f.name for f in dataclasses.fields(preset("gpt-nano"))]
+    assert _plain_yaml_model(path, ["~model.dropout"], fields).dropout == 0.0
+    with pytest.raises(ConfigError, match=r"The value of 'model.dropout' is 0.1 and not 0.5\.$"):
+        _plain_yaml_model(path, ["~model.dropout=0.5"], fields)
+
+
 def main_text(args, capsys) -> str:
     assert main(args) == 0
     return capsys.readouterr().out
@@ -495,6 +510,9 @@ def main_text(args, capsys) -> str:
     ("n_layer: 2", ["model.n_layer=2.5"], "config: model.n_layer takes an integer (5e8 reads as 500000000), got 2.5"),
     ("n_layer: 2", ["model.n_lyer=3"], "unknown key 'model.n_lyer' (did you mean 'model.n_layer'?)"),
     ("n_layer: 2", ["model.n_head=3"], "model.d_model (128) must be divisible by model.n_head (3)"),
+    # Hydra's rule for a delete with a value, as a preset gets it
+    ("n_layer: 2\ndropout: 0.1", ["~model.dropout=0.5"],
+     "config: Could not delete from config. The value of 'model.dropout' is 0.1 and not 0.5."),
 ])
 def test_model_yaml_bad_values_are_one_line(tmp_path, capsys, text, override, needle):
     path = tmp_path / "m.yaml"

@@ -1,5 +1,6 @@
 """Config groups = registries; every YAML composes and builds; strict validation."""
 import dataclasses
+import pickle
 import re
 import sys
 import types
@@ -422,6 +423,19 @@ def test_an_installed_packages_entry_point_adds_a_component(tmp_path, monkeypatc
         assert {"ulion", "ulion2", "adamw"} <= set(registry("optimizer").names())
         cfg = compose(["optimizer=ulion", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
         assert type(cfg.optimizer).__name__ == "ULionConfig" and cfg.optimizer.lr == 3e-4
+        # Code without a YAML file, a YAML file without code: one line each (not Hydra's search path, nor "did
+        # you mean 'lion'")
+        with pytest.raises(ConfigError) as e:
+            compose(["optimizer=ulion2", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
+        assert str(e.value) == ("config: optimizer 'ulion2' (uplug) has no YAML file; add conf/optimizer/ulion2.yaml (or "
+                                "optimizer/ulion2.yaml in a --config-dir or hydra.searchpath folder) with its fields "
+                                "(lr, beta1, beta2, weight_decay, decay_1d)")
+        (tmp_path / "conf" / "optimizer" / "ulion3.yaml").write_text("lr: 1.0\n")
+        with pytest.raises(ConfigError) as e:
+            compose(["optimizer=ulion3", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
+        assert str(e.value) == (f"config: optimizer 'ulion3': {tmp_path / 'conf' / 'optimizer' / 'ulion3.yaml'} has "
+                                "no code; a component is a module of framework/optimizers/ or a `framework.optimizer` "
+                                "entry point of an installed package (docs/architecture.md#where-a-new-piece-goes)")
         points.write_text("[framework.optimizer]\nadamw = uplug\n")
         registry.cache_clear()
         with pytest.raises(ConfigError) as e:
@@ -495,3 +509,17 @@ def test_the_composed_config_and_its_groups_are_frozen():
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(node, key, getattr(node, key))
     assert dataclasses.replace(cfg.optimizer, lr=0.5).lr == 0.5
+
+
+def test_the_composed_configs_mappings_and_lists_are_frozen_too():
+    """``initialize`` picks each component by ``cfg.choices``: a write into it (or ``sources``, or a list field)
+    was taken unchecked (zero2+offload=cpu ran as ddp without its offload). Refused; the config still pickles (a
+    spawned rank's: test_cli.py's test_zero_stages_from_the_command_line) and hashes."""
+    cfg = compose(["train.steps=2", "+stage=zero3", "offload=cpu", "logger=wandb", "+logger.tags=[a,b]"])
+    for write in (lambda: cfg.choices.__setitem__("stage", "ddp"), lambda: cfg.sources.pop("seed"),
+                  lambda: cfg.choices.update(stage="ddp"), lambda: cfg.sources.clear()):
+        with pytest.raises(TypeError, match="^the composed config is read-only"):
+            write()
+    assert cfg.stage.gather_unit == ("Block",) and cfg.logger.tags == ("a", "b")
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and hash(pickle.loads(pickle.dumps(cfg))) == hash(cfg)
+    assert cfg.to_dict()["logger"]["tags"] == ["a", "b"]   # plain lists again (YAML, JSON, W&B)
