@@ -427,8 +427,8 @@ def test_an_installed_packages_entry_point_adds_a_component(tmp_path, monkeypatc
         # you mean 'lion'")
         with pytest.raises(ConfigError) as e:
             compose(["optimizer=ulion2", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
-        assert str(e.value) == ("config: optimizer 'ulion2' (uplug) has no YAML file; add conf/optimizer/ulion2.yaml (or "
-                                "optimizer/ulion2.yaml in a --config-dir or hydra.searchpath folder) with its fields "
+        assert str(e.value) == ("config: optimizer 'ulion2' (uplug) has no YAML file; add conf/optimizer/ulion2.yaml "
+                                "(or optimizer/ulion2.yaml in a --config-dir or hydra.searchpath folder) with its fields "
                                 "(lr, beta1, beta2, weight_decay, decay_1d)")
         (tmp_path / "conf" / "optimizer" / "ulion3.yaml").write_text("lr: 1.0\n")
         with pytest.raises(ConfigError) as e:
