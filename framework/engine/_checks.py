@@ -112,8 +112,8 @@ def detached_error(what: str, names: Sequence[str]) -> TrainingError:
 def check_optimizer(tx: Any, name: str, decay_mask: Sequence[bool], device: torch.device) -> Any:
     """``tx`` (``name``'s transformation over ``len(decay_mask)`` groups), or a one-line ConfigError for one that
     breaks the ``GradientTransformation`` contract where the run would break later, or silently: a state leaf the
-    checkpoints and offload tiers cannot hold (a dict, a tensor), or an ``update`` that is not elementwise (a norm
-    over a group, which is a shard or host piece with padding, not a parameter: every layout trains another model).
+    checkpoints and offload tiers cannot hold (a dict, a list of scalars), a scalar tensor ``update`` changes in
+    place, or an ``update`` that is not elementwise (a norm over a group, which is a shard or host piece with padding, not a parameter: every layout trains another model).
     Made on two small groups of random numbers (the others empty, as a piece's step passes them), whole and cut
     in two, two steps each: milliseconds. ``device``: where the master groups live, so where ``update`` runs."""
     picked = sorted({next((i for i, d in enumerate(decay_mask) if d == want), 0) for want in (True, False)})
@@ -129,8 +129,16 @@ def check_optimizer(tx: Any, name: str, decay_mask: Sequence[bool], device: torc
         params = [draw[0][i][lo:hi].clone() if i in draw[0] else torch.empty(0, device=device) for i in groups]
         state, out = _allowed_state(one.init(params), params, name, "init"), []
         for grads in draw[1:]:
+            before = {p: (t, t.clone()) for p, t in optimizer_leaves(state, params)[1].items()
+                      if isinstance(t, Tensor)}
             updates, state = one.update([grads[i][lo:hi].clone() if i in grads else torch.empty(0, device=device)
                                          for i in groups], state, params, 1e-2)
+            # a host step per piece updates from the same state: a scalar changed in place would advance per piece
+            if changed := next((p for p, (t, was) in before.items() if not torch.equal(t, was)), None):
+                raise ConfigError(f"optimizer {name!r}: its update changes the tensor at {changed!r} of the state it "
+                                  f"was given in place: the offload tiers step each host piece from the same state, so "
+                                  f"it would advance once per piece; return a new tensor (count + 1, not "
+                                  f"count.add_(1)) (docs/architecture.md#where-a-new-piece-goes)")
             state = _allowed_state(state, params, name, "update")
             out += [u.reshape(-1).clone() for i, u in zip(groups, updates) if i in grads]
         return out
@@ -150,11 +158,13 @@ def check_optimizer(tx: Any, name: str, decay_mask: Sequence[bool], device: torc
 def _allowed_state(state: Any, params: Sequence[Tensor], name: str, made_by: str) -> Any:
     """``state``, or a one-line ConfigError naming a leaf the checkpoints cannot save (as JSON, or resharded)."""
     for path, leaf in optimizer_leaves(state, params)[1].items():
-        if leaf is not None and not isinstance(leaf, (bool, int, float)):
+        # (a one-element tensor is saved as JSON with its dtype and copied back into in place)
+        if leaf is not None and not isinstance(leaf, (bool, int, float)) and not (
+                isinstance(leaf, Tensor) and leaf.numel() == 1):
             raise ConfigError(
                 f"optimizer {name!r}: its {made_by}'s state holds a {type(leaf).__name__} at "
                 f"{repr(path) if path else 'its top'}, which checkpoints cannot save; a state is tuples or NamedTuples "
-                f"(nested) whose leaves are lists with one tensor per group, of the group's size, or Python scalars "
-                f"(int, float, bool, None): keep a per-group value as a tensor of the group's size "
+                f"(nested) whose leaves are lists with one tensor per group, of the group's size, or scalars (int, "
+                f"float, bool, None, a one-element tensor): keep a per-group value as a tensor of the group's size "
                 f"(docs/architecture.md#where-a-new-piece-goes)")
     return state

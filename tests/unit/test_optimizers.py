@@ -378,8 +378,10 @@ _MOMENTS = lambda ps: [torch.zeros_like(p) for p in ps]   # noqa: E731
     # a 0-d tensor per group (a running max): not JSON, not reshardable
     (GradientTransformation(_state(_MOMENTS, lambda ps: [torch.zeros(()) for p in ps]), lambda g, s, p, lr: (g, s)),
      "its init's state holds a list at '1', which"),
-    (GradientTransformation(_state(lambda ps: 0, _MOMENTS), lambda g, s, p, lr: (g, (torch.tensor(s[0] + 1), s[1]))),
-     "its update's state holds a Tensor at '0', which"),
+    # a step count kept as a 0-d tensor may be (checkpoints save it), but not advanced in place: a host step per
+    # piece updates from the same state, so it would count pieces
+    (GradientTransformation(_state(lambda ps: torch.zeros(()), _MOMENTS), lambda g, s, p, lr: (g, (s[0].add_(1), s[1]))),
+     "its update changes the tensor at '0' of the state it was given in place: the offload tiers step each host"),
     # a norm over a group (LAMB/LARS-style): a group is a shard or piece, so each layout trained another model
     (GradientTransformation(lambda ps: (), lambda g, s, p, lr: ([-lr * x / (x.norm() + 1e-12) for x in g], s)),
      "its update is not elementwise (on a group cut in two it gives other numbers than on the whole group)"),
@@ -394,6 +396,9 @@ def test_an_optimizer_breaking_the_contract_is_refused_at_initialize_in_one_line
     assert str(e.value).startswith(f"optimizer 'mine': {says}") and "\n" not in str(e.value), str(e.value)
     elementwise = GradientTransformation(_state(_MOMENTS), lambda g, s, p, lr: ([-lr * x.sign() for x in g], s))
     assert check_optimizer(elementwise, "mine", [True], torch.device("cpu")) is elementwise
+    counted = GradientTransformation(_state(lambda ps: torch.zeros(()), _MOMENTS),
+                                     lambda g, s, p, lr: ([-lr * x.sign() for x in g], (s[0] + 1, s[1])))
+    assert check_optimizer(counted, "mine", [True], torch.device("cpu")) is counted
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw", "sgd", "lion", "adagrad"])
