@@ -314,6 +314,13 @@ def refuse_newer_above(step: Path, last: int) -> None:
             pass   # (damage: a save replaces it, as ever)
 
 
+def replaced_above(step: Path, last: int) -> list[str]:
+    """The step folders beside ``step`` above it and at or below the run's last step ``last``: a run resumed from
+    ``step`` that saves into its folder saves over them or rotates them out (``prune`` keeps none past its newest)."""
+    later = [p for p in scan(step.parent)[0] if step_of(step) < step_of(p) <= last]
+    return [p.name for p in sorted(later, key=step_of)]
+
+
 def commit(tmp: Path, final: Path, on_point) -> str | None:
     """Rename ``step-N.tmp`` to ``step-N`` (an older one moved aside first), then point ``latest`` at it; rank 0. A
     failure after the rename (the commit point) is returned, to warn."""

@@ -920,8 +920,12 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     rewound = _run(forkrun, tmp_path, "checkpoint.every=2", f"checkpoint.resume={run / 'checkpoints' / 'step-4'}",
                    "train.steps=5", "hydra.run.dir=outputs/a")
     assert rewound.returncode == 0, rewound.stderr
+    assert "rotates out" not in rewound.stdout, rewound.stdout   # (step-6 lies past train.steps=5: left alone)
     later = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=7", "hydra.run.dir=outputs/a")
     assert f"resumed from {run / 'checkpoints' / 'step-5'}" in later.stdout, later.stdout
+    # ... and says at the start that it replaces the later step-6 (rolling back is allowed, not silent)
+    assert (f"checkpoint: resuming step-5 in {run / 'checkpoints'}, which holds the later step-6: this run saves over "
+            f"or rotates out that step as it goes; set checkpoint.dir to another folder to keep it") in later.stdout
 
     # resume=latest whose newest checkpoint is damaged falls back to the one before it, as auto does: a train
     # state that reads as another model's but fails its manifest check is damage, not another model.

@@ -300,6 +300,12 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
     folder = folders[0]   # the one every rank reads first
     if c.every and folder.parent.resolve() == root.resolve():   # a step of a newer version this run's saves reach
         stepfolders.refuse_newer_above(folder, cfg.train.steps)
+        # (not refused: rolling back past a loss spike is what a resume of an earlier step is for)
+        if later := stepfolders.replaced_above(folder, cfg.train.steps):
+            one = len(later) == 1
+            print(f"checkpoint: resuming {folder.name} in {root}, which holds the later {few(later, 4, str)}: this "
+                  f"run saves over or rotates out {'that step' if one else 'those steps'} as it goes; set "
+                  f"checkpoint.dir to another folder to keep {'it' if one else 'them'}", flush=True)
     try:   # a train state that fails its manifest check is damage: the ranks name it and fall back
         want = stepfolders.read_manifest(folder)["files"][stepfolders.TRAIN_STATE]
         if stepfolders.check_file(folder, stepfolders.TRAIN_STATE, want) is not None:
