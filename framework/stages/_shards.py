@@ -188,8 +188,9 @@ class UnitGroup:
         if not gathered:
             return [p for p in self.params if p.dtype != empty.dtype or p.device != empty.device]
         base, size = self.full.data_ptr(), self.full.element_size()
-        return [p for p, s in zip(self.params, self.layout.slots)   # (another device: another address)
-                if p.dtype != self.full.dtype or (s.numel and p.data_ptr() != base + s.offset * size)]
+        return [p for p, s in zip(self.params, self.layout.slots)
+                if p.dtype != self.full.dtype or p.device != self.full.device
+                or (s.numel and p.data_ptr() != base + s.offset * size)]
 
     def grad(self) -> torch.Tensor:
         """The gradient partition, allocated on first use (construction holds only the shards)."""

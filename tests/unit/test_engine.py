@@ -1506,6 +1506,22 @@ def test_module_to_after_initialize_is_refused_and_discard_edits_reattaches_the_
             assert torch.equal(engine.consolidated_state_dict()["0.weight"], module[0].weight.detach()), stage
 
 
+def test_a_gathered_unit_finds_its_moved_parameter_of_no_elements():
+    """``UnitGroup.astray`` of a gathered unit: a parameter of no elements has no address to compare, so one that
+    module.to() moved to another device is found by its device (the working dtype alike)."""
+    from types import SimpleNamespace
+
+    from framework.stages._shards import UnitGroup
+
+    full = torch.zeros(8)
+    slots = [SimpleNamespace(numel=8, offset=0), SimpleNamespace(numel=0, offset=8)]
+    kept, moved = full[:8], torch.empty(0, device="meta")
+    g = UnitGroup("decay", 0, SimpleNamespace(slots=slots), [kept, moved], full[:0], full[:0], full=full)
+    assert [id(p) for p in g.astray(full[:0], gathered=True)] == [id(moved)]
+    g.params[1] = cast = torch.empty(0, dtype=torch.float16)
+    assert [id(p) for p in g.astray(full[:0], gathered=True)] == [id(cast)]
+
+
 def test_module_half_after_initialize_is_refused_under_every_stage_and_discard_edits_puts_all_back():
     """module.half() after initialize: refused in one line under zero3 too (it re-pointed its trainable parameters
     at each gather, silently, while the frozen ones and the buffers stayed half: a mixed-dtype model); discard_edits
