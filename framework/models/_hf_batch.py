@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from framework.core.errors import DataError
+from framework.models._base import next_token_loss
 
 BATCH_KEYS = ("input_ids", "labels", "attention_mask")
 IGNORE_INDEX = -100   # transformers' label of a token left out of the loss (padding, a prompt)
@@ -48,9 +49,8 @@ def checked(batch: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor | None]:
 def shifted_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """transformers' causal LM loss (``ForCausalLMLoss``): fp32 cross-entropy of ``logits[:, t]`` against
     ``labels[:, t + 1]``, mean over the labels that are not ``IGNORE_INDEX``."""
-    labels = F.pad(labels.to(logits.device), (0, 1), value=IGNORE_INDEX)[:, 1:]
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX)
+    # (next_token_loss's cross-entropy leaves out its default ignore_index, -100: IGNORE_INDEX)
+    return next_token_loss(logits, F.pad(labels.to(logits.device), (0, 1), value=IGNORE_INDEX)[:, 1:])
 
 
 def dict_forward(model: nn.Module, batch: Mapping[str, Any]) -> tuple[Any, Tensor]:
