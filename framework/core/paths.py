@@ -40,7 +40,8 @@ def cache_dir() -> Path:
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_SINGLE = "model.safetensors"
 WEIGHT_FILES = (WEIGHTS_INDEX, WEIGHTS_SINGLE, "pytorch_model.bin", "pytorch_model.bin.index.json")
-WEIGHTS_READ = ", ".join(WEIGHT_FILES[:3])   # the names a message lists (the refused one left out)
+READ_WEIGHT_FILES = WEIGHT_FILES[:3]   # the ones a loader reads (the refused one left out)
+WEIGHTS_READ = ", ".join(READ_WEIGHT_FILES)   # the names a message lists
 
 
 def weights_file(folder: Path) -> Path | None:

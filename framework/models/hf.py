@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from framework.core.errors import ConfigError, FrameworkError, one_line
-from framework.core.paths import WEIGHTS_READ, user_path, weights_file
+from framework.core.paths import READ_WEIGHT_FILES, WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 from framework.models._hf_batch import dict_forward
 from framework.models._hf_files import (  # noqa: F401 (TOKENIZER_FILES: public here)
@@ -107,7 +107,7 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
         raise ConfigError(f"model.pretrained={cfg.pretrained}: the folder holds no weights (none of "
                           f"{WEIGHTS_READ}); give a save_pretrained folder with its weights, or "
                           f"model.config={cfg.pretrained} to train a new model from its config.json")
-    if found is not None and found.name not in WEIGHTS_READ.split(", "):   # here, not on each rank's load
+    if found is not None and found.name not in READ_WEIGHT_FILES:   # here, not on each rank's load
         raise ConfigError(f"model.pretrained={cfg.pretrained}: its only weights are torch .bin shards ({found.name}), "
                           f"which are not read sharded; convert the checkpoint to safetensors (transformers' "
                           f"from_pretrained, then save_pretrained) and load that")
