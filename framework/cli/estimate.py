@@ -33,7 +33,7 @@ from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, form
 from framework.cli import RANK_NAMES, run_command
 from framework.config import compose, override_key
 from framework.config.checks import KEY_ALIASES, writable
-from framework.config.plainconf import library_line, load_yaml, parse, set_key, typed
+from framework.config.plainconf import delete_refusal, library_line, load_yaml, parse, set_key, typed
 from framework.core.errors import ConfigError, FrameworkError, typed_line
 from framework.core.registry import closest_hint, registry
 from framework.core.units import GiB, MiB
@@ -202,10 +202,9 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
 
 
 def _check_delete(override, name: str, current) -> None:
-    """Hydra's rule for ``~key=value``, as a preset gets it: deleted only where the key holds that value."""
-    if override.value is not None and override.value != current:
-        raise ConfigError(f"config: Could not delete from config. The value of 'model.{name}' is {current} and not "
-                          f"{override.value}.")
+    """Hydra's rule for ``~key=value``, as a preset gets it (set_key's): deleted only where the key holds that value."""
+    if refused := delete_refusal(f"model.{name}", current, override.value):
+        raise refused
 
 
 def _model_key(override: str, fields: list[str]) -> str:

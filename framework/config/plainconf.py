@@ -296,6 +296,13 @@ def _merge(dst: dict, src: Mapping) -> None:
             dst[k] = v
 
 
+def delete_refusal(key: str, current: Any, value: Any) -> ConfigError | None:
+    """Hydra's refusal of ``~key=value`` where ``key`` holds ``current``: it deletes only that value (None: any)."""
+    if value is not None and current != value:
+        return ConfigError(f"config: Could not delete from config. The value of '{key}' is {current} and not {value}.")
+    return None
+
+
 def set_key(tree: dict, o: Override) -> None:
     """``o`` applied to ``tree`` as Hydra applies it to the composed config, with Hydra's refusals."""
     *path, last = o.key.split(".")
@@ -314,9 +321,8 @@ def set_key(tree: dict, o: Override) -> None:
         if node[last] is None:   # Hydra takes a null value for none
             raise ConfigError(f"config: Could not delete from config. '{o.key}' does not exist. (It is null, "
                               f"its default: drop ~{o.key})")
-        if o.value is not None and node[last] != o.value:
-            raise ConfigError(f"config: Could not delete from config. The value of '{o.key}' is {node[last]} "
-                              f"and not {o.value}.")
+        if refused := delete_refusal(o.key, node[last], o.value):
+            raise refused
         del node[last]
     elif o.prefix == "+" and last in node:
         raise ConfigError(f"config: Could not append to config. An item is already at '{o.key}'. Either remove + "
