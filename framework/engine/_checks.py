@@ -113,7 +113,8 @@ def check_optimizer(tx: Any, name: str, decay_mask: Sequence[bool], device: torc
     """``tx`` (``name``'s transformation over ``len(decay_mask)`` groups), or a one-line ConfigError for one that
     breaks the ``GradientTransformation`` contract where the run would break later, or silently: a state leaf the
     checkpoints and offload tiers cannot hold (a dict, a list of scalars), a scalar tensor ``update`` changes in
-    place, or an ``update`` that is not elementwise (a norm over a group, which is a shard or host piece with padding, not a parameter: every layout trains another model).
+    place, or an ``update`` that is not elementwise (a norm over a group, which is a shard or host piece with
+    padding, not a parameter: every layout trains another model).
     Made on two small groups of random numbers (the others empty, as a piece's step passes them), whole and cut
     in two, two steps each: milliseconds. ``device``: where the master groups live, so where ``update`` runs."""
     picked = sorted({next((i for i, d in enumerate(decay_mask) if d == want), 0) for want in (True, False)})

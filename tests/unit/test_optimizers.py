@@ -380,7 +380,8 @@ _MOMENTS = lambda ps: [torch.zeros_like(p) for p in ps]   # noqa: E731
      "its init's state holds a list at '1', which"),
     # a step count kept as a 0-d tensor may be (checkpoints save it), but not advanced in place: a host step per
     # piece updates from the same state, so it would count pieces
-    (GradientTransformation(_state(lambda ps: torch.zeros(()), _MOMENTS), lambda g, s, p, lr: (g, (s[0].add_(1), s[1]))),
+    (GradientTransformation(_state(lambda ps: torch.zeros(()), _MOMENTS),
+                            lambda g, s, p, lr: (g, (s[0].add_(1), s[1]))),
      "its update changes the tensor at '0' of the state it was given in place: the offload tiers step each host"),
     # a norm over a group (LAMB/LARS-style): a group is a shard or piece, so each layout trained another model
     (GradientTransformation(lambda ps: (), lambda g, s, p, lr: ([-lr * x / (x.norm() + 1e-12) for x in g], s)),
