@@ -266,8 +266,9 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         raise ConfigError(f"config: world={world}: the number of ranks must be >= 1")
     cli = CommandLine.parse(overrides)
     for group in cli.named:   # an unknown name: one line naming the closest, before Hydra's search path
+        reg = registry(group)   # (outside the try: its refusals, e.g. a config not frozen, are no unknown name)
         try:
-            registry(group).get(cli.choices[group])
+            reg.get(cli.choices[group])
         except ConfigError as e:
             raise _code_missing(e, composer, overrides, group, cli.choices[group]) from None
     if ds_config is not None and cli.ds_config is not None:

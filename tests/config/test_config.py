@@ -403,6 +403,14 @@ class ULionConfig(lion.LionConfig):
 
 
 COMPONENT = Component(config=ULionConfig, build=lion.build)
+
+
+@dataclass(kw_only=True)
+class LooseConfig:   # (not frozen: refused when the registry is read)
+    lr: float = 1.0
+
+
+LOOSE = Component(config=LooseConfig, build=lion.build)
 """
 
 
@@ -442,6 +450,16 @@ def test_an_installed_packages_entry_point_adds_a_component(tmp_path, monkeypatc
             registry("optimizer")
         assert str(e.value) == ("optimizer 'adamw' is defined by both framework.optimizers.adamw and uplug (entry "
                                 "point of package uplug): rename one (and its YAML file optimizer/adamw.yaml)")
+        # The registry's own refusal, not "has no code", where the group is named on the command line: for the
+        # broken entry itself (its YAML found) and for a built-in beside it
+        points.write_text("[framework.optimizer]\nulion3 = uplug:LOOSE\n")
+        registry.cache_clear()
+        for choice in ("ulion3", "adamw"):
+            with pytest.raises(ConfigError) as e:
+                compose([f"optimizer={choice}", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
+            assert str(e.value) == ("optimizer 'ulion3' (uplug:LOOSE): its config LooseConfig is not frozen (a composed "
+                                    "config is checked once and cannot change after); declare it @dataclass(frozen=True, "
+                                    "kw_only=True)"), str(e.value)
     finally:
         monkeypatch.undo()
         sys.modules.pop("uplug", None)
