@@ -110,8 +110,9 @@ class RunRecord:
         self.logger.finish(summary)
 
     def close(self) -> None:
-        try:
-            self.logger.close()
+        try:   # (a logger without close was refused by start in one line: that ends the run, not an AttributeError)
+            if callable(close := getattr(self.logger, "close", None)):
+                close()
         finally:
             if self._metrics is not None:
                 metrics, self._metrics = self._metrics, None

@@ -753,3 +753,13 @@ def test_a_logger_without_one_of_its_methods_is_one_line_before_training(tmp_pat
     with pytest.raises(ConfigError, match=r"^the logger FileLog has no finish method \(training calls"):
         record.start({}, 2)
     record.close()
+
+    class Unclosable:   # (what a function ``build`` returns: no class to refuse when the registry is read)
+        def start(self, config, total_steps): ...
+        def log(self, record): ...
+        def finish(self, summary): ...
+
+    record = RunRecord(tmp_path / "b", Unclosable())
+    with pytest.raises(ConfigError, match=r"^the logger Unclosable has no close method \(training calls"):
+        record.start({}, 2)
+    record.close()   # (the run's close: the refusal stands alone, no AttributeError after it)
