@@ -29,9 +29,10 @@ class GradientTransformation(NamedTuple):
     scalars (lr, step counts). A norm, mean or max over a group (LAMB or LARS trust ratios, Adafactor's factored
     moments, Muon's orthogonalisation) cannot be expressed: it would train another model in each layout.
     A state is tuples or NamedTuples (nested; a field name is the key its tensors are saved under) whose leaves
-    are lists of tensors, one per group and of its size, or Python scalars (int, float, bool, None: step
-    counts, saved as JSON); no dict, no tensor outside such a list. ``initialize`` checks both on small groups
-    (``engine._checks.check_optimizer``) and refuses a transformation that breaks them in one line."""
+    are lists of tensors, one per group and of its size, or scalars (int, float, bool, None, or a one-element
+    tensor such as a step count, saved as JSON with its dtype); no dict, no list of scalars. ``initialize``
+    checks both on small groups (``engine._checks.check_optimizer``) and refuses a transformation that breaks
+    them in one line."""
 
     init: Callable[[Sequence[Tensor]], Any]
     update: Callable[[list[Tensor], Any, Sequence[Tensor], float], tuple[list[Tensor], Any]]
