@@ -457,9 +457,9 @@ def test_an_installed_packages_entry_point_adds_a_component(tmp_path, monkeypatc
         for choice in ("ulion3", "adamw"):
             with pytest.raises(ConfigError) as e:
                 compose([f"optimizer={choice}", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
-            assert str(e.value) == ("optimizer 'ulion3' (uplug:LOOSE): its config LooseConfig is not frozen (a composed "
-                                    "config is checked once and cannot change after); declare it @dataclass(frozen=True, "
-                                    "kw_only=True)"), str(e.value)
+            assert str(e.value) == ("optimizer 'ulion3' (uplug:LOOSE): its config LooseConfig is not frozen (a "
+                                    "composed config is checked once and cannot change after); declare it "
+                                    "@dataclass(frozen=True, kw_only=True)"), str(e.value)
     finally:
         monkeypatch.undo()
         sys.modules.pop("uplug", None)
