@@ -129,34 +129,27 @@ def registry(group: str) -> Registry:
     entries: dict[str, Component] = {}
     defined_by: dict[str, str] = {}   # name -> the module defining it
     check = getattr(package, "check_entry", None)
+
+    def add(found: dict[str, Component], source: str, where: str, yaml: str) -> None:
+        for name, component in found.items():
+            # (a second module's entry would silently replace the first for every run choosing that name)
+            if name in defined_by:
+                raise ConfigError(f"{group} {name!r} is defined by both {defined_by[name]} and {where}: rename one "
+                                  f"(and its YAML file {yaml}{group}/{name}.yaml)")
+            defined_by[name] = source
+            _check_build(group, source, name, component)
+            _check_frozen(group, source, name, component.config)
+            if check is not None:
+                check(source, name, component)
+        entries.update(found)
+
     for info in pkgutil.iter_modules(package.__path__):
         if info.name.startswith("_") or info.name == "base":  # protocols, not components
             continue
         module = importlib.import_module(f"{package.__name__}.{info.name}")
-        found = components_of(module, info.name)
-        for name, component in found.items():
-            # (a second module's entry would silently replace the first for every run choosing that name)
-            if name in defined_by:
-                raise ConfigError(f"{group} {name!r} is defined by both {defined_by[name]} and {module.__name__}: "
-                                  f"rename one (and its YAML file conf/{group}/{name}.yaml)")
-            defined_by[name] = module.__name__
-            _check_build(group, module.__name__, name, component)
-            _check_frozen(group, module.__name__, name, component.config)
-            if check is not None:
-                check(module.__name__, name, component)
-        entries.update(found)
+        add(components_of(module, info.name), module.__name__, module.__name__, "conf/")
     for point in entry_points(group=f"framework.{group}"):   # other packages' components (see above)
-        found = _plugin(group, point)
-        for name, component in found.items():
-            if name in defined_by:
-                raise ConfigError(f"{group} {name!r} is defined by both {defined_by[name]} and {point.value} (entry "
-                                  f"point of {_owner(point)}): rename one (and its YAML file {group}/{name}.yaml)")
-            defined_by[name] = point.value
-            _check_build(group, point.value, name, component)
-            _check_frozen(group, point.value, name, component.config)
-            if check is not None:
-                check(point.value, name, component)
-        entries.update(found)
+        add(_plugin(group, point), point.value, f"{point.value} (entry point of {_owner(point)})", "")
     return Registry(group, MappingProxyType(entries), getattr(package, "UNKNOWN_HINT", ""))
 
 
