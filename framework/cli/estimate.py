@@ -33,7 +33,7 @@ from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, form
 from framework.cli import RANK_NAMES, run_command
 from framework.config import compose, override_key
 from framework.config.checks import KEY_ALIASES, writable
-from framework.config.plainconf import delete_refusal, library_line, load_yaml, parse, set_key, typed
+from framework.config.plainconf import check_delete, library_line, load_yaml, parse, set_key, typed
 from framework.core.errors import ConfigError, FrameworkError, typed_line
 from framework.core.registry import closest_hint, registry
 from framework.core.units import GiB, MiB
@@ -156,7 +156,7 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
         name = _model_key(o, fields)
         try:
             if key.startswith("~"):   # back to the schema's default (or missing)
-                _check_delete(parse(o), name, OmegaConf.select(node, name, throw_on_missing=False))
+                check_delete(f"model.{name}", OmegaConf.select(node, name, throw_on_missing=False), parse(o).value)
                 node = OmegaConf.merge(schema, {k: v for k, v in OmegaConf.to_container(node).items() if k != name})
             else:
                 OmegaConf.update(node, name, OmegaConf.from_dotlist([f"v={text}"])["v"], merge=False)
@@ -191,7 +191,8 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
         override = parse(o)
         if override.prefix == "~":   # back to the schema's default (or missing)
             default = next(f.default for f in dataclasses.fields(GPTConfig) if f.name == name)
-            _check_delete(override, name, node.get(name, None if default is dataclasses.MISSING else default))
+            check_delete(f"model.{name}", node.get(name, None if default is dataclasses.MISSING else default),
+                         override.value)
             node.pop(name, None)
         else:
             set_key(node, dataclasses.replace(override, prefix="", key=name))
@@ -199,12 +200,6 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
         return typed(node, GPTConfig, "model.")
     except ConfigError as e:   # (a value neither the file nor the command line gave names the file, as OmegaConf's)
         raise ConfigError(f"{e} (model={path})" if "Missing mandatory value" in str(e) else str(e)) from None
-
-
-def _check_delete(override, name: str, current) -> None:
-    """Hydra's rule for ``~key=value``, as a preset gets it (set_key's): deleted only where the key holds that value."""
-    if refused := delete_refusal(f"model.{name}", current, override.value):
-        raise refused
 
 
 def _model_key(override: str, fields: list[str]) -> str:
@@ -225,9 +220,11 @@ def _omega_error(e) -> str:
 
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:
     """``own[key]`` as a whole number >= 1 (``default`` when not given)."""
-    if key in own and (n := parse_count(own[key], key)) < 1:
+    if key not in own:
+        return default
+    if (n := parse_count(own[key], key)) < 1:
         raise ConfigError(f"estimate: {key}={own[key]} must be >= 1")
-    return n if key in own else default
+    return n
 
 
 def _number(override: str) -> float | None:

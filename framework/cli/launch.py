@@ -169,9 +169,10 @@ def check_saves(cfg: Config) -> None:
 
 def restart_notice(cfg: Config, run: RunInfo) -> None:
     """One line where a torchrun restart finds nothing to resume (a ${now} run folder is new each attempt)."""
-    restarts, root = env_int("TORCHELASTIC_RESTART_COUNT", 0), checkpoint_root(cfg, run.run_dir, run.job)
-    if restarts >= 1 and cfg.checkpoint.resume == "auto" and cfg.checkpoint.every and (
-            not root.is_dir() or not stepfolders.scan(root)[0]):
+    restarts = env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    if restarts < 1 or cfg.checkpoint.resume != "auto" or not cfg.checkpoint.every:
+        return
+    if not (root := checkpoint_root(cfg, run.run_dir, run.job)).is_dir() or not stepfolders.scan(root)[0]:
         say(f"torchrun restart {restarts}: no checkpoint in {root} to resume (a run folder named by ${{now}} is new on "
             f"each attempt); set hydra.run.dir (or checkpoint.dir) to a fixed folder to resume after a restart")
 

@@ -90,8 +90,10 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("overrides", nargs="*")
-    for names in (*SWITCHES, *VALUED):
-        parser.add_argument(*names, **({"action": "store_true"} if names in SWITCHES else {}))
+    for names in SWITCHES:
+        parser.add_argument(*names, action="store_true")
+    for names in VALUED:
+        parser.add_argument(*names)
     parser.add_argument("--info", "-i", nargs="?", const="all")
     return parser
 

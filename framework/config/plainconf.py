@@ -296,11 +296,10 @@ def _merge(dst: dict, src: Mapping) -> None:
             dst[k] = v
 
 
-def delete_refusal(key: str, current: Any, value: Any) -> ConfigError | None:
+def check_delete(key: str, current: Any, value: Any) -> None:
     """Hydra's refusal of ``~key=value`` where ``key`` holds ``current``: it deletes only that value (None: any)."""
     if value is not None and current != value:
-        return ConfigError(f"config: Could not delete from config. The value of '{key}' is {current} and not {value}.")
-    return None
+        raise ConfigError(f"config: Could not delete from config. The value of '{key}' is {current} and not {value}.")
 
 
 def set_key(tree: dict, o: Override) -> None:
@@ -321,8 +320,7 @@ def set_key(tree: dict, o: Override) -> None:
         if node[last] is None:   # Hydra takes a null value for none
             raise ConfigError(f"config: Could not delete from config. '{o.key}' does not exist. (It is null, "
                               f"its default: drop ~{o.key})")
-        if refused := delete_refusal(o.key, node[last], o.value):
-            raise refused
+        check_delete(o.key, node[last], o.value)
         del node[last]
     elif o.prefix == "+" and last in node:
         raise ConfigError(f"config: Could not append to config. An item is already at '{o.key}'. Either remove + "

@@ -116,8 +116,13 @@ class Config(RootSchema):
 
 def flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1} (lists and empty mappings are leaves)."""
-    return {k: v for key, value in tree.items() for k, v in (
-        flat(value, f"{prefix}{key}.") if isinstance(value, Mapping) and value else {f"{prefix}{key}": value}).items()}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def get_key(tree: Mapping, dotted: str) -> Any:

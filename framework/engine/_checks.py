@@ -128,10 +128,10 @@ def check_optimizer(tx: Any, name: str, decay_mask: Sequence[bool], device: torc
     def run(lo: int, hi: int) -> list[Tensor]:
         """Two steps over elements [lo, hi) of the picked groups: the updates, flattened and joined."""
         params = [draw[0][i][lo:hi].clone() if i in draw[0] else torch.empty(0, device=device) for i in groups]
-        state, out = _allowed_state(one.init(params), params, name, "init"), []
+        state, out = one.init(params), []
+        scalars = _allowed_state(state, params, name, "init")
         for grads in draw[1:]:
-            before = {p: (t, t.clone()) for p, t in optimizer_leaves(state, params)[1].items()
-                      if isinstance(t, Tensor)}
+            before = {p: (t, t.clone()) for p, t in scalars.items() if isinstance(t, Tensor)}
             updates, state = one.update([grads[i][lo:hi].clone() if i in grads else torch.empty(0, device=device)
                                          for i in groups], state, params, 1e-2)
             # a host step per piece updates from the same state: a scalar changed in place would advance per piece
@@ -140,7 +140,7 @@ def check_optimizer(tx: Any, name: str, decay_mask: Sequence[bool], device: torc
                                   f"was given in place: the offload tiers step each host piece from the same state, so "
                                   f"it would advance once per piece; return a new tensor (count + 1, not "
                                   f"count.add_(1)) (docs/architecture.md#where-a-new-piece-goes)")
-            state = _allowed_state(state, params, name, "update")
+            scalars = _allowed_state(state, params, name, "update")
             out += [u.reshape(-1).clone() for i, u in zip(groups, updates) if i in grads]
         return out
 
@@ -156,9 +156,11 @@ def check_optimizer(tx: Any, name: str, decay_mask: Sequence[bool], device: torc
     return tx
 
 
-def _allowed_state(state: Any, params: Sequence[Tensor], name: str, made_by: str) -> Any:
-    """``state``, or a one-line ConfigError naming a leaf the checkpoints cannot save (as JSON, or resharded)."""
-    for path, leaf in optimizer_leaves(state, params)[1].items():
+def _allowed_state(state: Any, params: Sequence[Tensor], name: str, made_by: str) -> dict[str, Any]:
+    """``state``'s scalar leaves (path: leaf), or a one-line ConfigError naming a leaf the checkpoints cannot save
+    (as JSON, or resharded)."""
+    scalars = optimizer_leaves(state, params)[1]
+    for path, leaf in scalars.items():
         # (a one-element tensor is saved as JSON with its dtype and copied back into in place)
         if leaf is not None and not isinstance(leaf, (bool, int, float)) and not (
                 isinstance(leaf, Tensor) and leaf.numel() == 1):
@@ -168,4 +170,4 @@ def _allowed_state(state: Any, params: Sequence[Tensor], name: str, made_by: str
                 f"(nested) whose leaves are lists with one tensor per group, of the group's size, or scalars (int, "
                 f"float, bool, None, a one-element tensor): keep a per-group value as a tensor of the group's size "
                 f"(docs/architecture.md#where-a-new-piece-goes)")
-    return state
+    return scalars

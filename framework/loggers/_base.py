@@ -55,7 +55,7 @@ class NullLogger:
     def close(self) -> None: ...
 
 
-METHODS = ("start", "log", "finish", "close")
+METHODS = tuple(name for name in vars(NullLogger) if not name.startswith("_"))
 
 
 def lacking(logger, what: str) -> None:

@@ -102,15 +102,16 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
     ``model.pretrained`` folder without weights, and what ``_checked_config`` finds in the config (nothing is
     built; the data's vocabulary where its config states one, as synthetic data does)."""
     _raw_config(cfg)
-    found = weights_file(Path(user_path(cfg.pretrained))) if cfg.pretrained is not None else None
-    if cfg.pretrained is not None and found is None:
-        raise ConfigError(f"model.pretrained={cfg.pretrained}: the folder holds no weights (none of "
-                          f"{WEIGHTS_READ}); give a save_pretrained folder with its weights, or "
-                          f"model.config={cfg.pretrained} to train a new model from its config.json")
-    if found is not None and found.name not in READ_WEIGHT_FILES:   # here, not on each rank's load
-        raise ConfigError(f"model.pretrained={cfg.pretrained}: its only weights are torch .bin shards ({found.name}), "
-                          f"which are not read sharded; convert the checkpoint to safetensors (transformers' "
-                          f"from_pretrained, then save_pretrained) and load that")
+    if cfg.pretrained is not None:
+        found = weights_file(Path(user_path(cfg.pretrained)))
+        if found is None:
+            raise ConfigError(f"model.pretrained={cfg.pretrained}: the folder holds no weights (none of "
+                              f"{WEIGHTS_READ}); give a save_pretrained folder with its weights, or "
+                              f"model.config={cfg.pretrained} to train a new model from its config.json")
+        if found.name not in READ_WEIGHT_FILES:   # here, not on each rank's load
+            raise ConfigError(f"model.pretrained={cfg.pretrained}: its only weights are torch .bin shards "
+                              f"({found.name}), which are not read sharded; convert the checkpoint to safetensors "
+                              f"(transformers' from_pretrained, then save_pretrained) and load that")
     _checked_config(cfg, getattr(nodes["data"], "vocab_size", None))
     return cfg
 

@@ -296,14 +296,17 @@ def _step_versions(folder: Path, manifest: dict | None = None) -> None:
     train_state_versions(read_json(folder / TRAIN_STATE, "the train state"), folder)
 
 
-def refuse_newer_above(step: Path, last: int) -> None:
+def refuse_newer_above(step: Path, last: int) -> list[str]:
     """NewerVersion where the folder of ``step`` (resumed from, saved into) holds a newer version's step above it and
     at or below the run's last step ``last``: a save of this run would reach it and never replace it (``commit``), so
-    it is refused at the start, not after the training. One above ``last`` is left alone, as rotation leaves it."""
-    n = step_of(step)
+    it is refused at the start, not after the training. One above ``last`` is left alone, as rotation leaves it.
+    Returns the step folders between (their names, in order): a run resumed from ``step`` that saves into its folder
+    saves over them or rotates them out (``prune`` keeps none past its newest)."""
+    n, later = step_of(step), []
     for p, manifest in scan(step.parent, manifests=True)[0]:
         if not n < step_of(p) <= last:
             continue
+        later.append(p)
         try:
             _step_versions(p, manifest)   # (no manifest passed: a newer version's, or damage)
         except NewerVersion as e:
@@ -312,12 +315,6 @@ def refuse_newer_above(step: Path, last: int) -> None:
                                f"train.steps below {step_of(p)} (or resume that step with that version)") from None
         except (CheckpointError, UnsafePathError, OSError):
             pass   # (damage: a save replaces it, as ever)
-
-
-def replaced_above(step: Path, last: int) -> list[str]:
-    """The step folders beside ``step`` above it and at or below the run's last step ``last``: a run resumed from
-    ``step`` that saves into its folder saves over them or rotates them out (``prune`` keeps none past its newest)."""
-    later = [p for p in scan(step.parent)[0] if step_of(step) < step_of(p) <= last]
     return [p.name for p in sorted(later, key=step_of)]
 
 

@@ -452,10 +452,13 @@ def nonfinite(src: torch.Tensor, nan_only: bool = False) -> torch.Tensor | None:
 _CHUNK = 1 << 22   # elements upcast at a time where a dtype has no min/max kernel
 
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}   # (a constant: built once, read per tensor)
+
+
 def bits_sum(src: torch.Tensor) -> torch.Tensor:
     """An int64 on ``src``'s device: its raw bits summed as integers of their own width (no wider copy), wrapping:
     a bit-exact digest, independent of the order."""
-    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[src.element_size()]
+    bits = _BITS[src.element_size()]
     return src.reshape(-1).view(bits).sum(dtype=bits).to(torch.int64)
 
 

@@ -299,9 +299,8 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
         return cfg
     folder = folders[0]   # the one every rank reads first
     if c.every and folder.parent.resolve() == root.resolve():   # a step of a newer version this run's saves reach
-        stepfolders.refuse_newer_above(folder, cfg.train.steps)
-        # (not refused: rolling back past a loss spike is what a resume of an earlier step is for)
-        if later := stepfolders.replaced_above(folder, cfg.train.steps):
+        # (later steps of this version: not refused, rolling back past a loss spike is what such a resume is for)
+        if later := stepfolders.refuse_newer_above(folder, cfg.train.steps):
             one = len(later) == 1
             print(f"checkpoint: resuming {folder.name} in {root}, which holds the later {few(later, 4, str)}: this "
                   f"run saves over or rotates out {'that step' if one else 'those steps'} as it goes; set "
