@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import socket
 import stat
@@ -103,6 +104,7 @@ def temp_name(name: str) -> str:
     return f"{name}.{_host()}.{os.getpid()}.tmp"
 
 
+@functools.cache   # (constant for the process: looked up once, not per write and per temporary listed)
 def _host() -> str:
     return socket.gethostname().partition(".")[0][:32] or "host"
 
@@ -127,17 +129,20 @@ def _stale_temp(entry: str, name: str) -> bool:
     return False
 
 
-def write_atomic(path: os.PathLike | str, data: bytes, *, shared: bool = False, durable: bool = True) -> None:
+def write_atomic(path: os.PathLike | str, data: bytes, *, shared: bool = False, durable: bool = True,
+                 sweep: bool = True) -> None:
     """A reader sees the old file or the new one, never a part: ``temp_name`` written and fsynced, renamed
     over it through one descriptor of the folder, and the folder fsynced (the rename survives a crash).
     ``durable=False``: no fsync (each costs milliseconds, more on NFS/Lustre), for a record written often whose
     loss in a crash is harmless: the rename is still atomic for a reader, but a crash may leave the old file (or,
-    on some file systems, an empty one)."""
+    on some file systems, an empty one). ``sweep=False``: only this process's own temporary is looked for, not
+    every writer's (for a record rewritten in the training loop, swept at its first write)."""
     path = Path(path)
     tmp = temp_name(path.name)
     dfd = os.open(path.parent, _DIR)
     try:
-        for entry in os.listdir(dfd):   # temporaries left by interrupted writers (a live one's is kept)
+        # temporaries left by interrupted writers (a live one's is kept)
+        for entry in os.listdir(dfd) if sweep else [tmp]:
             if entry.endswith(".tmp") and _stale_temp(entry, path.name):
                 with contextlib.suppress(FileNotFoundError):
                     if stat.S_ISREG(os.lstat(entry, dir_fd=dfd).st_mode):

@@ -48,6 +48,7 @@ class WandbLogger:
         self.finished = False   # finish(summary) reached
         self.row_open = False   # a step logged here whose W&B row is not committed yet
         self.run_id, self.logged = None, 0   # the W&B run kept in RUN_ID (None: none kept) and its last step
+        self.kept = False   # RUN_ID written once by this process
 
     def start(self, config: dict, total_steps: int) -> None:
         t0 = time.monotonic()   # the other ranks' wait for this start begins about now
@@ -137,7 +138,10 @@ class WandbLogger:
 
     def _keep(self, durable: bool = True) -> None:
         kept = {"id": self.run_id, "step": self.logged}
-        files.write_atomic(self.run_info.run_dir / RUN_ID, json.dumps(kept).encode(), durable=durable)
+        # (the folder listed for dead writers' temporaries at the first write, not again in the training loop)
+        files.write_atomic(self.run_info.run_dir / RUN_ID, json.dumps(kept).encode(), durable=durable,
+                           sweep=not self.kept)
+        self.kept = True
 
     def log(self, record: dict) -> None:
         self.console.log(record)

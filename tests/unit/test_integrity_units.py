@@ -44,6 +44,11 @@ def test_safe_opens_refuse_links_and_make_private_files_and_folders(tmp_path):
     dead.wait()   # (a pid no process has now)
     for name in ("stale.tmp", temp_name("stale").replace(f".{os.getpid()}.", f".{dead.pid}."), temp_name("stale")):
         (tmp_path / name).write_text("left by a killed run")
+    write_atomic(tmp_path / "unswept", b"r", sweep=False)   # (only its own temporary looked for: nothing listed)
+    assert len(list(tmp_path.glob("stale.*"))) == 3
+    (tmp_path / temp_name("unswept")).write_text("this process's, left by an interrupted write")
+    write_atomic(tmp_path / "unswept", b"r2", sweep=False)
+    assert (tmp_path / "unswept").read_bytes() == b"r2" and not (tmp_path / temp_name("unswept")).exists()
     (tmp_path / temp_name("stale").replace(f".{os.getpid()}.", f".{os.getppid()}.")).write_text("a live writer's")
     write_atomic(tmp_path / "stale", b"new")            # stale regular temporaries are removed, a live one's kept
     assert (tmp_path / "stale").read_bytes() == b"new"
