@@ -98,15 +98,17 @@ def another_engine(what: str) -> FrameworkError:
                           f"ranks)")
 
 
-def detached_error(what: str, names: Sequence[str]) -> TrainingError:
-    """The refusal of trainable parameters whose storage ``nn.Module._apply`` replaced (``BaseStage.detached``)."""
+def detached_error(what: str, names: Sequence[str], frozen: Sequence[str] = ()) -> TrainingError:
+    """The refusal of trainable parameters whose storage ``nn.Module._apply`` replaced (``BaseStage.detached``) and
+    of frozen ones it cast or moved (``BaseStage.cast_frozen``)."""
+    parts = [f"{counted(len(ns), kind)} ({few(ns, 3, str)})"
+             for kind, ns in (("trainable parameter", names), ("frozen parameter", frozen)) if ns]
     return TrainingError(f"{what}: module.to(), .half(), .float(), .double(), .cuda() or .cpu() after "
-                         f"framework.initialize gave {counted(len(names), 'trainable parameter')} "
-                         f"({few(names, 3, str)}) "
+                         f"framework.initialize gave {' and '.join(parts)} "
                          f"storage of their own, which the engine's steps no longer reach (the forward would read "
-                         f"stale weights): leave the module where and as initialize put it (engine.device; the working "
-                         f"dtype is precision=...); to go on from the engine's weights, call "
-                         f"engine.discard_edits(engine.state)")
+                         f"stale weights, or mix dtypes and devices): leave the module where and as initialize put it "
+                         f"(engine.device; the working dtype is precision=...); to go on from the engine's weights, "
+                         f"call engine.discard_edits(engine.state)")
 
 
 def check_optimizer(tx: Any, name: str, decay_mask: Sequence[bool], device: torch.device) -> Any:

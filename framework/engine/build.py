@@ -182,11 +182,11 @@ class Engine(contextlib.AbstractContextManager):
         """TrainingError (beginning with ``what``) when trainable weights were written in place since initialize or
         the last load (``module.load_state_dict``, say): the next step would overwrite them from the masters, or
         keep them, depending on precision and offload; a save would not hold them."""
-        edited = self.components.stage.edited()
-        if not edited:
+        edited, frozen = self.components.stage.edited(), self.components.stage.cast_frozen()
+        if not edited and not frozen:
             return
-        if moved := self.components.stage.detached():
-            raise detached_error(what, moved)
+        if (moved := self.components.stage.detached()) or frozen:
+            raise detached_error(what, moved, frozen)
         changed = (f"{what}: the weights of {counted(len(edited), 'trainable parameter')} ({few(edited, 3, str)}) "
                    f"were changed in place (or replaced) after framework.initialize (e.g. module.load_state_dict)")
         if kept := self._in_masters(self._state, edited):   # discard_edits would refuse: the edit is in the masters

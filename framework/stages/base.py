@@ -85,6 +85,7 @@ class BaseStage:
     fixed_views = True
     bound: tuple = ()   # (parameter, the view of the stage's buffer it holds): every one with fixed_views, else frozen
     bound_buffers: tuple = ()   # (module, name, buffer) as at initialize
+    frozen: tuple = ()   # (name, parameter, its (module, attribute) owners) per frozen one
     views: dict   # id(parameter) -> its view in ``bound`` (set with it)
 
     def close(self) -> None:   # remove the hooks this stage registered on the module
@@ -109,6 +110,8 @@ class BaseStage:
                     owners.setdefault(id(p), []).append((m, a))
             self.watched = tuple((n, p, p._version, tuple(owners[id(p)]))
                                  for n, p in self.module.named_parameters() if p.requires_grad)
+            self.frozen = tuple((n, p, tuple(owners[id(p)]))
+                                for n, p in self.module.named_parameters() if not p.requires_grad)
             # (an alias of each view: the stage's buffers, which live as long as the stage, hold no more memory;
             # frozen parameters and the module's buffers too, so that a discard puts back all that module.half()
             # or .to() cast, not only what is checked)
@@ -138,6 +141,10 @@ class BaseStage:
         for p, view in self.bound:   # its storage replaced (module.half(), .to(...)): the stage's view again
             if _moved(p, view):
                 p.data = view
+        for _, p, owners in self.frozen:   # replaced by a move (module.to("meta")); one of its kind: the user's own
+            for m, a in owners:
+                if _recast(m._parameters[a] if a in m._parameters else None, self.views[id(p)]):
+                    m._parameters[a] = p
         for m, a, t in self.bound_buffers:   # a buffer cast or moved with it (one the model replaced is its own)
             now = m._buffers.get(a)
             if now is not None and (now.dtype != t.dtype or now.device != t.device):
@@ -159,6 +166,13 @@ class BaseStage:
         version counter, so from then on the forward would read stale weights and no update would reach them.
         (Dtype, device and data address compared: host metadata, no tensor read.)"""
         return [n for n, p, _, _ in self.watched if id(p) in self.views and _moved(p, self.views[id(p)])]
+
+    def cast_frozen(self) -> list[str]:
+        """The frozen parameters a move or cast (``nn.Module._apply``) gave other storage, or replaced on their
+        module by one of another dtype or device (``module.to("meta")``): the forward would mix dtypes or devices,
+        and a save would write them so. (Metadata compared, as ``detached``: no tensor read.)"""
+        return [n for n, p, owners in self.frozen if _moved(p, self.views[id(p)]) or any(
+                _recast(m._parameters[a] if a in m._parameters else None, self.views[id(p)]) for m, a in owners)]
 
     def in_edit(self, p: torch.Tensor) -> bool:   # whether a block that settles p's edits at its exit is open
         return False
@@ -209,6 +223,10 @@ class BaseStage:
 
 def _moved(p: torch.Tensor, view: torch.Tensor) -> bool:   # p no longer holds ``view`` (metadata only)
     return p.dtype != view.dtype or p.device != view.device or p.data_ptr() != view.data_ptr()
+
+
+def _recast(now: torch.Tensor | None, view: torch.Tensor) -> bool:   # a dtype or device other than ``view``'s
+    return now is not None and (now.dtype != view.dtype or now.device != view.device)
 
 
 class PartitionedStage(BaseStage):

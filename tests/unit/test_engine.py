@@ -1558,6 +1558,31 @@ def test_module_half_after_initialize_is_refused_under_every_stage_and_discard_e
         assert all(torch.equal(v, runs[1][1][k]) for k, v in runs[0][1].items()), stage
 
 
+def test_a_cast_or_move_of_frozen_parameters_is_refused_and_discard_edits_puts_them_back():
+    """A frozen submodule's .half() (the trainable ones untouched) was not refused: the forward mixed dtypes;
+    module.to("meta") replaced the frozen Parameter objects, which discard_edits left on meta. Both refused in one
+    line under every stage, and after discard_edits the step equals the one of a run without the cast."""
+    micro = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(2)]
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    for stage in ("ddp", "zero2", "zero3"):
+        runs = []
+        for cast in (None, lambda m: m[0].half(), lambda m: m.to("meta")):
+            torch.manual_seed(0)
+            module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+            module[0].requires_grad_(False)
+            with framework.initialize(module, loss, tiny_config(f"+stage={stage}", "scheduler=constant")) as engine:
+                engine.train_step(engine.state, framework.Batch((micro[0],)))
+                if cast is not None:
+                    cast(module)
+                    said = r"^train_step: module\.to\(\), \.half\(\).* 2 frozen parameters \(0\.weight, 0\.bias\)"
+                    with pytest.raises(framework.TrainingError, match=said + r".*discard_edits\(engine\.state\)$"):
+                        engine.train_step(engine.state, framework.Batch((micro[1],)))
+                    engine.discard_edits(engine.state)
+                    assert {(p.dtype, p.device.type) for p in module.parameters()} == {(torch.float32, "cpu")}
+                runs.append(engine.train_step(engine.state, framework.Batch((micro[1],)))[1]["loss"])
+        assert runs[0] == runs[1] == runs[2], (stage, runs)
+
+
 def test_a_load_after_parameters_were_replaced_gives_the_module_the_engines_back(tmp_path):
     """load_state_dict(..., assign=True) put new Parameter objects on the module (refused); a load into the
     engine puts the engine's back, so the steps after it train the module again."""
