@@ -28,7 +28,7 @@ from framework.core.paths import READ_WEIGHT_FILES, WEIGHTS_READ, user_path, wei
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 from framework.models._hf_batch import dict_forward
 from framework.models._hf_files import (  # noqa: F401 (TOKENIZER_FILES: public here)
-    TOKENIZER_FILES, carry_tokenizer_files, tokenizer_files)
+    TOKENIZER_FILES, carry_tokenizer_files, tokenizer_files, write_tokenizer_files)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ from torch import nn
 from framework.comm.distributed import agree
 from framework.core import files
 from framework.core.errors import ConfigError
-from framework.models.hf import checkpoint_names, is_hf_model, tokenizer_files
+from framework.models.hf import checkpoint_names, is_hf_model, tokenizer_files, write_tokenizer_files
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16, committed_step
@@ -315,8 +315,7 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
         gen = getattr(module, "generation_config", None)
         if gen is not None and type(gen).__name__ == "GenerationConfig":
             gen.save_pretrained(out_dir)
-        for name, data in tokenizer.items():
-            files.write_atomic(Path(out_dir) / name, data, shared=True)
+        write_tokenizer_files(Path(out_dir), tokenizer)   # (and an earlier save's it does not carry removed)
 
     # Agreed: every rank returns once the folder is complete, or all raise (not rank 0 alone).
     agree(dist, write_configs if dist.is_main else (lambda: None), "save_pretrained: config files")

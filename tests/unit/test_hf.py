@@ -396,11 +396,24 @@ def test_pretrained_folder_tokenizer_files_are_carried_to_its_exports(tmp_path):
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0")
     carried = [Path(f).name for f in tokenizer.save_pretrained(src)]
-    assert "tokenizer.json" in carried
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(carried), carried
     with _engine(framework.compose([*BASE, f"model.pretrained={src}"])) as engine:
         engine.save_pretrained(tmp_path / "out")
     assert all((tmp_path / "out" / n).read_bytes() == (src / n).read_bytes() for n in carried)
     assert AutoTokenizer.from_pretrained(tmp_path / "out", local_files_only=True)("w3 w5").input_ids == [3, 5]
+    # A model without a tokenizer saved into the same folder: the earlier save's tokenizer files go (AutoTokenizer
+    # would pair them with these weights), a file of the user's stays, and so does one the user changed since.
+    out = tmp_path / "out"
+    (out / "README.md").write_text("mine")
+    (out / "vocab.txt").write_text("mine")   # a tokenizer file name the earlier save did not write
+    edited = (out / "tokenizer_config.json").read_bytes() + b" "
+    (out / "tokenizer_config.json").write_bytes(edited)
+    with _engine(hf_cfg(write_config("gpt2", tmp_path / "scratch"))) as engine:
+        engine.save_pretrained(out)
+    left = {n for n in carried if (out / n).exists()}
+    assert left == {"tokenizer_config.json"} and (out / "tokenizer_config.json").read_bytes() == edited, left
+    assert (out / "README.md").read_text() == (out / "vocab.txt").read_text() == "mine"
+    assert not any(p.name.startswith(".") for p in out.iterdir())   # (the record of what it wrote: gone with them)
 
 
 def test_pretrained_takes_a_base_model_checkpoint_as_from_pretrained_does(tmp_path):
