@@ -19,7 +19,7 @@ except ImportError:   # a machine without Hydra/OmegaConf (a GPU image): framewo
 
 from framework.config import plainconf
 from framework.config.schema import (COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema, get_key,
-                                     reads_grad_accum_dtype)
+                                     reads_grad_accum_dtype, tuples)
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
 from framework.core.registry import GROUPS, closest, closest_hint, registry
@@ -184,23 +184,13 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str], *, final: bo
         component = registry(group).get(chosen[group])
         if component.check is not None:
             nodes[group] = component.check(nodes[group], chosen["stage"], MappingProxyType(nodes))
-    nodes = {group: _tuples(node) for group, node in nodes.items()}
+    nodes = {group: tuples(node) for group, node in nodes.items()}
     # (after every check: a note may read another group's resolved node, a warm-up's the optimizer's lr)
     config = Config(**vars(root), choices=chosen, **nodes)
     notes = [note for group in GROUPS if (component := registry(group).get(chosen[group])).notes is not None
              for note in component.notes(nodes[group], config)]
     config = dataclasses.replace(config, notices=tuple(notes))
     return refuse_inert(config) if final else config
-
-
-def _tuples(node: Any) -> Any:
-    """``node`` (a frozen component config) with its list fields as tuples, at every level: frozen all through
-    (an append after compose would skip the checks) and hashable."""
-    if dataclasses.is_dataclass(node):
-        changed = {f.name: new for f in dataclasses.fields(node) if f.init
-                   and (new := _tuples(old := getattr(node, f.name))) is not old}
-        return dataclasses.replace(node, **changed) if changed else node
-    return tuple(map(_tuples, node)) if isinstance(node, (list, tuple)) else node
 
 
 def refuse_inert(config: Config) -> Config:

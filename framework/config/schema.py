@@ -80,6 +80,16 @@ def _plain(value: Any) -> Any:
     return [_plain(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
+def tuples(node: Any) -> Any:
+    """``node`` (a frozen component config) with its list fields as tuples, at every level: frozen all through
+    (an append after compose would skip the checks) and hashable."""
+    if dataclasses.is_dataclass(node):
+        changed = {f.name: new for f in dataclasses.fields(node) if f.init
+                   and (new := tuples(old := getattr(node, f.name))) is not old}
+        return dataclasses.replace(node, **changed) if changed else node
+    return tuple(map(tuples, node)) if isinstance(node, (list, tuple)) else node
+
+
 @dataclass(frozen=True)
 class Config(RootSchema):
     choices: Mapping[str, str]      # group -> registry name of the chosen component
@@ -105,6 +115,8 @@ class Config(RootSchema):
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", ReadOnlyDict(self.choices))
         object.__setattr__(self, "sources", ReadOnlyDict(self.sources))
+        for group in GROUPS:   # (a group swapped in with dataclasses.replace(cfg, stage=...) is frozen alike)
+            object.__setattr__(self, group, tuples(getattr(self, group)))
 
     def to_dict(self) -> dict:
         """Plain, resolved config (for logging and summary files)."""

@@ -541,3 +541,6 @@ def test_the_composed_configs_mappings_and_lists_are_frozen_too():
     assert cfg.stage.gather_unit == ("Block",) and cfg.logger.tags == ("a", "b")
     assert pickle.loads(pickle.dumps(cfg)) == cfg and hash(pickle.loads(pickle.dumps(cfg))) == hash(cfg)
     assert cfg.to_dict()["logger"]["tags"] == ["a", "b"]   # plain lists again (YAML, JSON, W&B)
+    # A group swapped in with dataclasses.replace (its lists given as lists) is frozen alike, and still hashes.
+    swapped = dataclasses.replace(cfg, stage=dataclasses.replace(cfg.stage, gather_unit=["Block", "MLP"]))
+    assert swapped.stage.gather_unit == ("Block", "MLP") and hash(swapped) != hash(cfg)
