@@ -114,6 +114,23 @@ def test_the_library_loop_runs_as_pasted(doc, heading):
     exec(compile(block.replace("train.steps=100", f"train.steps={STEPS}"), doc, "exec"), {})
 
 
+def test_the_hf_library_example_runs_as_pasted(tmp_path):
+    """docs/hf.md's example of a transformers model in your own code (zero3, pretrained values, both batch
+    conventions) runs as printed, on a tiny GPT-2 folder written here (nothing downloaded) for its path."""
+    from tests._hf import write_config   # (first: it keeps transformers off the Hub)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    text = (ROOT / "docs/hf.md").read_text()
+    block = re.search(r"```python\n(.*?)```", text[text.index("## In your own code"):], re.S).group(1)
+    assert block.count('"path/to/folder"') == 2, block
+    write_config("gpt2", tmp_path)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path)).save_pretrained(tmp_path)
+    names = {}
+    exec(compile(block.replace('"path/to/folder"', repr(str(tmp_path))), "docs/hf.md", "exec"), names)
+    with names["engine"] as engine:
+        assert engine.state.step == 2 and engine.components.stage.forward_gathers   # (zero3's)
+
+
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
     """A folder with what a fresh clone has (the documents, recipes, the test configs) and
