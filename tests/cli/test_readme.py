@@ -54,8 +54,10 @@ COVERED = {
         ("tests/cli/test_recipes.py", "test_memory_scaling_quick", '("ddp", 2)'),   # (its ddp job on 2 ranks)
 }
 # A line whose words an earlier run line of this test holds, with only these more (a checkpoint every N steps, a
-# named run folder), ran there: stages.md's `+stage=zero2 dist.nproc=2` is the README's checkpointed zero2 run.
-ONLY_MORE = re.compile(r"^(checkpoint\.every|hydra\.run\.dir)=")
+# named run or sweep folder, the log and evaluation intervals that shorten() sets on every run anyway), ran there:
+# stages.md's `+stage=zero2 dist.nproc=2` is the README's checkpointed zero2 run, sweeps.md's first 4-job sweep the
+# README's into multirun/opt-lr (the default sweep folder is still run: sweeps.md's `-m logger=wandb` sweep).
+ONLY_MORE = re.compile(r"^(checkpoint\.every|hydra\.(run|sweep)\.dir|train\.(log_every|eval_every))=")
 # Recipes run their --quick twin, which tests/cli/test_recipes.py runs for every recipe.
 RECIPE_RUN = re.compile(r"^python -m framework\.recipe (\w+)( --quick)?$")
 PLACEHOLDER = re.compile(r"\b(NAME|DIR|FILE)\b|key=value \.\.\.")
