@@ -24,11 +24,12 @@ import torch
 from torch import Tensor, nn
 
 from framework.core.errors import ConfigError, FrameworkError, one_line
+from framework.core.files import parse_json
 from framework.core.paths import READ_WEIGHT_FILES, WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 from framework.models._hf_batch import dict_forward
 from framework.models._hf_files import (  # noqa: F401 (TOKENIZER_FILES: public here)
-    TOKENIZER_FILES, carry_tokenizer_files, tokenizer_files, write_tokenizer_files)
+    TOKENIZER_FILES, carry_tokenizer_files, read_generation_config, tokenizer_files, write_tokenizer_files)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +90,7 @@ def _raw_config(cfg: HFConfig, key: str | None = None) -> tuple[str, Path, dict]
     if cfg.pretrained is not None and not path.is_dir():
         raise ConfigError(f"model.pretrained={where} must be a folder written by save_pretrained")
     try:
-        raw = json.loads(file.read_text())
+        raw = parse_json(file.read_bytes())
     except ValueError:
         raw = None
     if not isinstance(raw, dict) or "model_type" not in raw:
@@ -279,7 +280,7 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
                               f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and "
                               f"pass the model to framework.initialize, or use model.config to train one from scratch")
         if (file.parent / "generation_config.json").is_file():   # e.g. a chat model's eos ids, kept on export
-            model.generation_config = transformers.GenerationConfig.from_pretrained(file.parent)
+            read_generation_config(model, file.parent)
         carry_tokenizer_files(model, file.parent)   # (so are its tokenizer's files)
     if cfg.activation_checkpointing:   # (transformers 5 calls it activation_checkpointing, older ones gradient_)
         what = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"

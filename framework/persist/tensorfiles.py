@@ -157,7 +157,7 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
         raise ConfigError(f"load_weights: {path} does not exist")
     if path.name.endswith(".index.json"):
         try:
-            index = json.loads(path.read_text())
+            index = files.parse_json(path.read_bytes())
         except ValueError as e:
             raise ConfigError(f"load_weights: {path} is not a safetensors index ({e})") from None
         top = type(index).__name__

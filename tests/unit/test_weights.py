@@ -559,3 +559,10 @@ def test_a_torch_compiled_modules_weights_take_the_plain_models_names(tmp_path):
         with framework.initialize(module, loss, tiny_config("+stage=zero2")) as engine:
             load_weights(engine, tmp_path / "c")
             assert torch.equal(engine.consolidated_state_dict()["0.weight"], compiled._orig_mod[0].weight.detach())
+
+
+def test_an_index_nested_too_deeply_to_parse_is_one_line(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ' + '[' * 100_000 + ']' * 100_000 + '}')
+    with pytest.raises(ConfigError, match=r"is not a safetensors index \(nested too deeply to parse\)"):
+        load_weights(_engine(), index)
