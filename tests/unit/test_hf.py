@@ -639,3 +639,10 @@ def test_a_generation_config_nested_too_deeply_is_one_line(tmp_path):
     with framework.zero_init(), pytest.raises(ConfigError, match=r"generation_config.json is not a valid generation "
                                                                   r"config \(nested too deeply to parse\); fix or"):
         component(cfg, "model").build(cfg.model)
+
+
+def test_a_layer_count_no_host_could_build_is_refused_at_compose_not_built_for_hours(tmp_path):
+    write_config("gpt2", tmp_path, n_layer=10**12)
+    with pytest.raises(ConfigError, match=r"config.json: 1000000000000 hidden layers, more than this host's .* of "
+                                          r"available memory holds even as bare modules; check its layer count"):
+        framework.compose(["model=hf", f"model.config={tmp_path / 'config.json'}", "model.context=16"])
