@@ -6,14 +6,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
 from torch import nn
 
 from framework.core import files
-from framework.core.errors import ConfigError, one_line
+from framework.core.errors import ConfigError, one_line, say
 
 # What transformers' tokenizers save (fast and slow, BPE, WordPiece, SentencePiece) and chat templates: each one
 # the source folder holds is carried; nothing else of it is (weights and config.json are written anew).
@@ -72,8 +71,8 @@ def read_generation_config(model: nn.Module, folder: Path) -> None:
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
     except OSError as e:
-        warnings.warn(f"model.pretrained: {file} is skipped: {one_line(e)} (transformers' from_pretrained skips it "
-                      f"too); fix it to use its generation settings, or remove it", stacklevel=2)
+        say(f"warning: model.pretrained: {file} is skipped: {one_line(e)} (transformers' from_pretrained skips it "
+            f"too); fix it to use its generation settings, or remove it")
     except (ValueError, RecursionError) as e:
         why = "nested too deeply to parse" if isinstance(e, RecursionError) else one_line(e)
         raise ConfigError(f"model.pretrained: {file} is not a valid generation config ({why}); fix or remove "
