@@ -135,13 +135,10 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
                           f"(e.g. model.state_dict())")
     # (the reads below reshape and check values: a tensor without dense values fails there, after the load began)
     for name, t in sd.items():
-        if t.is_meta:
-            raise ConfigError(f"load_weights: {path}: tensor {name!r} is on the meta device (a shape, no values); "
-                              f"save the state dict of a materialized model")
-        if t.layout != torch.strided or t.is_nested:
-            kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        if t.is_meta or t.is_nested or t.layout != torch.strided:
+            kind = "on the meta device" if t.is_meta else "nested" if t.is_nested else str(t.layout)[len("torch."):]
             raise ConfigError(f"load_weights: {path}: tensor {name!r} is {kind}, not dense weights; save a dense "
-                              f"tensor in its place (t.to_dense() of a sparse one)")
+                              f"tensor in its place (t.to_dense() of a sparse one; a materialized model's, not meta)")
     return sd
 
 
