@@ -174,6 +174,9 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
                                         or _no_option(str(e))
                                         or plainconf.merge_line(str(e), e.__cause__)   # (not the ++ form given)
                                         or " ".join(str(e).replace("override ++", "override ").split()))) from None
+    except RecursionError:   # (the YAML parser and OmegaConf recurse once per nesting level)
+        raise ConfigError(f"config: a value in the YAML of {config_dir or conf_dir()} ({name}.yaml or a file its "
+                          f"defaults list names) is nested too deeply to compose; flatten it") from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
 
 

@@ -6,6 +6,7 @@
     fd = open_nofollow(folder / "x", os.O_RDONLY)  # an existing file, never through a link
     write_at(fd, values, offset)                   # a host tensor's bytes at a byte offset (read_into: back)
     fd = lock(folder / "x.lock", busy, what)       # an exclusive flock, held while fd is open
+    data = parse_json(path.read_bytes())           # json.loads; too deep a nesting is a ValueError too
 
 In a folder others may write to (a shared scratch disk) a planted link would make a plain ``open``
 overwrite its target: every open here refuses a link in the final component (``UnsafePathError``).
@@ -17,6 +18,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import json
 import os
 import socket
 import stat
@@ -247,6 +249,16 @@ def lock(path: os.PathLike | str, busy: Callable[[str], str], undetected: str | 
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{holder_text()}\n".encode(), 0)
     return fd
+
+
+def parse_json(text: str | bytes, **kwargs) -> object:
+    """``json.loads(text, **kwargs)``, raising ``ValueError`` for every unreadable text: the parser recurses once
+    per nesting level, so a file nested some thousand levels deep raises ``RecursionError`` instead (bad bytes
+    already raise ``UnicodeDecodeError``, a ``ValueError``). Readers of user files catch one type."""
+    try:
+        return json.loads(text, **kwargs)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
 
 
 def probe_writable(folder: os.PathLike | str) -> None:

@@ -3,7 +3,6 @@ the last ``val_fraction`` is held out. ``<stem>.meta.json`` beside it (``recipe 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import weakref
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ import numpy as np
 
 from framework.data._base import CropSource, resolve_path
 from framework.core.errors import ConfigError, DataError
+from framework.core.files import parse_json
 from framework.core.registry import Component
 
 
@@ -120,7 +120,7 @@ def meta_path(path: Path) -> Path:
 def meta_owner(path: Path) -> str | None:
     """The other token file that ``meta_path(path)`` describes (one of the same stem), if it does."""
     try:
-        owner = json.loads(meta_path(path).read_text()).get("tokens")
+        owner = parse_json(meta_path(path).read_bytes()).get("tokens")
     except (OSError, ValueError, AttributeError):   # none, not JSON, not an object
         return None
     return owner if isinstance(owner, str) and owner != path.name else None
@@ -161,7 +161,7 @@ def read_meta(path: Path) -> tuple[Path, dict]:
     not naming another file; ``(meta_path(path), {})`` when there is none."""
     for meta in (meta_path(path), path.parent / "meta.json"):
         try:
-            found = json.loads(meta.read_text())
+            found = parse_json(meta.read_bytes())
         except (OSError, ValueError):
             continue
         if isinstance(found, dict) and found.get("tokens", path.name) == path.name:

@@ -1,5 +1,6 @@
 """The tokenizer files of a ``model.pretrained`` folder, carried to the model so that its exports
-(``save_pretrained``, ``model_16bit/``) load with ``AutoTokenizer`` / ``pipeline`` as the source folder did."""
+(``save_pretrained``, ``model_16bit/``) load with ``AutoTokenizer`` / ``pipeline`` as the source folder did; and its
+generation_config.json, read onto the model."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +12,7 @@ from pathlib import Path
 from torch import nn
 
 from framework.core import files
+from framework.core.errors import ConfigError, one_line, say
 
 # What transformers' tokenizers save (fast and slow, BPE, WordPiece, SentencePiece) and chat templates: each one
 # the source folder holds is carried; nothing else of it is (weights and config.json are written anew).
@@ -57,3 +59,21 @@ def write_tokenizer_files(folder: Path, carried: Mapping[str, bytes]) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             record.unlink()
+
+
+def read_generation_config(model: nn.Module, folder: Path) -> None:
+    """``folder``'s generation_config.json onto ``model``. One that cannot be read (not JSON, not UTF-8: an OSError
+    from transformers) is skipped with a warning, as transformers' from_pretrained skips it (silently); one it
+    refuses otherwise (a ValueError, or nested too deeply to parse) is a ConfigError."""
+    import transformers
+
+    file = folder / "generation_config.json"
+    try:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    except OSError as e:
+        say(f"warning: model.pretrained: {file} is skipped: {one_line(e)} (transformers' from_pretrained skips it "
+            f"too); fix it to use its generation settings, or remove it")
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply to parse" if isinstance(e, RecursionError) else one_line(e)
+        raise ConfigError(f"model.pretrained: {file} is not a valid generation config ({why}); fix or remove "
+                          f"it") from None

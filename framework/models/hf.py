@@ -24,11 +24,13 @@ import torch
 from torch import Tensor, nn
 
 from framework.core.errors import ConfigError, FrameworkError, one_line
+from framework.core.files import parse_json
+from framework.core import room, units
 from framework.core.paths import READ_WEIGHT_FILES, WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 from framework.models._hf_batch import dict_forward
 from framework.models._hf_files import (  # noqa: F401 (TOKENIZER_FILES: public here)
-    TOKENIZER_FILES, carry_tokenizer_files, tokenizer_files, write_tokenizer_files)
+    TOKENIZER_FILES, carry_tokenizer_files, read_generation_config, tokenizer_files, write_tokenizer_files)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +91,7 @@ def _raw_config(cfg: HFConfig, key: str | None = None) -> tuple[str, Path, dict]
     if cfg.pretrained is not None and not path.is_dir():
         raise ConfigError(f"model.pretrained={where} must be a folder written by save_pretrained")
     try:
-        raw = json.loads(file.read_text())
+        raw = parse_json(file.read_bytes())
     except ValueError:
         raw = None
     if not isinstance(raw, dict) or "model_type" not in raw:
@@ -179,6 +181,9 @@ def causal_lm_class(config: Any) -> type | None:
     return mapping[type(config)] if type(config) in mapping else None
 
 
+_LAYER_FLOOR = 1 << 10   # host bytes one layer's module objects take at least, even on meta (a llama layer: 33 KB)
+
+
 def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
     """The transformers config of a config.json's contents; an unknown model_type (custom code) is refused
     before transformers is asked (it would list every type, or offer to download and run the code)."""
@@ -197,8 +202,8 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
         config = transformers.AutoConfig.for_model(model_type, **raw)
     except Exception as e:  # noqa: BLE001 - the config classes raise their own types (strict dataclass validators)
         raise ConfigError(f"{key}: {file} is not a valid {model_type} config: {one_line(e)}") from None
-    # transformers accepts a layer count below 1 (range() of it is empty): a model of embeddings only would
-    # train. (A multimodal config keeps its text model's sizes in text_config.)
+    # transformers accepts a layer count below 1 (a model of embeddings only would train) and one no host could build
+    # (a typo: modules are built for hours, even on meta). (A multimodal config keeps its sizes in text_config.)
     text = text_config(config)
     for conf in {id(c): c for c in (config, text)}.values():
         for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
@@ -207,6 +212,10 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
                 raw = conf.attribute_map.get(name, name)   # the file's own name for it (GPT-2: n_layer)
                 raise ConfigError(f"{key}: {file}: {name}={value} must be >= 1"
                                   + (f" ({raw} in the file)" if raw != name else ""))
+        layers, free = getattr(conf, "num_hidden_layers", None), room.available_ram()
+        if isinstance(layers, int) and free is not None and layers * _LAYER_FLOOR > free:
+            raise ConfigError(f"{key}: {file}: {layers} hidden layers, more than this host's {units.size(free)} of "
+                              f"available memory holds even as bare modules; check its layer count")
     return config
 
 
@@ -279,7 +288,7 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
                               f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and "
                               f"pass the model to framework.initialize, or use model.config to train one from scratch")
         if (file.parent / "generation_config.json").is_file():   # e.g. a chat model's eos ids, kept on export
-            model.generation_config = transformers.GenerationConfig.from_pretrained(file.parent)
+            read_generation_config(model, file.parent)
         carry_tokenizer_files(model, file.parent)   # (so are its tokenizer's files)
     if cfg.activation_checkpointing:   # (transformers 5 calls it activation_checkpointing, older ones gradient_)
         what = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"

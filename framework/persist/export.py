@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import CheckpointError, ConfigError, FrameworkError
 from framework.core.utils import few
 from framework.persist import stepfolders
 from framework.persist.checkpoint import glue, verify
-from framework.persist.layout import StateLayout, check_format
+from framework.persist.layout import StateLayout, check_format, nonfinite_items
 from framework.persist.tensorfiles import output_dir, plan_files, save_files
 from framework.persist.weights import check_output
 
@@ -116,6 +116,11 @@ def _export(ckpt: Checkpoint, out_dir: Path, dtype: torch.dtype | None, max_shar
     def write(writer) -> None:
         for e in (e for plan in plans for e in plan.entries):
             value = ckpt.read([e.name])[e.name].reshape(-1)
+            # (a save refuses such a state, so these values are damage its manifest was resealed over, as resume
+            # says; refused before the files are published)
+            if nonfinite_items([(e.name, value)]):
+                raise CheckpointError(f"checkpoint {ckpt.step_dir}: non-finite values (NaN or inf) in "
+                                      f"'{e.name}': not weights to export; export an earlier step")
             writer.write(e, 0, value)
             del value
             trim()

@@ -157,7 +157,7 @@ def read_json(path: Path, what: str) -> Any:
     """A JSON file of a checkpoint, never through a link; CheckpointError naming it otherwise."""
     try:
         with os.fdopen(files.open_nofollow(path, os.O_RDONLY), "rb") as f:
-            return json.loads(f.read())
+            return files.parse_json(f.read())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path.parent}: {path.name} is missing ({what})") from None
     except (OSError, ValueError) as e:

@@ -133,6 +133,12 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
         what = type(sd).__name__ if bad is None else f"non-tensor entries {few(bad, 20, str)}"
         raise ConfigError(f"load_weights: {path} holds {what}; expected a flat {{name: tensor}} state dict "
                           f"(e.g. model.state_dict())")
+    # (the reads below reshape and check values: a tensor without dense values fails there, after the load began)
+    for name, t in sd.items():
+        if t.is_meta or t.is_nested or t.layout != torch.strided:
+            kind = "on the meta device" if t.is_meta else "nested" if t.is_nested else str(t.layout)[len("torch."):]
+            raise ConfigError(f"load_weights: {path}: tensor {name!r} is {kind}, not dense weights; save a dense "
+                              f"tensor in its place (t.to_dense() of a sparse one; a materialized model's, not meta)")
     return sd
 
 
@@ -157,14 +163,17 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
         raise ConfigError(f"load_weights: {path} does not exist")
     if path.name.endswith(".index.json"):
         try:
-            index = json.loads(path.read_text())
+            index = files.parse_json(path.read_bytes())
         except ValueError as e:
             raise ConfigError(f"load_weights: {path} is not a safetensors index ({e})") from None
         top = type(index).__name__
         if not isinstance(weight_map := index.get("weight_map") if top == "dict" else None, dict):
             why = "no weight_map object in it" if top == "dict" else f"its top level is a {top}"
             raise ConfigError(f"load_weights: {path} is not a safetensors index ({why})")
-        if any(not str(f).endswith(".safetensors") for f in weight_map.values()):
+        if (odd := next((f for f in weight_map.values() if not isinstance(f, str)), None)) is not None:
+            raise ConfigError(f"load_weights: {path} is not a safetensors index (its weight_map maps a tensor to "
+                              f"{json.dumps(odd)[:40]}, not a shard's file name)")
+        if any(not f.endswith(".safetensors") for f in weight_map.values()):
             raise ConfigError(f"load_weights: {path} indexes torch .bin shards, which load_weights does not read "
                               f"sharded; convert the checkpoint to safetensors (transformers' from_pretrained, then "
                               f"save_pretrained) and load that")

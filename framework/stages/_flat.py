@@ -15,6 +15,9 @@ from torch import nn
 from framework.comm.distributed import Dist
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.footprint import Footprint
+from framework.core.room import available_ram
+from framework.core.units import size
+from framework.core.utils import dtype_name
 
 
 # Pad every flat buffer to a multiple of this many elements per rank: partitions start 256-byte aligned
@@ -164,6 +167,7 @@ def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, i
     ``world`` ranks in ``order(named)``, with rank 0's initial values. Returns the kinds, layouts and buffers
     per group, and (parameter, (group, slot)) in registration order (buckets are planned from it)."""
     groups = param_groups(module)
+    check_host_room(module, dtype, dist.device)
     layouts, flats, entries = [], [], []
     for g, (_, named) in enumerate(groups):
         placed = order(named)
@@ -180,6 +184,19 @@ def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, i
         entries += [bound[name] for name, _ in named]
     bind_frozen(module, dtype, dist, init)
     return [kind for kind, _ in groups], layouts, flats, entries
+
+
+def check_host_room(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before allocating, parameters whose ``dtype`` values alone exceed the host's available memory where
+    they are laid out on the host: the allocation would fail with an allocator traceback, or swap (a config.json
+    with a typo in a width builds such a model on meta in no time)."""
+    if device.type != "cpu" or (room := available_ram()) is None:
+        return
+    count = sum(p.numel() for p in module.parameters())
+    if (need := count * dtype.itemsize) > room:
+        raise ConfigError(f"the model declares {count:,} parameters: {size(need)} as {dtype_name(dtype)} for the "
+                          f"weights alone, more than this host's {size(room)} of available memory; build a smaller "
+                          f"model (check its config's layer count and widths) or run where there is more memory")
 
 
 def _bind(module: nn.Module, p: nn.Parameter, v: torch.Tensor) -> nn.Parameter:

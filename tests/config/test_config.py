@@ -544,3 +544,11 @@ def test_the_composed_configs_mappings_and_lists_are_frozen_too():
     # A group swapped in with dataclasses.replace (its lists given as lists) is frozen alike, and still hashes.
     swapped = dataclasses.replace(cfg, stage=dataclasses.replace(cfg.stage, gather_unit=["Block", "MLP"]))
     assert swapped.stage.gather_unit == ("Block", "MLP") and hash(swapped) != hash(cfg)
+
+
+def test_a_yaml_value_nested_too_deeply_is_one_line(tmp_path):
+    (tmp_path / "deep.yaml").write_text("defaults:\n  - train\n  - _self_\nx: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError) as e:
+        compose([], config_dir=str(tmp_path), config_name="deep")
+    assert str(e.value) == (f"config: a value in the YAML of {tmp_path} (deep.yaml or a file its defaults list names) "
+                            f"is nested too deeply to compose; flatten it"), str(e.value)

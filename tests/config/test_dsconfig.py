@@ -1248,3 +1248,9 @@ def test_warmup_max_lr_left_out_follows_deepspeed(kind, peak):
         ds["optimizer"]["params"]["lr"] = 0.001
         assert not any("warmup_max_lr" in n for n in framework.compose(["train.steps=20"], ds_config=ds,
                                                                         world=1).notices)
+
+
+def test_json_nested_too_deeply_to_parse_is_one_line(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"optimizer": ' + '[' * 100_000 + ']' * 100_000 + '}')
+    assert error_of(path) == f"ds_config: {path}: nested too deeply to parse; give a plain JSON object"

@@ -459,3 +459,12 @@ def test_prepare_stopped_between_its_two_files_leaves_a_pair_the_reader_refuses(
     text.prepare_chars(str(b), out)
     source = TokensSource(TokensConfig(path=str(out), vocab_size=None), seed=0, context=4)
     assert source.vocab_size == 8
+
+
+def test_a_meta_json_nested_too_deeply_is_skipped_as_unreadable_json_is(tmp_path):
+    path = tmp_path / "train.bin"
+    np.zeros(8, np.uint16).tofile(path)
+    for meta in (tokens.meta_path(path), tmp_path / "meta.json"):
+        meta.write_text('[' * 100_000 + ']' * 100_000)
+    assert tokens.read_meta(path) == (tokens.meta_path(path), {})
+    assert tokens.meta_owner(path) is None

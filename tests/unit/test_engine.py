@@ -1634,3 +1634,16 @@ def test_a_load_after_parameters_were_replaced_gives_the_module_the_engines_back
         framework.load_weights(engine, tmp_path / "tied")
         assert tied[1].weight is tied[0].weight
         engine.train_step(engine.state, framework.Batch(((tokens,),)))
+
+
+def test_parameters_beyond_the_hosts_memory_are_refused_before_they_are_allocated():
+    """A config with a typo in a width builds on meta at once; laying its weights out on the host would fail in the
+    allocator (a traceback) or swap. Refused in one line with the sizes instead."""
+    from framework.comm.distributed import connect
+
+    with framework.zero_init():
+        huge = torch.nn.Linear(1 << 20, 1 << 20)   # 1.1e12 parameters: 4 TiB as fp32
+    said = (r"^the model declares 1,099,512,676,352 parameters: 4096\.00 GiB \(4398050705408 bytes\) as float32 for "
+            r"the weights alone, more than this host's")
+    with pytest.raises(framework.ConfigError, match=said):
+        framework.initialize(huge, lambda m, b: m(b).sum(), framework.compose([]), connect("gloo"))

@@ -539,3 +539,19 @@ def test_fp32_state_dict_names_a_tied_parameter_under_each_name(tmp_path):
     assert torch.equal(plain.head.weight, trained["emb.weight"])
     assert main([str(step), "--to", str(tmp_path / "out")]) == 0
     assert set(_read(tmp_path / "out")) == {"emb.weight", "emb.bias", "emb.scale"}
+
+
+def test_non_finite_master_weights_are_refused_not_exported(tmp_path, capsys):
+    """A save refuses a non-finite state, and resume refuses one found in a checkpoint: export does too, before
+    any file is published (the output would hold NaN that load_weights refuses)."""
+    plain, _ = build_gpt(tiny_config(), seed=99)
+    sd = {f"model.{k}": v.clone() for k, v in plain.state_dict().items()}
+    bad = next(k for k, v in sd.items() if v.numel() >= 2)
+    sd[bad].view(-1)[1] = float("nan")
+    _dcp_save(sd, tmp_path / "step-1")
+    capsys.readouterr()
+    assert main([str(tmp_path / "step-1"), "--to", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert f"non-finite values (NaN or inf) in '{bad.removeprefix('model.')}': not weights to export" in err, err
+    assert not (tmp_path / "out").exists()

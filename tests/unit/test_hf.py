@@ -611,3 +611,41 @@ def test_pretrained_takes_a_folder_already_under_the_models_names_whatever_its_c
         framework.load_weights(engine, tmp_path)
         got = dict(engine.components.module.named_parameters())
         assert all(torch.equal(got[n], p) for n, p in hf.named_parameters())
+
+
+def test_a_config_json_nested_too_deeply_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "x": ' + '[' * 100_000 + ']' * 100_000 + '}')
+    with pytest.raises(ConfigError, match="is not a transformers config.json"):
+        framework.compose(["model=hf", f"model.pretrained={tmp_path}", "model.context=16"])
+
+
+def _pretrained_with_generation_config(folder: Path, text: bytes):
+    write_config("llama", folder)
+    (folder / "generation_config.json").write_bytes(text)
+    (folder / "model.safetensors").touch()   # (build reads no weights)
+    return framework.compose(["model=hf", f"model.pretrained={folder}", "model.context=16"])
+
+
+def test_an_unreadable_generation_config_is_skipped_with_a_warning_as_transformers_does(tmp_path, capsys):
+    for i, text in enumerate((b"{not json", b"\xff\xfe")):
+        cfg = _pretrained_with_generation_config(tmp_path / str(i), text)
+        capsys.readouterr()
+        with framework.zero_init():
+            assert component(cfg, "model").build(cfg.model) is not None
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and re.match(r"warning: model.pretrained: .*generation_config.json is skipped: .*not a "
+                                          r"valid JSON file.*fix it .*or remove it$", err[0]), err
+
+
+def test_a_generation_config_nested_too_deeply_is_one_line(tmp_path):
+    cfg = _pretrained_with_generation_config(tmp_path, ('{"x": ' + '[' * 100_000 + ']' * 100_000 + '}').encode())
+    with framework.zero_init(), pytest.raises(ConfigError, match=r"generation_config.json is not a valid generation "
+                                                                  r"config \(nested too deeply to parse\); fix or"):
+        component(cfg, "model").build(cfg.model)
+
+
+def test_a_layer_count_no_host_could_build_is_refused_at_compose_not_built_for_hours(tmp_path):
+    write_config("gpt2", tmp_path, n_layer=10**12)
+    with pytest.raises(ConfigError, match=r"config.json: 1000000000000 hidden layers, more than this host's .* of "
+                                          r"available memory holds even as bare modules; check its layer count"):
+        framework.compose(["model=hf", f"model.config={tmp_path / 'config.json'}", "model.context=16"])

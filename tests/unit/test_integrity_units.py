@@ -1020,3 +1020,12 @@ def test_a_manifest_that_cannot_be_read_is_not_called_missing(tmp_path, monkeypa
     monkeypatch.setattr(files, "open_nofollow", denied)
     with pytest.raises(CheckpointError, match="unreadable as the manifest .*Permission denied"):
         stepfolders.read_manifest(tmp_path)
+
+
+def test_a_manifest_nested_too_deeply_to_parse_is_unreadable_not_a_traceback(tmp_path):
+    from framework.core import files
+    from framework.persist import stepfolders
+
+    files.write_new(tmp_path / stepfolders.MANIFEST, ('[' * 100_000 + ']' * 100_000).encode())
+    with pytest.raises(CheckpointError, match=r"manifest.json is unreadable as the manifest \(nested too deeply"):
+        stepfolders.read_manifest(tmp_path)

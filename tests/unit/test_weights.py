@@ -132,7 +132,8 @@ def test_not_a_state_dict_and_missing_paths(tmp_path):
     index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}}))
     with pytest.raises(ConfigError, match=r"names 1 tensor that is not in their files: b"):
         load_weights(engine, tmp_path)
-    for bad, why in (([1, 2], "its top level is a list"), ({"weight_map": None}, "no weight_map object")):
+    for bad, why in (([1, 2], "its top level is a list"), ({"weight_map": None}, "no weight_map object"),
+                     ({"weight_map": {"a": 5}}, "its weight_map maps a tensor to 5, not a shard's file name")):
         index.write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=f"is not a safetensors index \\({why}"):
             load_weights(engine, index)
@@ -559,3 +560,23 @@ def test_a_torch_compiled_modules_weights_take_the_plain_models_names(tmp_path):
         with framework.initialize(module, loss, tiny_config("+stage=zero2")) as engine:
             load_weights(engine, tmp_path / "c")
             assert torch.equal(engine.consolidated_state_dict()["0.weight"], compiled._orig_mod[0].weight.detach())
+
+
+def test_an_index_nested_too_deeply_to_parse_is_one_line(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ' + '[' * 100_000 + ']' * 100_000 + '}')
+    with pytest.raises(ConfigError, match=r"is not a safetensors index \(nested too deeply to parse\)"):
+        load_weights(_engine(), index)
+
+
+def test_a_torch_file_with_sparse_or_meta_tensors_is_refused_before_the_load_starts(tmp_path):
+    """Refused on reading the file, so the engine is not left mid-load (refusing to step) for a caller that goes on."""
+    engine = _engine()
+    sd = _plain_sd()
+    name = next(iter(sd))
+    for kind, tensor, said in (("sparse", sd[name].to_sparse(), "is sparse_coo, not dense weights"),
+                               ("meta", sd[name].to("meta"), "is on the meta device")):
+        torch.save({**sd, name: tensor}, tmp_path / f"{kind}.pt")
+        with pytest.raises(ConfigError, match=f"{kind}.pt: tensor '{re.escape(name)}' {said}"):
+            load_weights(engine, tmp_path / f"{kind}.pt")
+        assert engine.consolidated_state_dict() is not None   # (an engine left mid-load refuses this)

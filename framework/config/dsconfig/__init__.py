@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Mapping
 
 from framework.core.errors import ConfigError
+from framework.core.files import parse_json
 from framework.core.paths import user_path
 from framework.config.dsconfig._keys import AUTO, COMMAND_LINE, DEFAULT, DS_FILE, YAML
 from framework.config.dsconfig._resolve import RunFacts, resolve
@@ -62,10 +63,14 @@ def _parse(text: str, where: str) -> dict:
     if not text.strip():
         raise ConfigError(f"ds_config: {where} is empty; give a JSON object ({{}} for DeepSpeed's defaults)")
     try:
-        data = json.loads(text.removeprefix("\ufeff"), object_pairs_hook=partial(_no_duplicates, where))
+        data = parse_json(text.removeprefix("\ufeff"), object_pairs_hook=partial(_no_duplicates, where))
+    except ConfigError:   # (a key given twice: a ValueError too)
+        raise
     except json.JSONDecodeError as e:
         raise ConfigError(f"ds_config: {where}: line {e.lineno} column {e.colno}: {e.msg} "
                           f"(strict JSON: no comments or trailing commas)") from None
+    except ValueError as e:
+        raise ConfigError(f"ds_config: {where}: {e}; give a plain JSON object") from None
     if not isinstance(data, dict):
         got = "an array" if isinstance(data, list) else json.dumps(data)[:40]
         raise ConfigError(f"ds_config: {where}: the top level must be a JSON object, got {got}")
