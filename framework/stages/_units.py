@@ -47,6 +47,16 @@ def plan_units(module: nn.Module, gather_unit, split_root: bool,
     return units, persistent + [(n, p) for n, p in all_named if owner[id(p)] == -1]
 
 
+def all_persistent_note(persistent: Named, threshold: int) -> str:
+    """The start-up line when no unit has a parameter to gather: the gather keys (prefetch, max_live, reuse
+    distance, gather_unit) then change nothing."""
+    largest = max(p.numel() for _, p in persistent)
+    return (f"note: zero3: every trainable parameter stays gathered (the largest has {largest:,} elements, "
+            f"stage.stage3_param_persistence_threshold={threshold:,}): each rank holds the whole model (gradients "
+            "and optimizer state are still partitioned) and the stage3_* gather keys change nothing; lower "
+            "stage.stage3_param_persistence_threshold (0: every parameter is partitioned and gathered per unit)")
+
+
 def _assign_units(module: nn.Module, gather_unit,
                   split_root: bool) -> tuple[list[tuple[str, list[nn.Module], bool]], dict[int, int]]:
     """The unit candidates as (name, modules, made by split_root) and per parameter id its candidate's index

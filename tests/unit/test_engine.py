@@ -1634,3 +1634,17 @@ def test_a_load_after_parameters_were_replaced_gives_the_module_the_engines_back
         framework.load_weights(engine, tmp_path / "tied")
         assert tied[1].weight is tied[0].weight
         engine.train_step(engine.state, framework.Batch(((tokens,),)))
+
+
+def test_zero3_says_once_when_every_parameter_stays_gathered(capsys):
+    """Every trainable parameter below stage3_param_persistence_threshold: no unit gathers anything and the gather
+    keys change nothing, said once at start-up; with one parameter at the threshold there is a unit (no note)."""
+    loss = lambda m, mb: m(mb[0]).sum()   # noqa: E731
+    for threshold, noted in ((100_000, True), (6, False)):
+        cfg = framework.compose(["+stage=zero3", f"stage.stage3_param_persistence_threshold={threshold}"])
+        with framework.initialize(torch.nn.Linear(3, 2), loss, cfg):
+            pass
+        err = capsys.readouterr().err
+        assert err.count("note: zero3: every trainable parameter stays gathered (the largest has 6 elements, "
+                         "stage.stage3_param_persistence_threshold=100,000): each rank holds the whole model") \
+            == noted, err
