@@ -349,6 +349,8 @@ def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
     # the loop saves no checkpoint (compose accepts it: one's own loop may call ckpt.save)
     (["checkpoint.async=true"], "config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); set "
      "checkpoint.every=N or remove checkpoint.async"),
+    (["checkpoint.keep_last=5"], "config: checkpoint.keep_last=5 does nothing with checkpoint.every=0 (no saves, so "
+     "none are pruned); set checkpoint.every=N or remove checkpoint.keep_last"),
 ])
 def test_a_closed_choice_is_checked_before_the_run_folder(forkrun, tmp_path, overrides, says):
     p = forkrun.run("framework.train", [*overrides, "train.steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
