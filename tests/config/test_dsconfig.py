@@ -1248,3 +1248,13 @@ def test_warmup_max_lr_left_out_follows_deepspeed(kind, peak):
         ds["optimizer"]["params"]["lr"] = 0.001
         assert not any("warmup_max_lr" in n for n in framework.compose(["train.steps=20"], ds_config=ds,
                                                                         world=1).notices)
+
+
+def test_zero3s_inert_bucket_keys_each_say_their_own_reason():
+    """Under stage 3 allgather_bucket_size is about the parameters' gathers (each unit in one), reduce_bucket_size
+    about the gradients' reduction (each unit's in one): each key's note gives its own."""
+    inert = dsconfig.translate({"zero_optimization": {"stage": 3, "allgather_bucket_size": 5,
+                                                      "reduce_bucket_size": 5}}).inert
+    assert "zero_optimization.allgather_bucket_size (zero3 gathers each unit's parameters in one collective)" in inert
+    assert "zero_optimization.reduce_bucket_size (zero3 reduces each gather unit's gradients in one collective)" \
+        in inert, inert
