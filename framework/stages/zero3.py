@@ -25,7 +25,7 @@ from framework.stages._gather import Gatherer
 from framework.stages._shards import ShardReads, ShardedParameter, Unit, UnitGroup, forward_of, read_hint, reader_of
 from framework.stages._grads import backward_or_reset
 from framework.stages._trace import check_orders, diverged, order_check_flags
-from framework.stages._units import DEFAULT_GATHER_UNIT, all_persistent_note, plan_units
+from framework.stages._units import DEFAULT_GATHER_UNIT, all_persistent_note, plan_units, reuse_notes
 from framework.offload.base import Placement
 from framework.stages.base import PartitionedStage, Setup
 from framework.core.footprint import Footprint
@@ -384,7 +384,7 @@ def check(node: Zero3Config, stage: str, nodes: Mapping[str, Any]) -> Zero3Confi
     return node
 
 
-COMPONENT = Component(config=Zero3Config, build=Zero3Stage, check=check)
+COMPONENT = Component(config=Zero3Config, build=Zero3Stage, check=check, notes=reuse_notes)
 
 
 def _empty_size_error(error: BaseException) -> bool:

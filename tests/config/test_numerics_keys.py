@@ -40,6 +40,17 @@ def test_a_tiny_bucket_gets_one_note():
     assert compose([f"+stage={stage}", "dist.backend=nccl"]).notices == ()
 
 
+def test_a_zero3_reuse_distance_below_the_prefetch_bucket_gets_one_note():
+    """A unit stays gathered while max(reuse distance, prefetch bucket - its size) elements come between its uses:
+    a reuse distance below the bucket changes little or nothing, said once; at or above it (the default), nothing."""
+    said = compose(["+stage=zero3", "stage.stage3_max_reuse_distance=0"]).notices
+    assert len(said) == 1 and said[0].startswith("note: stage.stage3_max_reuse_distance=0 is below "
+                                                 "stage.stage3_prefetch_bucket_size=50,000,000: a unit stays"), said
+    assert compose(["+stage=zero3"]).notices == ()
+    assert compose(["+stage=zero3", "stage.stage3_max_reuse_distance=0",
+                    "stage.stage3_prefetch_bucket_size=0"]).notices == ()
+
+
 def test_zero1_contiguous_gradients_false_is_refused():
     with pytest.raises(ConfigError, match=r"stage\.contiguous_gradients=false has no effect with stage=zero1 .*"
                                           r"remove it, or use \+stage=zero2$"):
