@@ -304,7 +304,7 @@ def test_nvme_prediction_puts_state_on_disk():
     base = ["model=gpt-mini", "+stage=zero3", "logger=none"]
     cpu = predict(compose([*base, "offload=cpu"]), 2)
     pred = predict(compose([*base, "offload=nvme", "offload.sub_group_size=1000000",
-                            "offload.param_buffer_size=100000"]), 2)
+                            f"offload.param_buffer_size={12 * 384 ** 2 // 2}"]), 2)   # (its floor: the largest shard)
     shard_elems = cpu.items["master_params"][1] // 4   # the host master of the cpu run: every shard element
     # master + Adam state + the swapped gradient, and the shards; every swapped tensor padded to the file's
     # 4 KiB blocks (under 64 tiles here: tests/dist/test_footprint.py checks the exact bytes)
