@@ -6,6 +6,7 @@ import gc
 import math
 import os
 import signal
+import sys
 import time
 from collections import deque
 from dataclasses import replace
@@ -58,6 +59,11 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     torch.manual_seed(cfg.seed)  # same model initialisation on every rank
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
     check_model_vocab(cfg, data.vocab_size)
+    if getattr(cfg.precision, "auto_cast", False) and type(data).__module__.startswith("framework.") and dist.is_main:
+        # (a plugin's data may give floating inputs; the built-in sources give token ids, which it never casts)
+        print(f"note: precision.auto_cast=true changes nothing here: data={cfg.choices['data']} gives the model "
+              "integer token ids, and auto_cast casts floating inputs only (it is for a module called with them, "
+              "in a loop of your own); drop it", file=sys.stderr, flush=True)
     # The config as built (W&B's, summary.json's): the data's vocabulary (checkpoints keep the composed one, which a
     # resume is compared with)
     built = cfg if getattr(cfg.model, "vocab_size", None) in (None, data.vocab_size) else \
