@@ -453,10 +453,12 @@ def test_wandb_keys_of_its_own_under_mode_disabled_are_noted(monkeypatch, tmp_pa
             "them, or use logger.mode=offline to keep a W&B run in the run folder")
     assert says in compose(["logger=wandb", "logger.mode=disabled", "logger.project=foo", "logger.tags=[a]"]).notices
     assert not [n for n in compose(["logger=wandb", "logger.mode=disabled"]).notices if "logger." in n]
-    assert not [n for n in compose(["logger=wandb", "logger.mode=offline", "logger.entity=e"]).notices if "logger." in n]
+    offline = compose(["logger=wandb", "logger.mode=offline", "logger.entity=e"]).notices
+    assert not [n for n in offline if "logger." in n]
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert "note: logger.entity changes nothing with WANDB_MODE=disabled (W&B records nothing); drop it, or use " \
-           "logger.mode=offline to keep a W&B run in the run folder" in compose(["logger=wandb", "logger.entity=e"]).notices
+           "logger.mode=offline to keep a W&B run in the run folder" in \
+        compose(["logger=wandb", "logger.entity=e"]).notices
 
 
 def _no_wandb_credentials(monkeypatch, tmp_path):
