@@ -6,6 +6,7 @@ import gc
 import math
 import os
 import signal
+import sys
 import time
 from collections import deque
 from dataclasses import replace
@@ -18,10 +19,9 @@ import torch
 from framework.engine.build import component, initialize
 from framework.core import files
 from framework.persist.checkpoint import Checkpointer, checkpoint_root
-from framework.config import Config
-from framework.config.dsconfig import COMMAND_LINE
+from framework.config import Config, check_model_vocab
 from framework.comm.distributed import Dist, agree
-from framework.core.errors import ConfigError, Interrupted, Terminated
+from framework.core.errors import Interrupted, Terminated
 from framework.core.room import descriptors_named
 from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
 from framework.engine.materialize import zero_init
@@ -58,10 +58,12 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))
     torch.manual_seed(cfg.seed)  # same model initialisation on every rank
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
-    if cfg.sources.get("model.vocab_size") == COMMAND_LINE and cfg.model.vocab_size != data.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} differs from the {data.vocab_size} token ids of the "
-                          f"data, which set the model's vocabulary; drop model.vocab_size (set data.vocab_size "
-                          f"where the data source has it)")
+    check_model_vocab(cfg, data.vocab_size)
+    if getattr(cfg.precision, "auto_cast", False) and type(data).__module__.startswith("framework.") and dist.is_main:
+        # (a plugin's data may give floating inputs; the built-in sources give token ids, which it never casts)
+        print(f"note: precision.auto_cast=true changes nothing here: data={cfg.choices['data']} gives the model "
+              "integer token ids, and auto_cast casts floating inputs only (it is for a module called with them, "
+              "in a loop of your own); drop it", file=sys.stderr, flush=True)
     # The config as built (W&B's, summary.json's): the data's vocabulary (checkpoints keep the composed one, which a
     # resume is compared with)
     built = cfg if getattr(cfg.model, "vocab_size", None) in (None, data.vocab_size) else \

@@ -34,7 +34,7 @@ from pathlib import Path
 from framework.cli import RANK_NAMES, run_command
 from framework.cli.estimate import model_kind
 from framework.cli.report import load_jobs
-from framework.config import compose, override_key
+from framework.config import check_model_vocab, compose, override_key
 from framework.config.dsconfig import DS_FILE
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.paths import user_path
@@ -157,7 +157,8 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     notes = [*notes, *micro_batches(cfg, hw, own)[1]]   # (a bad micro_batches= is its line, before the probe)
     # before the probe: a bad micro_batches=, stages=, offloads= or checkpointing=, or a key every setup refuses
     setups = compose_setups(base, candidates(cfg, hw, own))
-    vocab = f"vocab {data_vocab(cfg)} (from data={cfg.choices['data']})"   # (data that is not here: its line now)
+    check_model_vocab(cfg, size := data_vocab(cfg))   # (data that is not here, or training's refusal: its line now)
+    vocab = f"vocab {size} (from data={cfg.choices['data']})"
     if cfg.notices:   # the DeepSpeed file's warnings and notes, as training prints them (after the checks)
         print("\n".join(cfg.notices), file=sys.stderr, flush=True)
     probe = _probe.load(hw.device, disk, collectives=hw.ranks > 1, reprobe=flags["reprobe"])

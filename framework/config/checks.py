@@ -18,6 +18,7 @@ except ImportError:   # a machine without Hydra/OmegaConf (a GPU image): framewo
     DictConfig = OmegaConf = OmegaConfBaseException = None   # only read where OmegaConf is present
 
 from framework.config import plainconf
+from framework.config.dsconfig import COMMAND_LINE
 from framework.config.schema import (COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema, get_key,
                                      reads_grad_accum_dtype, tuples)
 from framework.core.errors import ConfigError
@@ -313,3 +314,12 @@ def check_batch_world(cfg: Config, world: int) -> None:
                       f"world={world}); under torchrun, or Hydra's submitit launcher with -m, the world is known "
                       f"then), or give the file train_micro_batch_size_per_gpu and gradient_accumulation_steps "
                       f"instead of train_batch_size")
+
+
+def check_model_vocab(cfg: Config, data_vocab: int) -> None:
+    """A model.vocab_size stated on the command line that the data's vocabulary (which sets the model's) overrides:
+    one line, from training and the estimate alike."""
+    if cfg.sources.get("model.vocab_size") == COMMAND_LINE and cfg.model.vocab_size != data_vocab:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} differs from the {data_vocab} token ids of the "
+                          f"data, which set the model's vocabulary; drop model.vocab_size (set data.vocab_size "
+                          f"where the data source has it)")

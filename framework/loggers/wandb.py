@@ -264,4 +264,14 @@ def check(cfg: WandbConfig, stage: str, nodes: Mapping[str, Any]) -> WandbConfig
     return cfg
 
 
-COMPONENT = Component(config=WandbConfig, build=WandbLogger, check=check)
+def notes(cfg: WandbConfig, config) -> list[str]:
+    """Under W&B's own mode disabled nothing is sent nor written: a project, entity or tags of its own do nothing."""
+    stated = [f"logger.{key}" for key in ("project", "entity", "tags")
+              if getattr(cfg, key) != getattr(WandbConfig(), key) and getattr(cfg, key)]
+    where = f"logger.mode={cfg.mode}" if cfg.mode else "WANDB_MODE=disabled"
+    verb, them = ("changes", "it") if len(stated) == 1 else ("change", "them")
+    return [f"note: {' and '.join(stated)} {verb} nothing with {where} (W&B records nothing); drop {them}, or use "
+            "logger.mode=offline to keep a W&B run in the run folder"] if stated and mode(cfg) == "disabled" else []
+
+
+COMPONENT = Component(config=WandbConfig, build=WandbLogger, check=check, notes=notes)

@@ -20,7 +20,7 @@ from framework.core.footprint import Footprint
 from framework.core.registry import registry
 from framework.core.units import MiB
 from framework.core.utils import SQ_NORM_ROW, dtype_name, tensors_in, to_device
-from framework.config import override_key
+from framework.config import check_model_vocab, override_key
 from framework.engine.build import component
 from framework.memory.tables import count_module
 from framework.stages import bucket_buffers, make_layout, param_groups, plan_units, unit_groups, whole_memory
@@ -273,6 +273,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     if module is None:   # as training builds it: at the data's vocabulary (unless the model keeps its own)
         with torch.device("meta"):
             module = model.build(cfg.model, vocab_size=(vocab := data_vocab(cfg)))
+        check_model_vocab(cfg, vocab)   # (training's refusal, before a prediction of a run it would not start)
         if model.vocab_size(cfg.model) is None:
             notes.append(f"model built at vocab {vocab} (from data={cfg.choices['data']}), as training builds it")
     stage = cfg.choices["stage"]

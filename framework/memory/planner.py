@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from framework.config import COMPATIBLE, compose
+from framework.config import COMPATIBLE, check_model_vocab, compose
 from framework.engine.build import component
 from framework.memory.model import data_vocab, predict
 from framework.memory.tables import parse_count
@@ -239,6 +239,7 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
     overrides each candidate adds its choices to; ``composed``: ``compose_setups``' result, if made already."""
 
     vocab, cuda = data_vocab(cfg), hw.gpu_mem is not None   # the vocabulary training builds the model at
+    check_model_vocab(cfg, vocab)   # (one training refuses: not planned)
     process = probe.get("process_rss_bytes", 0)
     rank_base = process + (CUDA_HOST_BYTES if cuda and hw.device.type != "cuda" else 0)
     launcher = process + TRACKER_BYTES if hw.ranks > 1 else 0

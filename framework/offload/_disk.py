@@ -298,7 +298,7 @@ class DiskPlacement(NVMePlacement):
         """Room on the disk, a writable folder and host memory for the pool: one line otherwise."""
         slot, slots, total, bounce = store.layout(self.spec.buffer_count)   # (never more slots than tiles)
         store.buffer_count = slots
-        preflight(self.folder(), total, create=True)   # (no buffer check: a slot holds any tile)
+        preflight(self.folder(), total, create=True)
         grads = self.staging_bytes() if self.grad_swap else 0
         if self.read_back:   # as many landings and a bounce buffer
             grads += self.staging_bytes() + bounce

@@ -122,11 +122,10 @@ class DiskShards(HostShards):
         """Room on the disk, a writable folder, buffers that hold the largest shard: one line otherwise."""
         if self.spill_error is not None:
             raise self.spill_error
-        store, spec = self.store, self.spec
-        size = next(iter(store.entries.values())).swapped[0].element_size()
+        store = self.store
         largest = max(e.swapped[0].numel() for e in store.entries.values())
         _, slots, total, _ = store.layout(self.slots(largest))
-        preflight(self.p.folder(), total, largest * size, spec.param_buffer_size * size, itemsize=size, create=True)
+        preflight(self.p.folder(), total, create=True)
         store.buffer_count = slots
         if store.buffer_count == 1 < len(store.entries):   # (a slot is reused once its copies are done)
             print(f"nvme: the zero3 parameter pool has 1 slot, so each shard load waits (in a hook) for the "
@@ -134,7 +133,13 @@ class DiskShards(HostShards):
                   f"(offload.param_buffer_count, offload.max_in_cpu >= that many x {largest} elements)", flush=True)
 
     def slots(self, largest: int) -> int:
-        """Slots of the largest shard (not param_buffer_size: no pinned memory idles), as many as max_in_cpu allows."""
+        """Slots of the largest shard (not param_buffer_size: no pinned memory idles), as many as max_in_cpu allows.
+        param_buffer_size (DeepSpeed's offload_param.buffer_size) is only a floor here: the engine and the estimate
+        refuse one below the largest shard, as DeepSpeed's buffers could not hold it."""
+        if self.spec.param_buffer_size < largest:
+            raise ConfigError(f"offload buffers too small: offload.param_buffer_size={self.spec.param_buffer_size} is "
+                              f"smaller than the largest parameter shard ({largest} elements): set "
+                              f"offload.param_buffer_size >= {largest}")
         slots = min(self.spec.param_buffer_count, self.spec.max_in_cpu // max(largest, 1))
         if slots < 1:
             raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.spec.max_in_cpu} is smaller "

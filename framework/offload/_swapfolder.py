@@ -54,7 +54,7 @@ class NVMeOffloadConfig:
     # host buffers for zero3 parameter shards on NVMe; with at least the units prefetched + 1 the host
     # never waits in a hook for a shard's copy to the device before reusing its buffer
     param_buffer_count: int = 5
-    param_buffer_size: int = 100_000_000  # elements per parameter buffer
+    param_buffer_size: int = 100_000_000  # a floor: refused below the largest parameter shard (_diskshards.slots)
     max_in_cpu: int = 1_000_000_000    # cap on host-resident parameter elements (params=nvme)
     aio: AIOConfig = field(default_factory=AIOConfig)
 
@@ -137,11 +137,9 @@ def sweep_private(root: str) -> tuple[int, int, int]:
     return folders, files, freed
 
 
-def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int = 0, buffer_bytes: int = 0, *,
-              itemsize: int = 1, create: bool = False) -> None:
-    """One-line ConfigErrors unless ``path`` exists (``create``: made), is writable with room for
-    ``total_bytes``, and a zero3 parameter buffer of ``buffer_bytes`` holds the largest tile (``itemsize``:
-    bytes per element, for the message)."""
+def preflight(path: str | os.PathLike, total_bytes: int, *, create: bool = False) -> None:
+    """One-line ConfigErrors unless ``path`` exists (``create``: made) and is writable with room for
+    ``total_bytes``."""
     path = Path(path)
     where = f"offload.nvme_path={path}"
     if not path.exists():
@@ -164,10 +162,6 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
     if free < total_bytes:
         raise ConfigError(f"{where}: the swap files need {_size(total_bytes)} but its file system has "
                           f"{_size(free)} free; free space or point offload.nvme_path at a larger disk")
-    if buffer_bytes < largest_tile_bytes:
-        need = -(-largest_tile_bytes // itemsize)
-        raise ConfigError(f"offload buffers too small: offload.param_buffer_size={buffer_bytes // itemsize} is "
-                          f"smaller than the largest tile ({need} elements): set offload.param_buffer_size >= {need}")
 
 
 def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None],

@@ -47,6 +47,27 @@ def plan_units(module: nn.Module, gather_unit, split_root: bool,
     return units, persistent + [(n, p) for n, p in all_named if owner[id(p)] == -1]
 
 
+def all_persistent_note(persistent: Named, threshold: int) -> str:
+    """The start-up line when no unit has a parameter to gather: the gather keys (prefetch, max_live, reuse
+    distance, gather_unit) then change nothing."""
+    largest = max(p.numel() for _, p in persistent)
+    return (f"note: zero3: every trainable parameter stays gathered (the largest has {largest:,} elements, "
+            f"stage.stage3_param_persistence_threshold={threshold:,}): each rank holds the whole model (gradients "
+            "and optimizer state are still partitioned) and the stage3_* gather keys change nothing; lower "
+            "stage.stage3_param_persistence_threshold (0: every parameter is partitioned and gathered per unit)")
+
+
+def reuse_notes(node, config) -> list[str]:
+    """zero3's notes: a reuse distance below the prefetch bucket, which keeps a unit for reuse anyway
+    (``Gatherer`` keeps one whose next use is within max(reuse distance, prefetch bucket - its size))."""
+    reuse, prefetch = node.stage3_max_reuse_distance, node.stage3_prefetch_bucket_size
+    return [f"note: stage.stage3_max_reuse_distance={reuse:,} is below stage.stage3_prefetch_bucket_size="
+            f"{prefetch:,}: a unit stays gathered while at most max(reuse distance, prefetch bucket - its size) "
+            "elements come between its uses, so below the bucket the reuse distance changes little or nothing; "
+            "lower stage.stage3_prefetch_bucket_size too (or stage.stage3_max_live_parameters) to release units "
+            "sooner"] if reuse < prefetch else []
+
+
 def _assign_units(module: nn.Module, gather_unit,
                   split_root: bool) -> tuple[list[tuple[str, list[nn.Module], bool]], dict[int, int]]:
     """The unit candidates as (name, modules, made by split_root) and per parameter id its candidate's index

@@ -285,14 +285,17 @@ SMALL_BUCKET = 1000
 def _bucket_notes(node: ZeroConfig, config) -> list[str]:
     # allgather_bucket_size bounds gloo's broadcasts alone (NCCL gathers in one in-place call): noted on gloo only
     backend, external = config.dist.backend, env_int("WORLD_SIZE", 1) > 1   # (torchrun's ranks here, or nproc)
-    gloo = backend == "gloo" or backend == "auto" and resolve_backend(
-        backend, None if external else config.dist.nproc) == "gloo"
+    resolved = resolve_backend(backend, None if external else config.dist.nproc) if backend == "auto" else backend
+    gloo = resolved == "gloo"
     keys = ("reduce_bucket_size", "allgather_bucket_size") if gloo else ("reduce_bucket_size",)
     small = [f"stage.{key}={getattr(node, key)}" for key in keys if getattr(node, key) < SMALL_BUCKET]
-    return [f"note: {' and '.join(small)} (elements): one collective per bucket of that many elements, each "
-            f"costing its fixed latency (about a millisecond on gloo) whatever its size: a model of N parameters "
-            f"makes about N / bucket size of them a micro batch (with offload also one host step per "
-            f"reduce_bucket_size / world elements); DeepSpeed's default is 500,000,000"] if small else []
+    inert = [] if gloo or node.allgather_bucket_size == ZeroConfig.allgather_bucket_size else [   # (its default)
+        f"note: stage.allgather_bucket_size={node.allgather_bucket_size} changes nothing on {resolved}: NCCL gathers "
+        "the partitions in one in-place call (the key bounds gloo's broadcasts only); drop it"]
+    return inert + ([f"note: {' and '.join(small)} (elements): one collective per bucket of that many elements, each "
+                     f"costing its fixed latency (about a millisecond on gloo) whatever its size: a model of N "
+                     f"parameters makes about N / bucket size of them a micro batch (with offload also one host step "
+                     f"per reduce_bucket_size / world elements); DeepSpeed's default is 500,000,000"] if small else [])
 
 
 def _zero1_notes(node: ZeroConfig, config) -> list[str]:

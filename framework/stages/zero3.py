@@ -5,6 +5,7 @@ from __future__ import annotations
 import linecache
 import operator
 import re
+import sys
 import traceback
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from framework.stages._gather import Gatherer
 from framework.stages._shards import ShardReads, ShardedParameter, Unit, UnitGroup, forward_of, read_hint, reader_of
 from framework.stages._grads import backward_or_reset
 from framework.stages._trace import check_orders, diverged, order_check_flags
-from framework.stages._units import DEFAULT_GATHER_UNIT, plan_units
+from framework.stages._units import DEFAULT_GATHER_UNIT, all_persistent_note, plan_units, reuse_notes
 from framework.offload.base import Placement
 from framework.stages.base import PartitionedStage, Setup
 from framework.core.footprint import Footprint
@@ -91,6 +92,9 @@ class Zero3Stage(PartitionedStage):
                                  self.watch)
         if persistent is not None:
             self.gatherer.gather_now(persistent)  # stays gathered
+            if not any(plan.named for plan in plans) and self.dist.is_main:   # (sizes only: no host sync)
+                print(all_persistent_note(persistent_named, self.cfg.stage3_param_persistence_threshold),
+                      file=sys.stderr, flush=True)
         self.gatherer.attach(module, [plan.modules for plan in plans])
         self.unit_modules = {plan.name: plan.modules for plan in plans}   # (for the error line below)
         # close() removes these; the state_dict refusal below stays (the parameters remain empty).
@@ -380,7 +384,7 @@ def check(node: Zero3Config, stage: str, nodes: Mapping[str, Any]) -> Zero3Confi
     return node
 
 
-COMPONENT = Component(config=Zero3Config, build=Zero3Stage, check=check)
+COMPONENT = Component(config=Zero3Config, build=Zero3Stage, check=check, notes=reuse_notes)
 
 
 def _empty_size_error(error: BaseException) -> bool:

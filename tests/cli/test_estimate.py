@@ -304,7 +304,7 @@ def test_nvme_prediction_puts_state_on_disk():
     base = ["model=gpt-mini", "+stage=zero3", "logger=none"]
     cpu = predict(compose([*base, "offload=cpu"]), 2)
     pred = predict(compose([*base, "offload=nvme", "offload.sub_group_size=1000000",
-                            "offload.param_buffer_size=100000"]), 2)
+                            f"offload.param_buffer_size={12 * 384 ** 2 // 2}"]), 2)   # (its floor: the largest shard)
     shard_elems = cpu.items["master_params"][1] // 4   # the host master of the cpu run: every shard element
     # master + Adam state + the swapped gradient, and the shards; every swapped tensor padded to the file's
     # 4 KiB blocks (under 64 tiles here: tests/dist/test_footprint.py checks the exact bytes)
@@ -555,6 +555,9 @@ def dataclasses_replace_vocab(cfg, vocab):
     (["model=gpt-mini", "data=tokens", "data.path=/nonexistent.bin", "data.vocab_size=null"],
      "data file '/nonexistent.bin' not found (looked at /nonexistent.bin); point data.path at an existing file, e.g. "
      "data.path=/abs/path/to/file; or set data.vocab_size=N"),
+    # a model.vocab_size the data's vocabulary overrides: training's refusal, not a prediction of a run it refuses
+    (["model=gpt-nano", "model.vocab_size=10"], "error: model.vocab_size=10 differs from the 64 token ids of the data, "
+     "which set the model's vocabulary; drop model.vocab_size"),
     # one sub_group_size for the NVMe rows and the per-rank prediction under them
     (["model=gpt-nano", "+stage=zero3", "offload=nvme", "sub_group_size=100000"],
      "estimate: sub_group_size=100000 with offload=nvme: the config's offload.sub_group_size sizes both the tables "

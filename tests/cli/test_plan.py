@@ -566,3 +566,11 @@ def test_the_summary_names_a_setup_that_does_not_fit_whole(capsys, monkeypatch):
     assert cli.main(["model=gpt-nano", "micro_batches=1,16", "stages=ddp,zero3", "ranks=1", "cpu_mem=40M"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"setups fit; e\.g\. not: \w+ [\w+]+ micro \d+ x accum \d+ ckpt (yes|no) \(", out), out
+
+
+def test_a_model_vocab_size_the_data_overrides_is_refused_as_training_refuses_it(capsys):
+    from framework.cli.plan import main
+    assert main(["model=gpt-nano", "model.vocab_size=10", "gpu_mem=80G"]) == 2
+    assert capsys.readouterr().err == ("error: model.vocab_size=10 differs from the 64 token ids of the data, which set "
+                                       "the model's vocabulary; drop model.vocab_size (set data.vocab_size where the "
+                                       "data source has it)\n")

@@ -302,6 +302,20 @@ def test_a_model_vocab_size_that_the_data_overrides_is_refused(tmp_path):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+def test_auto_cast_under_the_command_lines_token_data_is_noted(tmp_path, capfd):
+    """The built-in data sources give token ids, which precision.auto_cast never casts: said once at start-up."""
+    from framework.cli.launch import launch
+    from framework.loggers import RunInfo
+    from tests._helpers import tiny_config
+
+    for auto_cast in (True, False):
+        cfg = tiny_config("precision=fp16", f"precision.auto_cast={auto_cast}", "train.steps=1", "train.eval_batches=1",
+                          "logger=none")
+        launch(cfg, RunInfo(tmp_path / f"run{auto_cast}", None, None))
+        assert capfd.readouterr().err.count("note: precision.auto_cast=true changes nothing here: data=synthetic gives "
+                                            "the model integer token ids") == auto_cast
+
+
 @pytest.mark.parametrize("override,says", [
     ("offload.ratio=0.5", "config: offload.ratio is a key of offload=cpu, offload=nvme, not of offload=none (chosen); "
                           "choose such an option (offload=cpu offload.ratio=0.5) or drop offload.ratio"),
@@ -349,6 +363,8 @@ def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
     # the loop saves no checkpoint (compose accepts it: one's own loop may call ckpt.save)
     (["checkpoint.async=true"], "config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); set "
      "checkpoint.every=N or remove checkpoint.async"),
+    (["checkpoint.keep_last=5"], "config: checkpoint.keep_last=5 does nothing with checkpoint.every=0 (no saves, so "
+     "none are pruned); set checkpoint.every=N or remove checkpoint.keep_last"),
 ])
 def test_a_closed_choice_is_checked_before_the_run_folder(forkrun, tmp_path, overrides, says):
     p = forkrun.run("framework.train", [*overrides, "train.steps=2", f"hydra.run.dir={tmp_path / 'run'}"],

@@ -1254,3 +1254,13 @@ def test_json_nested_too_deeply_to_parse_is_one_line(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"optimizer": ' + '[' * 100_000 + ']' * 100_000 + '}')
     assert error_of(path) == f"ds_config: {path}: nested too deeply to parse; give a plain JSON object"
+
+
+def test_zero3s_inert_bucket_keys_each_say_their_own_reason():
+    """Under stage 3 allgather_bucket_size is about the parameters' gathers (each unit in one), reduce_bucket_size
+    about the gradients' reduction (each unit's in one): each key's note gives its own."""
+    inert = dsconfig.translate({"zero_optimization": {"stage": 3, "allgather_bucket_size": 5,
+                                                      "reduce_bucket_size": 5}}).inert
+    assert "zero_optimization.allgather_bucket_size (zero3 gathers each unit's parameters in one collective)" in inert
+    assert "zero_optimization.reduce_bucket_size (zero3 reduces each gather unit's gradients in one collective)" \
+        in inert, inert

@@ -29,11 +29,26 @@ def test_a_tiny_bucket_gets_one_note():
     said = "note: stage.reduce_bucket_size=20 and stage.allgather_bucket_size=999 (elements): one collective per bucket"
     assert len(cfg.notices) == 1 and cfg.notices[0].startswith(said), cfg.notices
     assert compose([f"+stage={stage}", "stage.reduce_bucket_size=1000"]).notices == ()
-    # NCCL gathers the parameters in one in-place call: allgather_bucket_size does nothing there, and is not noted
+    # NCCL gathers the parameters in one in-place call: an allgather_bucket_size of its own does nothing there, said
+    # so (not as a small bucket); at its default nothing is said
+    inert = ("note: stage.allgather_bucket_size=999 changes nothing on nccl: NCCL gathers the partitions in one "
+             "in-place call (the key bounds gloo's broadcasts only); drop it")
     said = compose([f"+stage={stage}", "dist.backend=nccl", "stage.reduce_bucket_size=20",
                     "stage.allgather_bucket_size=999"]).notices
-    assert len(said) == 1 and said[0].startswith("note: stage.reduce_bucket_size=20 (elements)"), said
-    assert compose([f"+stage={stage}", "dist.backend=nccl", "stage.allgather_bucket_size=999"]).notices == ()
+    assert len(said) == 2 and said[0] == inert and said[1].startswith("note: stage.reduce_bucket_size=20 (elements)")
+    assert compose([f"+stage={stage}", "dist.backend=nccl", "stage.allgather_bucket_size=999"]).notices == (inert,)
+    assert compose([f"+stage={stage}", "dist.backend=nccl"]).notices == ()
+
+
+def test_a_zero3_reuse_distance_below_the_prefetch_bucket_gets_one_note():
+    """A unit stays gathered while max(reuse distance, prefetch bucket - its size) elements come between its uses:
+    a reuse distance below the bucket changes little or nothing, said once; at or above it (the default), nothing."""
+    said = compose(["+stage=zero3", "stage.stage3_max_reuse_distance=0"]).notices
+    assert len(said) == 1 and said[0].startswith("note: stage.stage3_max_reuse_distance=0 is below "
+                                                 "stage.stage3_prefetch_bucket_size=50,000,000: a unit stays"), said
+    assert compose(["+stage=zero3"]).notices == ()
+    assert compose(["+stage=zero3", "stage.stage3_max_reuse_distance=0",
+                    "stage.stage3_prefetch_bucket_size=0"]).notices == ()
 
 
 def test_zero1_contiguous_gradients_false_is_refused():

@@ -341,12 +341,10 @@ def test_swap_file_from_another_layout_is_refused(tmp_path):
 
 
 def test_preflight_one_line_errors(tmp_path):
-    preflight(tmp_path, 1 << 20, 4000, 4096)   # fine
+    preflight(tmp_path, 1 << 20)   # fine
     cases = [
         (dict(path=tmp_path / "missing"), "does not exist"),
         (dict(total_bytes=1 << 60), "need 1073741824.00 GiB .* free"),
-        (dict(buffer_bytes=4000 // 2), r"offload.param_buffer_size=500 is smaller than the largest tile "
-                                       r"\(1000 elements\): set offload.param_buffer_size >= 1000"),
     ]
     if os.geteuid() != 0:
         locked = tmp_path / "locked"
@@ -355,13 +353,13 @@ def test_preflight_one_line_errors(tmp_path):
     elif os.path.isdir("/proc/self"):
         cases.append((dict(path="/proc/self"), "is not writable"))   # root may write anywhere else
     for change, words in cases:
-        args = dict(path=tmp_path, total_bytes=1 << 20, largest_tile_bytes=4000, buffer_bytes=4096)
+        args = dict(path=tmp_path, total_bytes=1 << 20)
         args.update(change)
         with pytest.raises(ConfigError, match=words) as info:
-            preflight(**args, itemsize=4)
+            preflight(**args)
         assert "\n" not in str(info.value)
     made = tmp_path / "run" / "nvme"
-    preflight(made, 1, 1, 1, create=True)
+    preflight(made, 1, create=True)
     assert made.is_dir() and stat.S_IMODE(os.stat(made).st_mode) == 0o700
 
 
@@ -377,7 +375,7 @@ def test_preflight_of_one_folder_by_several_ranks_at_once(tmp_path):
         def rank():
             start.wait()
             try:
-                preflight(folder, 1, 1, 1, create=True)
+                preflight(folder, 1, create=True)
             except ConfigError as e:
                 errors.append(str(e))
         threads = [threading.Thread(target=rank) for _ in range(4)]
@@ -565,7 +563,7 @@ def small_fs(tmp_path):
 
 def test_a_full_file_system_fails_at_preflight_and_creation(small_fs):
     with pytest.raises(ConfigError, match=r"need 2.00 MiB \(2097152 bytes\) but its file system has 1.00 MiB"):
-        preflight(small_fs, 2 << 20, 1, 1)
+        preflight(small_fs, 2 << 20)
     with pytest.raises(SwapIOError, match="cannot reserve 2097152 bytes .*No space left on device"):
         _swap(small_fs, {"a": 1 << 19}, torch.float32)
     assert os.listdir(small_fs) == []

@@ -1647,3 +1647,17 @@ def test_parameters_beyond_the_hosts_memory_are_refused_before_they_are_allocate
             r"the weights alone, more than this host's")
     with pytest.raises(framework.ConfigError, match=said):
         framework.initialize(huge, lambda m, b: m(b).sum(), framework.compose([]), connect("gloo"))
+
+
+def test_zero3_says_once_when_every_parameter_stays_gathered(capsys):
+    """Every trainable parameter below stage3_param_persistence_threshold: no unit gathers anything and the gather
+    keys change nothing, said once at start-up; with one parameter at the threshold there is a unit (no note)."""
+    loss = lambda m, mb: m(mb[0]).sum()   # noqa: E731
+    for threshold, noted in ((100_000, True), (6, False)):
+        cfg = framework.compose(["+stage=zero3", f"stage.stage3_param_persistence_threshold={threshold}"])
+        with framework.initialize(torch.nn.Linear(3, 2), loss, cfg):
+            pass
+        err = capsys.readouterr().err
+        assert err.count("note: zero3: every trainable parameter stays gathered (the largest has 6 elements, "
+                         "stage.stage3_param_persistence_threshold=100,000): each rank holds the whole model") \
+            == noted, err

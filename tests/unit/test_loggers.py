@@ -445,6 +445,22 @@ def test_logger_mode_comes_before_wandb_mode(monkeypatch):
     compose(["logger=wandb", "logger.mode=offline"])   # WANDB_MODE is not read
 
 
+def test_wandb_keys_of_its_own_under_mode_disabled_are_noted(monkeypatch, tmp_path):
+    """W&B's mode disabled records nothing: a project, entity or tags of its own are said to change nothing (from
+    logger.mode or WANDB_MODE); the defaults, or another mode, say nothing."""
+    _no_wandb_credentials(monkeypatch, tmp_path)
+    says = ("note: logger.project and logger.tags change nothing with logger.mode=disabled (W&B records nothing); drop "
+            "them, or use logger.mode=offline to keep a W&B run in the run folder")
+    assert says in compose(["logger=wandb", "logger.mode=disabled", "logger.project=foo", "logger.tags=[a]"]).notices
+    assert not [n for n in compose(["logger=wandb", "logger.mode=disabled"]).notices if "logger." in n]
+    offline = compose(["logger=wandb", "logger.mode=offline", "logger.entity=e"]).notices
+    assert not [n for n in offline if "logger." in n]
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert "note: logger.entity changes nothing with WANDB_MODE=disabled (W&B records nothing); drop it, or use " \
+           "logger.mode=offline to keep a W&B run in the run folder" in \
+        compose(["logger=wandb", "logger.entity=e"]).notices
+
+
 def _no_wandb_credentials(monkeypatch, tmp_path):
     """No W&B key anywhere W&B looks (environment, .netrc, its settings files), and a server address
     that refuses at once: nothing here may reach the network."""

@@ -161,8 +161,9 @@ def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
             tr.inert_key(Z + key, "zero1's gradients always accumulate in one contiguous flat buffer")
         elif target is not None:
             tr.set(f"stage.{target}", value, Z + key, rule=rule)
-        else:
-            tr.inert_key(Z + key, why)
+        else:   # (zero3's allgather_bucket_size is about the parameters' gathers, not the gradients')
+            tr.inert_key(Z + key, "zero3 gathers each unit's parameters in one collective"
+                         if zero3 and key == "allgather_bucket_size" else why)
             if value == AUTO and rule:  # resolved like any other, though nothing reads it
                 tr.set(f"_inert.{key}", value, Z + key, rule=rule)
 
