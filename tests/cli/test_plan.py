@@ -571,6 +571,6 @@ def test_the_summary_names_a_setup_that_does_not_fit_whole(capsys, monkeypatch):
 def test_a_model_vocab_size_the_data_overrides_is_refused_as_training_refuses_it(capsys):
     from framework.cli.plan import main
     assert main(["model=gpt-nano", "model.vocab_size=10", "gpu_mem=80G"]) == 2
-    assert capsys.readouterr().err == ("error: model.vocab_size=10 differs from the 64 token ids of the data, which set "
-                                       "the model's vocabulary; drop model.vocab_size (set data.vocab_size where the "
+    assert capsys.readouterr().err == ("error: model.vocab_size=10 differs from the 64 token ids of the data, which "
+                                       "set the model's vocabulary; drop model.vocab_size (set data.vocab_size where the "
                                        "data source has it)\n")
