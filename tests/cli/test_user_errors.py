@@ -217,7 +217,7 @@ def test_recipe_prepare_reads_data_path_as_train_does(tmp_path, capsys, monkeypa
 
     src = tmp_path / "sp ace ü" / "in.txt"
     src.parent.mkdir()
-    src.write_text("to be or not to be\n" * 20)
+    src.write_text("to be or not to be\n" * 40)   # (each split longer than the recipe's context)
     out = tmp_path / "tok.bin"
     assert recipe.main(["shakespeare_char_cpu", "prepare", f"data.path='{src}'", "--out", str(out)]) == 0, \
         capsys.readouterr().err
