@@ -327,6 +327,15 @@ def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
     assert str(e.value) == says
 
 
+def test_a_null_for_a_key_of_another_option_suggests_one_that_takes_null():
+    """data=synthetic's vocab_size takes no null, data=tokens's does: the command suggested runs."""
+    from framework.config import compose
+
+    with pytest.raises(framework.ConfigError) as e:
+        compose(["data=text", "data.vocab_size=null", "data.path=a.txt"])
+    assert str(e.value).endswith("choose such an option (data=tokens data.vocab_size=null) or drop data.vocab_size")
+
+
 @pytest.mark.parametrize("overrides,says", [
     (["dist.backend=ncl"], "config: dist.backend must be auto, gloo or nccl, got 'ncl' (did you mean 'nccl'?)"),
     (["scheduler=warmup_decay_lr", "scheduler.warmup_type=lienar"],
