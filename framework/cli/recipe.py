@@ -166,9 +166,10 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
     if rest := [o for o in overrides if override_key(o) != "data.path" or o.startswith("~") or not o.partition("=")[2]]:
         raise RecipeError(f"prepare takes only data.path=FILE (the text to encode), got {' '.join(rest)}")
     source = _source(overrides[-1]) if overrides else spec.get("source")
-    out = Path(user_path(str(out if out is not None
-                             else compose_jobs(recipe, list(recipe.spec["runs"][0]))[0].data.path)))
-    meta = prepare_chars(source, out)
+    # The run it trains: its file and the context each split must exceed (without Hydra, given --out: unchecked).
+    job = compose_jobs(recipe, list(recipe.spec["runs"][0]))[0] if out is None or have_hydra() else None
+    out = Path(user_path(str(out if out is not None else job.data.path)))
+    meta = prepare_chars(source, out, context=job.model.context if job is not None else None)
     want = recipe.expected.get("data") or {}
     print(f"wrote {out} ({meta['train_tokens'] + meta['val_tokens']:,} tokens, vocab {meta['vocab_size']}: "
           f"train {meta['train_tokens']:,} / val {meta['val_tokens']:,}) and {meta_path(out)}")

@@ -54,6 +54,9 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
         if key not in fields:
             owners = [] if option is None else [n for n in registry(group).names() if n != option and key in
                                                 {f.name for f in dataclasses.fields(registry(group).get(n).config)}]
+            if owners and value is None:   # (the suggestion first where the key takes a null)
+                owners.sort(key=lambda n: type(None) not in typing.get_args(
+                    typing.get_type_hints(registry(group).get(n).config).get(key)))
             if owners:
                 spelled = str(value).lower() if isinstance(value, bool) else "null" if value is None else value
                 choose = plainconf.choice_override(group, owners[0])

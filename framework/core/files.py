@@ -25,7 +25,7 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -79,13 +79,15 @@ def create_new(path: os.PathLike | str, *, dir_fd: int | None = None, shared: bo
     return fd
 
 
-def write_new(path: os.PathLike | str, data: bytes, *, dir_fd: int | None = None, shared: bool = False,
-              durable: bool = True) -> None:
+def write_new(path: os.PathLike | str, data: bytes | Iterable[bytes], *, dir_fd: int | None = None,
+              shared: bool = False, durable: bool = True) -> None:
+    """``data``: the bytes, or chunks of them (a file larger than memory)."""
     fd = create_new(path, dir_fd=dir_fd, shared=shared)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view):]
         if durable:
             os.fsync(fd)
     finally:
@@ -131,7 +133,7 @@ def _stale_temp(entry: str, name: str) -> bool:
     return False
 
 
-def write_atomic(path: os.PathLike | str, data: bytes, *, shared: bool = False, durable: bool = True,
+def write_atomic(path: os.PathLike | str, data: bytes | Iterable[bytes], *, shared: bool = False, durable: bool = True,
                  sweep: bool = True) -> None:
     """A reader sees the old file or the new one, never a part: ``temp_name`` written and fsynced, renamed
     over it through one descriptor of the folder, and the folder fsynced (the rename survives a crash).
@@ -153,6 +155,10 @@ def write_atomic(path: os.PathLike | str, data: bytes, *, shared: bool = False, 
             write_new(tmp, data, dir_fd=dfd, shared=shared, durable=durable)
         except UnsafePathError:
             raise _refused(path.parent / tmp) from None
+        except BaseException:   # (a full disk, chunks that failed): no partial temporary left behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
         try:
             os.rename(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except OSError:   # e.g. a folder under that name: no full-size temporary left behind

@@ -63,12 +63,16 @@ class Component:
     ``check(node, stage, nodes)`` validates the node against the chosen stage and the other groups' nodes
     (``nodes``: group -> node, read-only), one line per error, and returns it with ``auto`` values resolved;
     ``notes(node, config)`` returns the notices its values call for (``config``: the run's checked
-    ``framework.config.Config``, every group's node resolved, e.g. ``config.train.steps``). So the configuration layer imports no component."""
+    ``framework.config.Config``, every group's node resolved, e.g. ``config.train.steps``). So the configuration
+    layer imports no component.
+    ``vocab(node, seed=, context=)``: a data source's ``vocab_size`` without building it, where building costs
+    more than learning it (the memory tools need only the vocabulary)."""
 
     config: type
     build: Callable[..., Any]
     check: Callable[[Any, str, Mapping[str, Any]], Any] | None = field(default=None, kw_only=True)
     notes: Callable[[Any, Any], list[str]] | None = field(default=None, kw_only=True)
+    vocab: Callable[..., int] | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,18 @@ def resolve_path(path: str) -> Path:
                     "point data.path at an existing file, e.g. data.path=/abs/path/to/file")
 
 
+def check_splits(name: str, lengths: dict[str, int], context: int, val_fraction: float | None = None) -> None:
+    """Refuse a split (name -> its tokens) too short for one crop of ``context + 1``; ``val_fraction``:
+    ``data.val_fraction``, where the config sets the split."""
+    for split, n in lengths.items():
+        if n < context + 1:
+            fix = "more data or a shorter model.context" if val_fraction is None else \
+                f"more data, a shorter model.context or a {'larger' if split == 'val' else 'smaller'} " \
+                f"data.val_fraction (now {val_fraction})"
+            raise DataError(f"{name}: the {split} split has {n} tokens, fewer than "
+                            f"context + 1 = {context + 1}; use {fix}")
+
+
 class DataSource:
     """Batches of a source whose ``_draw(split, n, gen, rows)`` returns the ``rows`` of ``n`` sequences of
     ``context + 1`` tokens drawn from ``gen``; ``describe()`` is what the run's summary says of it."""
@@ -115,14 +127,7 @@ class CropSource(DataSource):
                  context: int, kind: str, path: Path, identity: dict, val_fraction: float | None = None) -> None:
         """``identity``: ``identity()``'s vocab and content stamp; ``val_fraction``: ``data.val_fraction``, where the
         config sets the split (named when a split is too short)."""
-        name = f"{kind} {path}"
-        for split, arr in (("train", train), ("val", val)):
-            if len(arr) < context + 1:
-                fix = "more data or a shorter context" if val_fraction is None else \
-                    f"more data, a shorter context or a {'larger' if split == 'val' else 'smaller'} " \
-                    f"data.val_fraction (now {val_fraction})"
-                raise DataError(f"{name}: the {split} split has {len(arr)} tokens, fewer than "
-                                f"context + 1 = {context + 1}; use {fix}")
+        check_splits(f"{kind} {path}", {"train": len(train), "val": len(val)}, context, val_fraction)
         self.train, self.val = train, val
         self.vocab_size, self.seed, self.context = vocab_size, seed, context
         self.kind, self.path = kind, path

@@ -232,7 +232,10 @@ def data_vocab(cfg, context: int | None = None) -> int:
     built at ``context`` (default the model's); where the data cannot be built here, its config's ``vocab_size``
     when that states one, else refused."""
     try:
-        return component(cfg, "data").build(cfg.data, seed=cfg.seed, context=context or cfg.model.context).vocab_size
+        data, context = component(cfg, "data"), context or cfg.model.context
+        if data.vocab is not None:   # (e.g. text: its characters, not the whole file encoded)
+            return data.vocab(cfg.data, seed=cfg.seed, context=context)
+        return data.build(cfg.data, seed=cfg.seed, context=context).vocab_size
     except FrameworkError as e:   # e.g. a data file that is not here
         if (stated := getattr(cfg.data, "vocab_size", None)) is not None:
             return stated

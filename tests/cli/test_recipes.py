@@ -210,7 +210,7 @@ def test_prepare_chars(shakespeare_tokens):
 def test_prepare_writes_only_a_new_file_or_its_own_earlier_output(tmp_path, capsys):
     """The source text, a folder or another file as the output: one line, exit 2, nothing touched."""
     src = tmp_path / "in.txt"
-    src.write_text("to be or not to be\n" * 20)
+    src.write_text("to be or not to be\n" * 40)   # (each split longer than the recipe's context)
     other = tmp_path / "other.bin"
     other.write_bytes(b"keep")
     (tmp_path / "outd").mkdir()
@@ -227,7 +227,7 @@ def test_prepare_writes_only_a_new_file_or_its_own_earlier_output(tmp_path, caps
         assert prepare(out) == 2
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, err
-    assert src.read_text() == "to be or not to be\n" * 20 and other.read_bytes() == b"keep"
+    assert src.read_text() == "to be or not to be\n" * 40 and other.read_bytes() == b"keep"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "other.bin", "outd"]
     assert not list((tmp_path / "outd").iterdir())
     assert prepare(tmp_path / "tok.bin") == 0 and prepare(tmp_path / "tok.bin") == 0   # its own output: rewritten

@@ -217,7 +217,7 @@ def test_recipe_prepare_reads_data_path_as_train_does(tmp_path, capsys, monkeypa
 
     src = tmp_path / "sp ace ü" / "in.txt"
     src.parent.mkdir()
-    src.write_text("to be or not to be\n" * 20)
+    src.write_text("to be or not to be\n" * 40)   # (each split longer than the recipe's context)
     out = tmp_path / "tok.bin"
     assert recipe.main(["shakespeare_char_cpu", "prepare", f"data.path='{src}'", "--out", str(out)]) == 0, \
         capsys.readouterr().err
@@ -339,6 +339,15 @@ def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
     with pytest.raises(framework.ConfigError) as e:
         validate(*plain_composer(overrides))
     assert str(e.value) == says
+
+
+def test_a_null_for_a_key_of_another_option_suggests_one_that_takes_null():
+    """data=synthetic's vocab_size takes no null, data=tokens's does: the command suggested runs."""
+    from framework.config import compose
+
+    with pytest.raises(framework.ConfigError) as e:
+        compose(["data=text", "data.vocab_size=null", "data.path=a.txt"])
+    assert str(e.value).endswith("choose such an option (data=tokens data.vocab_size=null) or drop data.vocab_size")
 
 
 @pytest.mark.parametrize("overrides,says", [

@@ -295,7 +295,7 @@ def test_tokens_out_of_vocab_and_bad_files(token_file, tmp_path, monkeypatch):
     with pytest.raises(DataError) as e:
         tokens.TokensSource(tokens.TokensConfig(path=str(short), vocab_size=100), seed=0, context=8)
     assert str(e.value) == f"tokens {short}: the val split has 2 tokens, fewer than context + 1 = 9; use more data, " \
-                           "a shorter context or a larger data.val_fraction (now 0.1)"
+                           "a shorter model.context or a larger data.val_fraction (now 0.1)"
     with pytest.raises(DataError, match=r"the train split has 1 tokens, .* or a smaller data.val_fraction \(now 0.9\)$"):
         tokens.TokensSource(tokens.TokensConfig(path=str(short), vocab_size=100, val_fraction=0.9), seed=0, context=8)
     # A file prepare wrote and recorded is not read for it (every rank of every job builds the source).
