@@ -30,13 +30,17 @@ from framework.stages.sharded import ShardedStage, Zero2Stage
 
 class _LiveBytes(TorchDispatchMode):
     """Bytes of tensor storages alive during a traced pass, and their peak: each op output's storage is
-    counted when it appears and uncounted when freed (a weak reference), following autograd's lifetimes."""
+    counted when it appears and uncounted when freed (a weak reference), following autograd's lifetimes.
+    ``peak_kept``: the peak had the storages marked by ``drop`` (parameter gradients dropped once accumulated)
+    lived to the end instead, as they do where nothing drops them: the same ops run either way, so at each
+    output that pass holds exactly the bytes of this one plus those of the marked storages freed so far."""
 
     def __init__(self, preexisting: list[torch.Tensor]):
         super().__init__()
-        self.live = self.peak = 0
+        self.live = self.peak = self.dropped = self.peak_kept = 0
         self._keep = [t.untyped_storage() for t in preexisting]   # parameters and inputs: not counted
         self.refs: dict[int, object] = {id(st): None for st in self._keep}
+        self._marked: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -45,12 +49,21 @@ class _LiveBytes(TorchDispatchMode):
                 key, n = id(st), st.nbytes()
                 self.live += n
                 self.peak = max(self.peak, self.live)
+                self.peak_kept = max(self.peak_kept, self.live + self.dropped)
                 self.refs[key] = weakref.ref(st, lambda _r, key=key, n=n: self._free(key, n))
         return out
+
+    def drop(self, t: torch.Tensor) -> None:
+        """Mark ``t``'s storage (when counted) as one the kept pass holds to the end."""
+        if self.refs.get(key := id(t.untyped_storage())) is not None:
+            self._marked.add(key)
 
     def _free(self, key: int, n: int) -> None:
         self.live -= n
         self.refs.pop(key, None)
+        if key in self._marked:
+            self._marked.discard(key)
+            self.dropped += n
 
 
 class _FusedAttentionKernel(torch.autograd.Function):
@@ -97,19 +110,25 @@ class _FusedAttention(TorchFunctionMode):
 class ActivationTrace:
     saved: int      # bytes alive at the end of forward (what autograd keeps for backward, the loss path)
     peak: int       # peak bytes during forward + backward, parameter gradients excluded
+    peak_kept: int = 0   # the peak with every parameter gradient held from its accumulation to the end
 
 
 def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = False,
                       attention: str = "math") -> ActivationTrace:
     """Live bytes of ``loss_fn(module, batch)`` and its backward on the meta device. Parameter gradients are
     dropped once accumulated (the stages count them), unless ``keep_grads`` (zero2 when one bucket holds a
-    whole group). ``attention``: "math", the math path everywhere, or "cpu" / "cuda", as that device's fused
+    whole group): ``peak`` is the one asked for, ``peak_kept`` the one with them kept (one pass gives both,
+    ``_LiveBytes``). ``attention``: "math", the math path everywhere, or "cpu" / "cuda", as that device's fused
     kernels hold it where they run (``_FusedAttention``)."""
     params = list(module.parameters())
-    handles = [] if keep_grads else [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-                                     for p in params if p.requires_grad]
     inputs = tensors_in(batch)
     mode = _LiveBytes(params + list(module.buffers()) + inputs)
+
+    def drop(p: torch.Tensor) -> None:
+        mode.drop(p.grad)
+        p.grad = None
+
+    handles = [p.register_post_accumulate_grad_hook(drop) for p in params if p.requires_grad]
     fused = _FusedAttention(attention) if attention != "math" else contextlib.nullcontext()
     try:
         with mode, fused:
@@ -129,7 +148,7 @@ def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = Fals
             h.remove()
         for p in params:
             p.grad = None
-    return ActivationTrace(saved, mode.peak)
+    return ActivationTrace(saved, mode.peak_kept if keep_grads else mode.peak, mode.peak_kept)
 
 
 # --- per-rank prediction for one of our configs --------------------------------------------
@@ -350,7 +369,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         batch = to_device(batch, torch.device("meta"))
         shown = fed = "batch " + ", ".join(f"{list(t.shape)} {dtype_name(t.dtype)}" for t in tensors_in(batch))
     ckpt = bool(getattr(cfg.model, "activation_checkpointing", False))
-    key = (tuple((t.shape, t.dtype) for t in tensors_in(batch)), ckpt, keep_grads, policy.param_dtype)
+    # (not keep_grads: one trace gives the peaks with and without the gradients kept)
+    key = (tuple((t.shape, t.dtype) for t in tensors_in(batch)), ckpt, policy.param_dtype)
     traces = {} if traces is None else traces
 
     def traced(attention: str) -> ActivationTrace:
@@ -362,7 +382,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             # (CheckpointError).
             try:
                 traces[k] = traced("math") if attention != "math" and ckpt else trace_activations(
-                    module, loss_fn, batch, keep_grads=keep_grads, attention=attention)
+                    module, loss_fn, batch, attention=attention)
             except CheckpointError:
                 traces[k] = traced("math")
             except FrameworkError:
@@ -376,8 +396,9 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         return traces[k]
 
     # The host's attention as the CPU runs it: its flash kernel, or the math path for a call with dropout.
-    tr = traced(device or "cpu")
-    fused = traced("cuda") if device != "cpu" else None
+    tr, fused = traced(device or "cpu"), traced("cuda") if device != "cpu" else None
+    if keep_grads:
+        tr, fused = (replace(t, peak=t.peak_kept) if t else None for t in (tr, fused))
     pred.transient["activations"] = tr.peak
     if ckpt and pred.host_slack_fraction:   # (none under offload=nvme, whose heap returns large blocks)
         pred.recompute_slack_fraction = RECOMPUTE_SLACK_FRACTION

@@ -244,6 +244,7 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
     rank_base = process + (CUDA_HOST_BYTES if cuda and hw.device.type != "cuda" else 0)
     launcher = process + TRACKER_BYTES if hw.ranks > 1 else 0
     traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
+    modules: dict = {}   # meta models by model config and working dtype
     out = []
     cands = candidates(cfg, hw, own)
     composed = compose_setups(base, cands) if composed is None else composed   # one compose per stage and offload
@@ -254,8 +255,14 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
             continue
         ccfg = replace(c, train=replace(c.train, micro_batch=cand.micro_batch, grad_accum=cand.grad_accum),
                        model=replace(c.model, activation_checkpointing=cand.checkpointing))
-        with torch.device("meta"):
-            module = component(ccfg, "model").build(ccfg.model, vocab_size=vocab)
+        dtype = component(ccfg, "precision").build(ccfg.precision).param_dtype
+        if (module := modules.get((ccfg.model, dtype))) is None:
+            with torch.device("meta"):
+                module = component(ccfg, "model").build(ccfg.model, vocab_size=vocab)
+            # Shared by the candidates of this model config only where predict's cast to the working dtype
+            # changes nothing: each then reads it as built.
+            if all(t.dtype == dtype for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()):
+                modules[(ccfg.model, dtype)] = module
         pred = predict(ccfg, hw.ranks, module=module, traces=traces, device="cuda" if cuda else "cpu")
         # On a CPU-only machine the host is the device: a rank's peak is all of its process.
         rank_held = rank_base + (probe.get("checkpointing_rss_bytes", 0) if cand.checkpointing else 0)

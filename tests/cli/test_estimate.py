@@ -741,3 +741,29 @@ def test_dist_nproc_alone_sizes_the_tables(capsys):
                                                   zero2_rows(out["params"], 4, 1, 1.5)]))
     assert main(["model=gpt-nano", "dist.nproc=4"]) == 0
     assert "for 1 node x 4 GPUs per node" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_one_trace_gives_the_peak_with_the_gradients_kept(ckpt):
+    """The peak with every parameter gradient kept, read from the pass that drops them, is the peak of a pass
+    that keeps them (no hook); the planner traces each micro batch once for both (zero2 keeps, ddp drops)."""
+    from framework.engine.build import component
+    from framework.memory.model import _LiveBytes, trace_activations
+
+    cfg = compose(["model=gpt-nano", f"model.activation_checkpointing={str(ckpt).lower()}"])
+    model = component(cfg, "model")
+    with torch.device("meta"):
+        module = model.build(cfg.model, vocab_size=64).train()
+    x = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    mode = _LiveBytes([*module.parameters(), *module.buffers(), x])
+    with mode:   # gradients kept, as the stages that hold them to the end of backward
+        model.loss(module, (x, x)).backward()
+    module.zero_grad(set_to_none=True)
+    traced = trace_activations(module, model.loss, (x, x))
+    assert traced.peak_kept == mode.peak > traced.peak == trace_activations(module, model.loss, (x, x),
+                                                                             keep_grads=False).peak
+    assert trace_activations(module, model.loss, (x, x), keep_grads=True).peak == mode.peak
+    traces = {}
+    kept, dropped = (predict(compose(["model=gpt-nano", f"+stage={s}", "train.micro_batch=2"]), 2, traces=traces,
+                             device="cpu") for s in ("zero2", "ddp"))
+    assert len(traces) == 1 and kept.transient["activations"] > dropped.transient["activations"], traces

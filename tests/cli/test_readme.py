@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 import time
 from collections import Counter
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from framework.core.paths import cache_dir
+from framework.ops._loader import cache_root
 from tests._helpers import shakespeare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,14 +148,22 @@ def clone(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(900)
-def test_every_documented_command_runs(clone, forkrun):
+def test_every_documented_command_runs(clone, forkrun, tmp_path):
     cmds = commands()
     assert len(cmds) > 40, len(cmds)
     skipped = {k: False for k in SKIP}
     covered = {k: False for k in COVERED}
     runs: list[list[str]] = []   # the word lists of the lines run so far
     failures, ran, started = [], 0, 0
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    # The runs write into a temporary cache, not this user's: plan's bandwidth probe (a copy of those measured
+    # here, so none is measured again: about a minute on a loaded 2-core machine); the kernels are read where
+    # they are built.
+    cache, probes = tmp_path / "cache", {f.name: f.stat().st_mtime_ns for f in cache_dir().glob("probe-*.json")}
+    (cache / "framework").mkdir(parents=True)
+    for name in probes:
+        shutil.copy2(cache_dir() / name, cache / "framework")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(cache),
+           "FRAMEWORK_OPS_CACHE": str(cache_root())}
     before, here = Counter(), Counter()   # lines of the earlier documents, of this one so far
     trained = Counter()   # train lines run so far: a line's rerun resumes its folder, so it gets one step more
     for i, (doc, line) in enumerate(cmds):
@@ -210,6 +221,8 @@ def test_every_documented_command_runs(clone, forkrun):
         if p.returncode != 0:
             failures.append(f"{doc}: {line}\n  -> rc {p.returncode}: {p.stderr[-1500:]}")
     assert not failures, "\n".join(failures)
+    assert {f.name: f.stat().st_mtime_ns for f in cache_dir().glob("probe-*.json")} == probes, \
+        "a documented command wrote this user's cache"
     assert all(skipped.values()), f"SKIP entries no document holds any more: {skipped}"
     assert all(covered.values()), f"COVERED entries no document holds any more: {covered}"
     for path, test, case in COVERED.values():
