@@ -6,7 +6,9 @@ import copy
 import dataclasses
 import functools
 import gc
+import os
 import threading
+import time
 import weakref
 from dataclasses import replace
 
@@ -375,6 +377,41 @@ def test_a_dropped_engine_is_freed_at_once_and_its_module_can_be_initialized_aga
     finally:
         if was:
             gc.enable()
+
+
+def _io_threads_and_swap_files(folder) -> tuple[list, list, list]:
+    fds = []
+    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        with contextlib.suppress(OSError):   # (the listing's own descriptor is gone)
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return ([t for t in threading.enumerate() if t.name.startswith("framework-aio-")],
+            sorted(folder.rglob("*.swap")), [path for path in fds if path.startswith(str(folder))])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("close", [False, True])
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_a_collected_nvme_engine_stops_its_io_threads_and_removes_its_swap_files(stage, close, tmp_path):
+    """An engine dropped unclosed lets go of what close() would once collected: its IO threads end, its swap
+    files and their descriptors go (a notebook or a sweep that forgets close() does not pile them up)."""
+    threads, _, _ = _io_threads_and_swap_files(tmp_path)
+    cfg = tiny_config("train.micro_batch=2", f"+stage={stage}", "offload=nvme", f"offload.nvme_path={tmp_path}/swap")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg)
+    engine.train_step(engine.state, _batch(data, engine.state))
+    running, files, fds = _io_threads_and_swap_files(tmp_path)
+    running = [t for t in running if t not in threads]
+    assert running and files and fds
+    if close:
+        engine.close()
+    gone = weakref.ref(engine)
+    del engine, module
+    gc.collect()
+    assert gone() is None
+    deadline = time.monotonic() + 10
+    for t in running:   # (a collected engine's threads finish what was queued, then end)
+        t.join(max(deadline - time.monotonic(), 0))
+    assert _io_threads_and_swap_files(tmp_path) == (threads, [], [])
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
