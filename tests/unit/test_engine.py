@@ -414,6 +414,29 @@ def test_a_collected_nvme_engine_stops_its_io_threads_and_removes_its_swap_files
     assert _io_threads_and_swap_files(tmp_path) == (threads, [], [])
 
 
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_load_state_dict_across_a_frozen_trainable_switch_names_the_switch_and_the_way_on(stage):
+    """Not "missing" or "unexpected", nor a cut-off list: which parameters changed and how to go on."""
+    cfg = tiny_config("train.micro_batch=2", f"+stage={stage}")
+
+    def engine_with(frozen: str):
+        module, data = build_gpt(cfg)
+        module.get_submodule(frozen).requires_grad_(False)
+        return framework.initialize(module, gpt_loss, cfg), data
+
+    engine, data = engine_with("blocks.0.mlp.fc")
+    with engine:
+        state, _ = engine.train_step(engine.state, _batch(data, engine.state))
+        saved = engine.state_dict(state)
+    way = (r"; set their requires_grad as when saved to load it \(then framework\.save_weights\(engine, DIR\) keeps its "
+           r"weights alone, which framework\.load_weights\(engine, DIR\) loads into any choice of trainable parameters\)$")
+    with engine_with("blocks.1.mlp.fc")[0] as other:
+        with pytest.raises(framework.FrameworkError, match=r"^load_state_dict: parameters 'blocks\.0\.mlp\.fc\.weight' "
+                           r"were frozen \(requires_grad=False\) when saved but are trainable in this run; "
+                           r"'blocks\.1\.mlp\.fc\.weight' were trainable when saved but are frozen in this run" + way):
+            other.load_state_dict(other.state, [saved])
+
+
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_after_close_the_state_is_saved_from_host_memory_and_refused_in_one_line_from_swap_files(offload, tmp_path):
     cfg = tiny_config("train.micro_batch=2", "+stage=zero2", f"offload={offload}",
