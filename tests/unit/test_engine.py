@@ -1301,6 +1301,18 @@ def _assert_scripted_trains_as_plain(net, cfg, width):
     assert plain == scripted and all(torch.equal(plain_sd[k], scripted_sd[k]) for k in plain_sd)
 
 
+def test_a_tied_weight_frozen_by_its_second_name_is_reported_with_both_names():
+    """named_parameters() lists a tied weight under its first name only: the one the user touched is named too."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    module[1].weight = module[0].weight
+    loss = lambda m, mb: m(mb).square().mean()   # noqa: E731
+    with framework.initialize(module, loss, tiny_config("+stage=zero2")) as engine:
+        module[1].weight.requires_grad_(False)
+        with pytest.raises(framework.TrainingError, match=r"^train_step: requires_grad of 1 parameter changed after "
+                                                          r"initialize: 1 frozen \(0\.weight \(tied: 1\.weight\)\); "):
+            engine.train_step(engine.state, framework.Batch((torch.randn(2, 4),)))
+
+
 @pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])
 def test_a_requires_grad_changed_after_initialize_is_refused_before_the_step_changes_anything(stage, tmp_path):
     """The stage lays out the trainable set once: a layer frozen later was still stepped (its zero gradient,
