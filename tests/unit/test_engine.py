@@ -428,8 +428,9 @@ def test_load_state_dict_across_a_frozen_trainable_switch_names_the_switch_and_t
     with engine:
         state, _ = engine.train_step(engine.state, _batch(data, engine.state))
         saved = engine.state_dict(state)
-    way = (r"; set their requires_grad as when saved to load it \(then framework\.save_weights\(engine, DIR\) keeps its "
-           r"weights alone, which framework\.load_weights\(engine, DIR\) loads into any choice of trainable parameters\)$")
+    way = (r"; set their requires_grad as when saved to load it \(then framework\.save_weights\(engine, DIR\) keeps "
+           r"its weights alone, which framework\.load_weights\(engine, DIR\) loads into any choice of trainable "
+           r"parameters\)$")
     with engine_with("blocks.1.mlp.fc")[0] as other:
         with pytest.raises(framework.FrameworkError, match=r"^load_state_dict: parameters 'blocks\.0\.mlp\.fc\.weight' "
                            r"were frozen \(requires_grad=False\) when saved but are trainable in this run; "

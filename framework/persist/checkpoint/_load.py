@@ -436,9 +436,9 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
 def _same_trainable(folder: Path, trainable: list[str], saved: dict, keys, whole: dict, way: str) -> None:
     """ConfigError naming the parameters frozen when saved and trainable now, or the reverse, not "missing"."""
     if switched := trainable_switch(trainable, saved, keys, whole):
-        raise ConfigError(f"checkpoint {folder}: parameters {switched}; set their requires_grad as when saved to resume "
-                          f"from it, or start afresh from its weights alone (python -m framework.export {folder} "
-                          f"--to DIR, then framework.load_weights(engine, DIR); {way})")
+        raise ConfigError(f"checkpoint {folder}: parameters {switched}; set their requires_grad as when saved to "
+                          f"resume from it, or start afresh from its weights alone (python -m framework.export "
+                          f"{folder} --to DIR, then framework.load_weights(engine, DIR); {way})")
 
 
 def _same_names(folder: Path, mine, saved, way: str, what: str = "") -> None:
