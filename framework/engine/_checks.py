@@ -36,6 +36,22 @@ def owner(param: nn.Parameter) -> _Engine | None:
     return engine if engine is not None and not engine.closed else None
 
 
+def requires_grad_changed(what: str, module: nn.Module, changed: list[tuple[str, bool]]) -> TrainingError:
+    """``changed``: (name, requires_grad at build) of each parameter whose flag differs now. A tied weight is named
+    with its other names (one frozen by its second name is listed under its first): ``a.weight (tied: b.weight)``."""
+    ids: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        ids.setdefault(id(p), []).append(name)
+    ties = {n: [o for o in names if o != n] for names in ids.values() for n in names}
+    parts = [f"{len(ns)} {kind} ({few(ns, 3, lambda n: f'{n} (tied: {few(ties[n], 3, str)})' if ties.get(n) else n)})"
+             for kind, ns in (("frozen", [n for n, was in changed if was]),
+                              ("unfrozen", [n for n, was in changed if not was])) if ns]
+    return TrainingError(f"{what}: requires_grad of {counted(len(changed), 'parameter')} "
+                         f"changed after initialize: {' and '.join(parts)}; the engine trains the parameters "
+                         f"that required grad when it was built: set requires_grad before framework.initialize "
+                         f"(or set it back); to change what trains, build a new engine (close this one first)")
+
+
 def check_arguments(module: nn.Module, loss_fn, cfg: Config | None, ds_config: str | Mapping | None,
                     overrides: Sequence[str]) -> None:
     """``initialize``'s arguments and ``module``: a ConfigError or FrameworkError (one line) for one it cannot

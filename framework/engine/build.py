@@ -23,7 +23,8 @@ from framework.config import Config, check_batch_world, compose
 from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError, FrameworkError, TrainingError
 from framework.comm.distributed import Dist, agree, connect, disconnect, rank_and_world
-from framework.engine._checks import Owner, another_engine, check_arguments, check_optimizer, detached_error, owner
+from framework.engine._checks import (Owner, another_engine, check_arguments, check_optimizer, detached_error, owner,
+                                      requires_grad_changed)
 from framework.engine.materialize import materialize_buffers
 from framework.models.hf import config_hidden_size
 from framework.core.registry import registry
@@ -155,13 +156,7 @@ class Engine(contextlib.AbstractContextManager):
             self._check_same_parameters(what)
         changed = [(name, was) for name, p, was in self._trainable if p.requires_grad != was]
         if changed:
-            parts = [f"{len(names)} {kind} ({few(names, 3, str)})" for kind, names in
-                     (("frozen", [n for n, was in changed if was]), ("unfrozen", [n for n, was in changed if not was]))
-                     if names]
-            raise TrainingError(f"{what}: requires_grad of {counted(len(changed), 'parameter')} "
-                                f"changed after initialize: {' and '.join(parts)}; the engine trains the parameters "
-                                f"that required grad when it was built: set requires_grad before framework.initialize "
-                                f"(or set it back); to change what trains, build a new engine (close this one first)")
+            raise requires_grad_changed(what, self.components.module, changed)
 
     def _check_same_parameters(self, what: str) -> None:
         """Refuse parameters added to or removed from the module since build (a LoRA layer injected after

@@ -171,9 +171,13 @@ class AsyncIO:
                               f"buffers ({count} x {_size(nbytes)}: {os_reason(e)}); "
                               f"lower offload.aio.block_size (DeepSpeed's default is {MiB})") from None
         self._threads: list[threading.Thread] | None = []   # (None: closed)
+        # the threads hold the engine weakly: one collected unclosed stops them (not at exit: daemon threads)
+        self._stop = weakref.finalize(self, _stop, self._work, self._threads)
+        self._stop.atexit = False
         try:
             for i, b in enumerate(bounces):
-                t = threading.Thread(target=self._worker, args=(b,), name=f"framework-aio-{i}", daemon=True)
+                t = threading.Thread(target=_worker, args=(weakref.ref(self), self._work, b),
+                                     name=f"framework-aio-{i}", daemon=True)
                 t.start()
                 self._threads.append(t)
         except RuntimeError as e:   # "can't start new thread": a thread or memory limit
@@ -224,8 +228,7 @@ class AsyncIO:
         """Finish the queued requests, then stop the threads."""
         if self._threads is None:
             return
-        for _ in self._threads:
-            self._work.put(None)
+        self._stop()   # (once)
         for t in self._threads:
             t.join()
         self._threads = None
@@ -240,30 +243,20 @@ class AsyncIO:
         threads = self._threads
         return threads is not None and any(t.is_alive() for t in threads)
 
-    def _worker(self, bounce: mmap.mmap) -> None:
-        view = (ctypes.c_char * len(bounce)).from_buffer(bounce)
-        bounce_addr = ctypes.addressof(view)
-        job = None
-        try:
-            while (job := self._work.get()) is not None:
-                handle, offset, address, nbytes = job
-                error = self._broken
-                if error is None and handle._error is None:   # a failed request skips its remaining pieces
-                    try:
-                        self._piece(handle, offset, address, nbytes, bounce_addr)
-                    except SwapIOError as e:
-                        error = e
-                    except OSError as e:
-                        error = self._error(handle, offset, nbytes, os_reason(e), e.errno)
-                    except Exception as e:  # noqa: BLE001 - reported through the handle, never lost in a thread
-                        error = self._error(handle, offset, nbytes, f"{type(e).__name__}: {e}", None)
-                handle._piece_done(error)
-                job = None
-        except BaseException as e:  # noqa: BLE001 - this thread is lost: fail what is queued, never hang a wait
-            self._die(e, job)
-        finally:
-            del view
-            bounce.close()
+    def _run(self, job: tuple) -> None:
+        """One piece of a request (its locals go with this frame: a thread waiting for work holds no request)."""
+        handle, offset, address, nbytes, bounce_addr = job
+        error = self._broken
+        if error is None and handle._error is None:   # a failed request skips its remaining pieces
+            try:
+                self._piece(handle, offset, address, nbytes, bounce_addr)
+            except SwapIOError as e:
+                error = e
+            except OSError as e:
+                error = self._error(handle, offset, nbytes, os_reason(e), e.errno)
+            except Exception as e:  # noqa: BLE001 - reported through the handle, never lost in a thread
+                error = self._error(handle, offset, nbytes, f"{type(e).__name__}: {e}", None)
+        handle._piece_done(error)
 
     def _die(self, cause: BaseException, job) -> None:
         """A thread stopped on ``cause``: its request and every queued and later one fail with one error."""
@@ -341,6 +334,28 @@ class AsyncIO:
         return SwapIOError(f"swap {handle.op} of {handle.what!r} failed at offset {offset} "
                            f"({nbytes} bytes) of {handle.file.path}{inside}: {reason}",
                            path=str(handle.file.path), offset=offset, what=handle.what, errno=code)
+
+
+def _worker(engine: weakref.ref, work: queue.SimpleQueue, bounce: mmap.mmap) -> None:
+    """An IO thread: holds its engine only while doing a piece (a queued piece's handle keeps it alive)."""
+    view = (ctypes.c_char * len(bounce)).from_buffer(bounce)
+    bounce_addr = ctypes.addressof(view)
+    job = None
+    try:
+        while (job := work.get()) is not None:
+            engine()._run((*job, bounce_addr))
+            job = None
+    except BaseException as e:  # noqa: BLE001 - this thread is lost: fail what is queued, never hang a wait
+        if (alive := engine()) is not None:
+            alive._die(e, job)
+    finally:
+        del view
+        bounce.close()
+
+
+def _stop(work: queue.SimpleQueue, threads: list) -> None:
+    for _ in threads:
+        work.put(None)
 
 
 def verify_extent(fmap, name: str, what: str = "") -> None:

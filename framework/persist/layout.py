@@ -240,6 +240,16 @@ def _list(step, data, world, n) -> str:
     return f"the {counted(n, 'state dict')} of step {step} (data position {data}) of a {world}-rank run"
 
 
+def trainable_switch(trainable, saved, saved_whole, whole) -> str:
+    """The parameters frozen when saved (``saved_whole`` holds ``frozen.<name>``) and trainable now, and the reverse,
+    named for a message ('' if none): a switch, not a missing or unexpected parameter."""
+    were = sorted(n for n in set(trainable) - set(saved) if f"frozen.{n}" in saved_whole)
+    now = sorted(n for n in set(saved) - set(trainable) if f"frozen.{n}" in whole)
+    return "; ".join(f"{few(names)} {how}" for names, how in (
+        (were, "were frozen (requires_grad=False) when saved but are trainable in this run"),
+        (now, "were trainable when saved but are frozen in this run")) if names)
+
+
 def _checked(per, scalars, specs, saved, names, rank, world, whole):
     """``load_state_dict``'s checks: (the first saved dict, its world size, the saved whole tensors to fill or None,
     per piece the (holding, fragments, cover) to copy)."""
@@ -271,14 +281,18 @@ def _checked(per, scalars, specs, saved, names, rank, world, whole):
                     raise FrameworkError(f"load_state_dict: a fragment of {name!r} for elements [{lo}, {hi}) "
                                          f"holds {f['master'].numel()} values")
             frags += entry["fragments"]
+    kept = next((sd["whole"] for sd in saved if "whole" in sd), None) if whole is not None else None
+    if switched := trainable_switch(names, index, kept or {}, whole or {}):
+        raise FrameworkError(f"load_state_dict: parameters {switched}; set their requires_grad as when saved to load "
+                             f"it (then framework.save_weights(engine, DIR) keeps its weights alone, which "
+                             f"framework.load_weights(engine, DIR) loads into any choice of trainable parameters)")
     extra = sorted(set(index) - set(names))
     if extra:
         raise FrameworkError(f"load_state_dict: the saved state has parameters this model does not train: {few(extra)}")
-    kept = next((sd["whole"] for sd in saved if "whole" in sd), None) if whole is not None else None
     if kept is not None:
         if set(kept) != set(whole):
             raise FrameworkError(f"load_state_dict: the saved state holds the buffers and frozen parameters "
-                                 f"{few(sorted(kept))}, this model {few(sorted(whole))}")
+                                 f"{few(sorted(kept)) or 'none'}, this model {few(sorted(whole)) or 'none'}")
         for k, t in kept.items():
             if t.shape != whole[k].shape:
                 raise FrameworkError(f"load_state_dict: {k!r} has shape {tuple(t.shape)} in the saved state but "

@@ -5,6 +5,7 @@ backward resizes the storage to zero bytes, so autograd's saved views see the va
 pass records the order of unit uses; the next prefetches along it (``_trace`` checks ranks agree)."""
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -72,10 +73,9 @@ class Gatherer:
         # After the root unit's own forward hook, and also when the root's forward raises.
         self.hook_handles.append(root.register_forward_hook(
             hook(lambda _m, _a, _out: self._root_returned(), "zero3's root forward hook"), always_call=True))
-        for unit in self.all_units:
-            for p in unit.params:
-                self.hook_handles.append(p.register_post_accumulate_grad_hook(
-                    hook(lambda p, u=unit: self._grad_ready(u, p), "zero3's gradient hook")))
+        me = weakref.ref(self)   # (a parameter's C++ side holds its hooks: a cycle through it is never collected)
+        self.hook_handles += [p.register_post_accumulate_grad_hook(hook(lambda p: me()._grad_ready(p.zero3_unit, p),
+                              "zero3's gradient hook")) for unit in self.all_units for p in unit.params]
 
     def _pre_forward(self, unit: Unit, is_root: bool) -> None:
         if is_root and not self.in_backward and not self.driven:   # a forward outside train_step and eval_step

@@ -10,6 +10,7 @@ import shutil
 import stat
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -434,6 +435,22 @@ def test_io_threads_that_cannot_start_are_one_config_error():
     finally:
         threading.stack_size(old)
     assert len(_aio_threads()) == before
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_collected_unclosed_stops_its_threads(tmp_path):
+    """The threads hold their engine only while moving a piece: one dropped without close() ends them."""
+    before = _aio_threads()
+    n = 3 * BLOCK
+    with _swap(tmp_path, {"a": n}, torch.float32) as f:
+        io = AsyncIO(BLOCK, 2, 2)
+        io.pwrite(f, 0, torch.ones(n), "a").wait()
+        ours, gone = [t for t in _aio_threads() if t not in before], weakref.ref(io)
+        del io
+        assert gone() is None   # (no cycle: freed at once)
+        for t in ours:
+            t.join(30)
+        assert len(ours) == 4 and _aio_threads() == before
 
 
 class _Fatal(BaseException):

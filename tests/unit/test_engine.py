@@ -6,7 +6,9 @@ import copy
 import dataclasses
 import functools
 import gc
+import os
 import threading
+import time
 import weakref
 from dataclasses import replace
 
@@ -375,6 +377,65 @@ def test_a_dropped_engine_is_freed_at_once_and_its_module_can_be_initialized_aga
     finally:
         if was:
             gc.enable()
+
+
+def _io_threads_and_swap_files(folder) -> tuple[list, list, list]:
+    fds = []
+    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        with contextlib.suppress(OSError):   # (the listing's own descriptor is gone)
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return ([t for t in threading.enumerate() if t.name.startswith("framework-aio-")],
+            sorted(folder.rglob("*.swap")), [path for path in fds if path.startswith(str(folder))])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("close", [False, True])
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_a_collected_nvme_engine_stops_its_io_threads_and_removes_its_swap_files(stage, close, tmp_path):
+    """An engine dropped unclosed lets go of what close() would once collected: its IO threads end, its swap
+    files and their descriptors go (a notebook or a sweep that forgets close() does not pile them up)."""
+    threads, _, _ = _io_threads_and_swap_files(tmp_path)
+    cfg = tiny_config("train.micro_batch=2", f"+stage={stage}", "offload=nvme", f"offload.nvme_path={tmp_path}/swap")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg)
+    engine.train_step(engine.state, _batch(data, engine.state))
+    running, files, fds = _io_threads_and_swap_files(tmp_path)
+    running = [t for t in running if t not in threads]
+    assert running and files and fds
+    if close:
+        engine.close()
+    gone = weakref.ref(engine)
+    del engine, module
+    gc.collect()
+    assert gone() is None
+    deadline = time.monotonic() + 10
+    for t in running:   # (a collected engine's threads finish what was queued, then end)
+        t.join(max(deadline - time.monotonic(), 0))
+    assert _io_threads_and_swap_files(tmp_path) == (threads, [], [])
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_load_state_dict_across_a_frozen_trainable_switch_names_the_switch_and_the_way_on(stage):
+    """Not "missing" or "unexpected", nor a cut-off list: which parameters changed and how to go on."""
+    cfg = tiny_config("train.micro_batch=2", f"+stage={stage}")
+
+    def engine_with(frozen: str):
+        module, data = build_gpt(cfg)
+        module.get_submodule(frozen).requires_grad_(False)
+        return framework.initialize(module, gpt_loss, cfg), data
+
+    engine, data = engine_with("blocks.0.mlp.fc")
+    with engine:
+        state, _ = engine.train_step(engine.state, _batch(data, engine.state))
+        saved = engine.state_dict(state)
+    way = (r"; set their requires_grad as when saved to load it \(then framework\.save_weights\(engine, DIR\) keeps "
+           r"its weights alone, which framework\.load_weights\(engine, DIR\) loads into any choice of trainable "
+           r"parameters\)$")
+    with engine_with("blocks.1.mlp.fc")[0] as other:
+        with pytest.raises(framework.FrameworkError, match=r"^load_state_dict: parameters 'blocks\.0\.mlp\.fc\.weight' "
+                           r"were frozen \(requires_grad=False\) when saved but are trainable in this run; "
+                           r"'blocks\.1\.mlp\.fc\.weight' were trainable when saved but are frozen in this run" + way):
+            other.load_state_dict(other.state, [saved])
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
@@ -1239,6 +1300,18 @@ def _assert_scripted_trains_as_plain(net, cfg, width):
     """``net(script)`` trains to bit-identical losses and weights with its scripted submodules as without."""
     (plain, plain_sd), (scripted, scripted_sd) = (_train(net(script), cfg, width) for script in (False, True))
     assert plain == scripted and all(torch.equal(plain_sd[k], scripted_sd[k]) for k in plain_sd)
+
+
+def test_a_tied_weight_frozen_by_its_second_name_is_reported_with_both_names():
+    """named_parameters() lists a tied weight under its first name only: the one the user touched is named too."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    module[1].weight = module[0].weight
+    loss = lambda m, mb: m(mb).square().mean()   # noqa: E731
+    with framework.initialize(module, loss, tiny_config("+stage=zero2")) as engine:
+        module[1].weight.requires_grad_(False)
+        with pytest.raises(framework.TrainingError, match=r"^train_step: requires_grad of 1 parameter changed after "
+                                                          r"initialize: 1 frozen \(0\.weight \(tied: 1\.weight\)\); "):
+            engine.train_step(engine.state, framework.Batch((torch.randn(2, 4),)))
 
 
 @pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])

@@ -19,7 +19,8 @@ from framework.loggers import RUN_ONLY
 from framework.persist import rng, stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values, optim_keys
-from framework.persist.layout import StateLayout, check_format, nonfinite_items, pieces, with_saved_scalars
+from framework.persist.layout import (StateLayout, check_format, nonfinite_items, pieces, trainable_switch,
+                                      with_saved_scalars)
 from framework.precision import PrecisionState
 from framework.persist.weights import whole_tensors
 from framework.core.utils import counted, few, under
@@ -434,15 +435,10 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
 
 def _same_trainable(folder: Path, trainable: list[str], saved: dict, keys, whole: dict, way: str) -> None:
     """ConfigError naming the parameters frozen when saved and trainable now, or the reverse, not "missing"."""
-    were = sorted(n for n in set(trainable) - set(saved) if f"frozen.{n}" in keys)
-    now = sorted(n for n in set(saved) - set(trainable) if f"frozen.{n}" in whole)
-    if were or now:
-        parts = [f"{few(names)} {how}" for names, how in (
-            (were, "were frozen (requires_grad=False) when saved but are trainable in this run"),
-            (now, "were trainable when saved but are frozen in this run")) if names]
-        raise ConfigError(f"checkpoint {folder}: parameters {'; '.join(parts)}; set their requires_grad as when saved to resume "
-                          f"from it, or start afresh from its weights alone (python -m framework.export {folder} "
-                          f"--to DIR, then framework.load_weights(engine, DIR); {way})")
+    if switched := trainable_switch(trainable, saved, keys, whole):
+        raise ConfigError(f"checkpoint {folder}: parameters {switched}; set their requires_grad as when saved to "
+                          f"resume from it, or start afresh from its weights alone (python -m framework.export "
+                          f"{folder} --to DIR, then framework.load_weights(engine, DIR); {way})")
 
 
 def _same_names(folder: Path, mine, saved, way: str, what: str = "") -> None:
