@@ -649,3 +649,38 @@ def test_a_layer_count_no_host_could_build_is_refused_at_compose_not_built_for_h
     with pytest.raises(ConfigError, match=r"config.json: 1000000000000 hidden layers, more than this host's .* of "
                                           r"available memory holds even as bare modules; check its layer count"):
         framework.compose(["model=hf", f"model.config={tmp_path / 'config.json'}", "model.context=16"])
+
+
+BERT = dict(model_type="bert", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=96, max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def test_an_encoder_config_without_is_decoder_is_refused_not_trained_bidirectionally(tmp_path):
+    """BertLMHeadModel (AutoModelForCausalLM's class for bert) attends both ways unless is_decoder=true: as a
+    causal LM each position would see its target. Refused by compose (before the run folder); with is_decoder=true
+    it is causal (a later token leaves an earlier position's logits bitwise equal) and trains."""
+    (tmp_path / "config.json").write_text(json.dumps(BERT))
+    for key in ("model.config", "model.pretrained"):
+        if key == "model.pretrained":
+            from safetensors.torch import save_file
+            save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors")
+        with pytest.raises(ConfigError) as e:
+            framework.compose([*BASE, f"{key}={tmp_path}"])
+        assert str(e.value) == (f"{key}: BertLMHeadModel with is_decoder=false attends to later tokens too (each "
+                                f"position would see its target): not a causal LM; set \"is_decoder\": true in "
+                                f"{tmp_path / 'config.json'} to train it as one")
+    (tmp_path / "model.safetensors").unlink()
+    # GPT-NeoX's config carries is_decoder=false too, but its model is causal whatever it says: not refused.
+    framework.compose([*BASE, f"model.config={write_config('llama', tmp_path / 'neox', model_type='gpt_neox')}"])
+    (tmp_path / "config.json").write_text(json.dumps({**BERT, "is_decoder": True}))
+    cfg = hf_cfg(tmp_path, "+stage=zero3")
+    model, data = build(cfg)
+    with framework.initialize(model, component(cfg, "model").loss, cfg) as engine:
+        _, m = engine.train_step(engine.state, data.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1))
+    assert math.isfinite(m["loss"])
+    model, _ = build(cfg, meta=False)
+    x = torch.arange(8)[None]
+    changed = x.clone()
+    changed[0, 1] = 9
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits[0, 0], model(input_ids=changed).logits[0, 0])
