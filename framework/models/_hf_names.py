@@ -13,6 +13,14 @@ from torch import nn
 from framework.core.paths import weights_file
 
 
+def has_conversions(model: nn.Module) -> bool:
+    """Whether transformers renames or fuses some checkpoint keys of ``model``'s class on load (its
+    ``transformers.conversion_mapping``: e.g. Mixtral's unfused experts, GPT-NeoX's embed_out)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return bool(get_model_conversion_mapping(model, add_legacy=False))
+
+
 def unconverted(model: nn.Module, folder: Path) -> str | None:
     """A tensor of ``folder``'s weights that maps to no name of ``model`` (``checkpoint_names``), or None; None too
     where the names cannot be read (the loader then says what is wrong with the file)."""

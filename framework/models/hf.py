@@ -30,7 +30,8 @@ from framework.core import room, units
 from framework.core.paths import READ_WEIGHT_FILES, WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 from framework.models._hf_batch import dict_forward
-from framework.models._hf_names import checkpoint_names, unconverted  # noqa: F401 (checkpoint_names: public here)
+from framework.models._hf_names import (  # noqa: F401 (checkpoint_names, has_conversions: public here)
+    checkpoint_names, has_conversions, unconverted)
 from framework.models._hf_files import (  # noqa: F401 (TOKENIZER_FILES: public here)
     TOKENIZER_FILES, carry_tokenizer_files, read_generation_config, tokenizer_files, write_tokenizer_files)
 
@@ -103,8 +104,9 @@ def _raw_config(cfg: HFConfig, key: str | None = None) -> tuple[str, Path, dict]
 
 def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
     """Refused before the run folder is made: a missing ``model.config`` / ``model.pretrained`` file, a
-    ``model.pretrained`` folder without weights, and what ``_checked_config`` finds in the config (nothing is
-    built; the data's vocabulary where its config states one, as synthetic data does)."""
+    ``model.pretrained`` folder without weights or with tensor names that need transformers' conversion
+    (``_check_names``), and what ``_checked_config`` finds in the config (nothing else is built; the data's
+    vocabulary where its config states one, as synthetic data does)."""
     _raw_config(cfg)
     if cfg.pretrained is not None:
         found = weights_file(Path(user_path(cfg.pretrained)))
@@ -116,7 +118,9 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
             raise ConfigError(f"model.pretrained={cfg.pretrained}: its only weights are torch .bin shards "
                               f"({found.name}), which are not read sharded; convert the checkpoint to safetensors "
                               f"(transformers' from_pretrained, then save_pretrained) and load that")
-    _checked_config(cfg, getattr(nodes["data"], "vocab_size", None))
+    _, file, config, cls = _checked_config(cfg, getattr(nodes["data"], "vocab_size", None))
+    if cfg.pretrained is not None:   # (one line before launch, not the same from every rank's build)
+        _check_names(file, config, cls)
     return cfg
 
 
@@ -268,6 +272,34 @@ def _checked_config(cfg: HFConfig, vocab_size: int | None) -> tuple[str, Path, A
     return key, file, config, cls
 
 
+def _refuse_unconverted(model: nn.Module, folder: Path, model_type: str) -> None:
+    """Our loader reads tensors under the model's own names only: refuse a checkpoint whose keys transformers would
+    rename or fuse on load (the hub's Mixtral experts, GPT-NeoX's embed_out). Decided by the folder's names (its
+    index or header), not the class: a folder already under the model's names (our own export) needs none."""
+    if has_conversions(model) and (name := unconverted(model, folder)):
+        raise ConfigError(f"model.pretrained: this {model_type} checkpoint's tensor names (e.g. {name!r}) need key "
+                          f"conversions on load (transformers.conversion_mapping renames or fuses them), which "
+                          f"framework's sliced loader does not apply; load it with "
+                          f"AutoModelForCausalLM.from_pretrained and pass the model to framework.initialize, or use "
+                          f"model.config to train one from scratch")
+
+
+def _check_names(file: Path, config: Any, cls: type) -> None:
+    """``_refuse_unconverted`` before launch, on the model built on meta, where the class or its model_type has a
+    conversion mapping (a cheap look-up; a sub-model's or a fused module's mapping is found by ``build``)."""
+    import transformers
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    if not (get_checkpoint_conversion_mapping(cls.__name__) or get_checkpoint_conversion_mapping(config.model_type)):
+        return
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception:  # noqa: BLE001 - build() says what is wrong with the config
+        return
+    _refuse_unconverted(model, file.parent, config.model_type)
+
+
 def _needs_is_decoder(cls: type) -> bool:
     """Whether ``cls``'s constructor reads ``config.is_decoder`` without setting it. That is where transformers'
     encoder families (BERT, RoBERTa, ELECTRA, ...) decide that their causal-LM class is causal only with it (they
@@ -292,17 +324,7 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     except Exception as e:  # noqa: BLE001 - a config the model's constructor rejects (asserts, shape errors)
         raise ConfigError(f"{key}: {cls.__name__} cannot be built from {file}: {one_line(e)}") from None
     if cfg.pretrained is not None:
-        # Our loader reads tensors under the model's own names only: refuse a checkpoint whose keys transformers
-        # would rename or fuse on load (the hub's Mixtral experts). Decided by the folder's names, not the class:
-        # a folder already under the model's names (our own export) needs no conversion.
-        from transformers.conversion_mapping import get_model_conversion_mapping
-
-        if get_model_conversion_mapping(model, add_legacy=False) and (name := unconverted(model, file.parent)):
-            raise ConfigError(f"model.pretrained: this {config.model_type} checkpoint's tensor names (e.g. {name!r}) "
-                              f"need key conversions on load (transformers.conversion_mapping renames or fuses "
-                              f"them), which framework's "
-                              f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and "
-                              f"pass the model to framework.initialize, or use model.config to train one from scratch")
+        _refuse_unconverted(model, file.parent, config.model_type)
         if (file.parent / "generation_config.json").is_file():   # e.g. a chat model's eos ids, kept on export
             read_generation_config(model, file.parent)
         carry_tokenizer_files(model, file.parent)   # (so are its tokenizer's files)
