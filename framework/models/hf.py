@@ -10,11 +10,12 @@ materialised by the stage through ``HFInit``. Transformers is an optional extra 
 from __future__ import annotations
 
 import copy
+import dis
+import inspect
 import json
 import math
-import re
 import sys
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partialmethod
 from pathlib import Path
@@ -29,6 +30,8 @@ from framework.core import room, units
 from framework.core.paths import READ_WEIGHT_FILES, WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 from framework.models._hf_batch import dict_forward
+from framework.models._hf_names import (  # noqa: F401 (checkpoint_names, has_conversions: public here)
+    checkpoint_names, has_conversions, unconverted)
 from framework.models._hf_files import (  # noqa: F401 (TOKENIZER_FILES: public here)
     TOKENIZER_FILES, carry_tokenizer_files, read_generation_config, tokenizer_files, write_tokenizer_files)
 
@@ -101,8 +104,9 @@ def _raw_config(cfg: HFConfig, key: str | None = None) -> tuple[str, Path, dict]
 
 def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
     """Refused before the run folder is made: a missing ``model.config`` / ``model.pretrained`` file, a
-    ``model.pretrained`` folder without weights, and what ``_checked_config`` finds in the config (nothing is
-    built; the data's vocabulary where its config states one, as synthetic data does)."""
+    ``model.pretrained`` folder without weights or with tensor names that need transformers' conversion
+    (``_check_names``), and what ``_checked_config`` finds in the config (nothing else is built; the data's
+    vocabulary where its config states one, as synthetic data does)."""
     _raw_config(cfg)
     if cfg.pretrained is not None:
         found = weights_file(Path(user_path(cfg.pretrained)))
@@ -114,7 +118,9 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
             raise ConfigError(f"model.pretrained={cfg.pretrained}: its only weights are torch .bin shards "
                               f"({found.name}), which are not read sharded; convert the checkpoint to safetensors "
                               f"(transformers' from_pretrained, then save_pretrained) and load that")
-    _checked_config(cfg, getattr(nodes["data"], "vocab_size", None))
+    _, file, config, cls = _checked_config(cfg, getattr(nodes["data"], "vocab_size", None))
+    if cfg.pretrained is not None:   # (one line before launch, not the same from every rank's build)
+        _check_names(file, config, cls)
     return cfg
 
 
@@ -240,7 +246,8 @@ def check_vocab(vocab_size: int | None, config: Any, where: str | Path) -> None:
 def _checked_config(cfg: HFConfig, vocab_size: int | None) -> tuple[str, Path, Any, type]:
     """(key, file, transformers config, ``AutoModelForCausalLM`` class) of ``cfg``, refusing what the config alone
     decides: a model_type transformers does not know, data ``vocab_size`` ids the model lacks, a context over its
-    positions, no causal LM class, or a ``model.*`` kernel or checkpointing the class does not support."""
+    positions, no causal LM class (or an encoder's without is_decoder), or a ``model.*`` kernel or checkpointing the
+    class does not support."""
     key, file, raw = _raw_config(cfg)
     config = _transformers_config(key, file, raw)
     check_vocab(vocab_size, config, cfg.pretrained or cfg.config)
@@ -252,6 +259,10 @@ def _checked_config(cfg: HFConfig, vocab_size: int | None) -> tuple[str, Path, A
     if cls is None:
         raise ConfigError(f"{key}: model_type {config.model_type} is not a causal language model (transformers has "
                           f"no AutoModelForCausalLM class for it); model=hf trains causal LMs only")
+    if getattr(config, "is_decoder", None) is False and _needs_is_decoder(cls):
+        raise ConfigError(f"{key}: {cls.__name__} with is_decoder=false attends to later tokens too (each position "
+                          f"would see its target): not a causal LM; set \"is_decoder\": true in {file} to train it "
+                          f"as one")
     if cfg.attn_implementation == "sdpa" and getattr(cls, "_supports_sdpa", True) is False:
         raise ConfigError(f"model.attn_implementation=sdpa is not supported by {cls.__name__}; "
                           f"set model.attn_implementation=eager")
@@ -259,6 +270,43 @@ def _checked_config(cfg: HFConfig, vocab_size: int | None) -> tuple[str, Path, A
         raise ConfigError(f"model.activation_checkpointing=true is not supported by {cls.__name__} (transformers has "
                           f"no gradient checkpointing for it); set model.activation_checkpointing=false")
     return key, file, config, cls
+
+
+def _refuse_unconverted(model: nn.Module, folder: Path, model_type: str) -> None:
+    """Our loader reads tensors under the model's own names only: refuse a checkpoint whose keys transformers would
+    rename or fuse on load (the hub's Mixtral experts, GPT-NeoX's embed_out). Decided by the folder's names (its
+    index or header), not the class: a folder already under the model's names (our own export) needs none."""
+    if has_conversions(model) and (name := unconverted(model, folder)):
+        raise ConfigError(f"model.pretrained: this {model_type} checkpoint's tensor names (e.g. {name!r}) need key "
+                          f"conversions on load (transformers.conversion_mapping renames or fuses them), which "
+                          f"framework's sliced loader does not apply; load it with "
+                          f"AutoModelForCausalLM.from_pretrained and pass the model to framework.initialize, or use "
+                          f"model.config to train one from scratch")
+
+
+def _check_names(file: Path, config: Any, cls: type) -> None:
+    """``_refuse_unconverted`` before launch, on the model built on meta, where the class or its model_type has a
+    conversion mapping (a cheap look-up; a sub-model's or a fused module's mapping is found by ``build``)."""
+    import transformers
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    if not (get_checkpoint_conversion_mapping(cls.__name__) or get_checkpoint_conversion_mapping(config.model_type)):
+        return
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception:  # noqa: BLE001 - build() says what is wrong with the config
+        return
+    _refuse_unconverted(model, file.parent, config.model_type)
+
+
+def _needs_is_decoder(cls: type) -> bool:
+    """Whether ``cls``'s constructor reads ``config.is_decoder`` without setting it. That is where transformers'
+    encoder families (BERT, RoBERTa, ELECTRA, ...) decide that their causal-LM class is causal only with it (they
+    warn "add is_decoder=True", Reformer asserts); classes that set it themselves (TrOCR, BART's decoder) and
+    configs that only carry the key (GPT-NeoX) do not depend on it. Read from the bytecode: no source needed."""
+    ops = {i.opname for i in dis.get_instructions(inspect.unwrap(cls.__init__)) if i.argval == "is_decoder"}
+    return "LOAD_ATTR" in ops and "STORE_ATTR" not in ops
 
 
 def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
@@ -276,17 +324,7 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     except Exception as e:  # noqa: BLE001 - a config the model's constructor rejects (asserts, shape errors)
         raise ConfigError(f"{key}: {cls.__name__} cannot be built from {file}: {one_line(e)}") from None
     if cfg.pretrained is not None:
-        # Our loader reads tensors under the model's own names only: refuse a checkpoint whose keys transformers
-        # would rename or fuse on load (the hub's Mixtral experts). Decided by the folder's names, not the class:
-        # a folder already under the model's names (our own export) needs no conversion.
-        from transformers.conversion_mapping import get_model_conversion_mapping
-
-        if get_model_conversion_mapping(model, add_legacy=False) and (name := _unconverted(model, file.parent)):
-            raise ConfigError(f"model.pretrained: this {config.model_type} checkpoint's tensor names (e.g. {name!r}) "
-                              f"need key conversions on load (transformers.conversion_mapping renames or fuses "
-                              f"them), which framework's "
-                              f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and "
-                              f"pass the model to framework.initialize, or use model.config to train one from scratch")
+        _refuse_unconverted(model, file.parent, config.model_type)
         if (file.parent / "generation_config.json").is_file():   # e.g. a chat model's eos ids, kept on export
             read_generation_config(model, file.parent)
         carry_tokenizer_files(model, file.parent)   # (so are its tokenizer's files)
@@ -294,64 +332,6 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
         what = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
         getattr(model, f"{what}_checkpointing_enable")(**{f"{what}_checkpointing_kwargs": {"use_reentrant": False}})
     return model
-
-
-def _unconverted(model: nn.Module, folder: Path) -> str | None:
-    """A tensor of ``folder``'s weights that maps to no name of ``model`` (``checkpoint_names``), or None; None too
-    where the names cannot be read (the loader then says what is wrong with the file)."""
-    names = set(model.state_dict())   # (tied aliases included; on meta nothing is read)
-    mapped = checkpoint_names(model, _weight_names(folder), names)
-    return next((key for key, n in mapped.items() if n is not None and n not in names), None)
-
-
-def _weight_names(folder: Path) -> list[str]:
-    """The tensor names of a save_pretrained folder's weights, read from the index or the safetensors header (a
-    torch file's, from its mapped zip: no data read); [] where they cannot be read so. (Not persist's reader:
-    models sit below persistence.)"""
-    path = weights_file(folder)
-    try:
-        if path is None:
-            return []
-        if path.name.endswith(".index.json"):
-            return list(json.loads(path.read_text())["weight_map"])
-        if path.suffix == ".safetensors":
-            with path.open("rb") as f:   # an 8-byte little-endian length, then that many bytes of JSON header
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size)) if size <= path.stat().st_size else {}
-            return [k for k in header if k != "__metadata__"]
-        state = torch.load(path, map_location="meta", weights_only=True, mmap=True)
-        return list(state) if isinstance(state, dict) else []
-    except Exception:  # noqa: BLE001 - a bad file: the loader reads it and says what is wrong
-        return []
-
-
-def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[str]) -> dict[str, str | None]:
-    """Each checkpoint key -> the tensor name (of ``names``) it loads into, as ``from_pretrained`` maps keys:
-    ``base_model_prefix`` added or stripped where needed; ``None`` for a key the class ignores on load
-    (``_keys_to_ignore_on_load_unexpected``, old ``rotary_emb.inv_freq`` / ``position_ids`` buffers); any other
-    maps to itself (for a strict load to report)."""
-    prefix = getattr(module, "base_model_prefix", "") or ""
-    patterns = set(getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
-    buffers = [n for n, _ in module.named_buffers()]   # non-persistent ones too, as transformers looks
-    for suffix, pattern in (("rotary_emb.inv_freq", r"rotary_emb\.inv_freq"), ("position_ids", r"(^|\.)position_ids$")):
-        if any(n.endswith(suffix) for n in buffers):
-            patterns.add(pattern)
-    ignore = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
-    keys = list(keys)
-    out: dict[str, str | None] = {k: k for k in keys if k in names}
-    claimed = set(out)
-    for k in keys:
-        if k in out:
-            continue
-        stripped = k[len(prefix) + 1:] if prefix and k.startswith(prefix + ".") else None
-        for name in (stripped, f"{prefix}.{k}" if prefix else None):
-            if name is not None and name in names and name not in claimed:
-                out[k] = name
-                claimed.add(name)
-                break
-        else:
-            out[k] = None if ignore is not None and ignore.search(k) else k
-    return out
 
 
 def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor] | Mapping[str, Tensor]) -> Tensor:

@@ -251,20 +251,23 @@ def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
 
     # The hub's layout: experts unfused under block_sparse_moe, which transformers renames and fuses on load.
     save_file({"model.layers.0.block_sparse_moe.experts.0.w1.weight": torch.zeros(2, 2)}, folder / "model.safetensors")
-    cfg = framework.compose(["model=hf", f"model.pretrained={folder}", "model.context=16"])
+    # Refused by compose (read from the header, before launch: one line, not one per rank), and by build (a config
+    # not composed).
+    cfg = HFConfig(pretrained=str(folder), context=16)
     hub = r".model.layers.0.block_sparse_moe.experts.0.w1.weight."
-    with pytest.raises(ConfigError, match=rf"this mixtral checkpoint.s tensor names \(e.g. {hub}\) need key"):
-        with framework.zero_init():
-            component(cfg, "model").build(cfg.model)
+    for refuse in (lambda: framework.compose(["model=hf", f"model.pretrained={folder}", "model.context=16"]),
+                   lambda: hf_build(cfg)):
+        with pytest.raises(ConfigError, match=rf"^model.pretrained: this mixtral checkpoint.s tensor names \(e.g. "
+                                              rf"{hub}\) need key[^\n]*$"):
+            with framework.zero_init():
+                refuse()
     # Mappings keyed by class name are found too (GPTNeoXForCausalLM renames embed_out to lm_head).
     neox = tmp_path / "neox"
     write_config("llama", neox, model_type="gpt_neox", num_attention_heads=4)
     torch.save({"embed_out.weight": torch.zeros(2)}, neox / "pytorch_model.bin")
-    cfg = framework.compose(["model=hf", f"model.pretrained={neox}", "model.context=16"])
     with pytest.raises(ConfigError, match=r"this gpt_neox checkpoint.s tensor names \(e.g. .embed_out.weight.\) "
                                           r"need key conversions on load"):
-        with framework.zero_init():
-            component(cfg, "model").build(cfg.model)
+        framework.compose(["model=hf", f"model.pretrained={neox}", "model.context=16"])
     # From scratch the same architecture builds (no checkpoint keys to convert).
     cfg = framework.compose(["model=hf", f"model.config={folder}", "model.context=16"])
     with framework.zero_init():
@@ -649,3 +652,59 @@ def test_a_layer_count_no_host_could_build_is_refused_at_compose_not_built_for_h
     with pytest.raises(ConfigError, match=r"config.json: 1000000000000 hidden layers, more than this host's .* of "
                                           r"available memory holds even as bare modules; check its layer count"):
         framework.compose(["model=hf", f"model.config={tmp_path / 'config.json'}", "model.context=16"])
+
+
+BERT = dict(model_type="bert", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=96, max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def test_an_encoder_config_without_is_decoder_is_refused_not_trained_bidirectionally(tmp_path):
+    """BertLMHeadModel (AutoModelForCausalLM's class for bert) attends both ways unless is_decoder=true: as a
+    causal LM each position would see its target. Refused by compose (before the run folder); with is_decoder=true
+    it is causal (a later token leaves an earlier position's logits bitwise equal) and trains."""
+    (tmp_path / "config.json").write_text(json.dumps(BERT))
+    for key in ("model.config", "model.pretrained"):
+        if key == "model.pretrained":
+            from safetensors.torch import save_file
+            save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors")
+        with pytest.raises(ConfigError) as e:
+            framework.compose([*BASE, f"{key}={tmp_path}"])
+        assert str(e.value) == (f"{key}: BertLMHeadModel with is_decoder=false attends to later tokens too (each "
+                                f"position would see its target): not a causal LM; set \"is_decoder\": true in "
+                                f"{tmp_path / 'config.json'} to train it as one")
+    (tmp_path / "model.safetensors").unlink()
+    # GPT-NeoX's config carries is_decoder=false too, but its model is causal whatever it says: not refused.
+    framework.compose([*BASE, f"model.config={write_config('llama', tmp_path / 'neox', model_type='gpt_neox')}"])
+    (tmp_path / "config.json").write_text(json.dumps({**BERT, "is_decoder": True}))
+    cfg = hf_cfg(tmp_path, "+stage=zero3")
+    model, data = build(cfg)
+    with framework.initialize(model, component(cfg, "model").loss, cfg) as engine:
+        _, m = engine.train_step(engine.state, data.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1))
+    assert math.isfinite(m["loss"])
+    model, _ = build(cfg, meta=False)
+    x = torch.arange(8)[None]
+    changed = x.clone()
+    changed[0, 1] = 9
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits[0, 0], model(input_ids=changed).logits[0, 0])
+
+
+def test_load_weights_of_a_checkpoint_needing_transformers_key_conversions_says_so(tmp_path):
+    """GPT-NeoX as transformers' save_pretrained writes it (embed_out.weight; the model's name is lm_head.weight):
+    load_weights (the zero_init + from_config recipe) names the conversion and the way out, not only the keys."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = {**CONFIGS["llama"], "num_attention_heads": 4}
+    raw.pop("model_type")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_neox", **raw), dtype=torch.float32)
+    state = {("embed_out.weight" if n == "lm_head.weight" else n): t.detach().clone().contiguous()
+             for n, t in model.state_dict().items()}
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = framework.compose([*BASE, f"model.config={write_config('llama', tmp_path / 'c', model_type='gpt_neox')}"])
+    with _engine(cfg) as engine, pytest.raises(ConfigError) as e:
+        framework.load_weights(engine, tmp_path)
+    assert "missing 1: lm_head.weight; unexpected 1: embed_out.weight; its tensor names need the key conversions " \
+           "transformers applies on load (transformers.conversion_mapping), which load_weights does not: load it " \
+           "with AutoModelForCausalLM.from_pretrained and pass that model to framework.initialize" in str(e.value)
+    assert "\n" not in str(e.value)
