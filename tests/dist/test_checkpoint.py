@@ -326,9 +326,11 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
     assert first[:2] == (K, K) and len(losses) == N - K
     out = capsys.readouterr().out
     assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in out, out
-    assert ("; config differs in logger none->console, model.dropout, optimizer.beta1, optimizer.beta2, optimizer.eps, "
-            "optimizer.weight_decay, train.micro_batch, "
-            "train.steps;") in out, out
+    was = _cfg(1, [], str(tmp_path))   # (each with its saved value)
+    assert (f"; config differs in logger none->console, model.dropout {was.model.dropout}->0.2, optimizer.beta1 "
+            f"{was.optimizer.beta1}->0.8, optimizer.beta2 {was.optimizer.beta2}->0.98, optimizer.eps "
+            f"{was.optimizer.eps}->1e-07, optimizer.weight_decay {was.optimizer.weight_decay}->0.2, train.micro_batch "
+            f"{was.train.micro_batch}->4, train.steps {N}->{N + 4};") in out, out
     # the schedule's length follows train.steps (decay_steps null): the resumed update's lr moves, and that is said
     from framework.schedulers import warmup_cosine
     cfg = _cfg(1, more, str(tmp_path))
@@ -528,6 +530,12 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path, monk
                                                        r"but \(24, 36\) in this model; use another checkpoint.dir "
                                                        r"to start this run afresh$"):   # (nothing was read into the state)
         _train(dist, ["model.d_model=36"], str(tmp_path), resume="auto")
+    # another vocabulary from the data: named, not only the embedding's shape
+    with pytest.raises(ConfigError, match=r"has shape \(24, 32\) in the checkpoint but \(20, 32\) in this model "
+                                          r"\(data.vocab_size 24->20: the data sets the model's vocabulary\); resume "
+                                          r"with data.vocab_size=24, or use another checkpoint.dir to start this run "
+                                          r"afresh$"):
+        _train(dist, ["data.vocab_size=20"], str(tmp_path), resume="auto")
     # another optimizer: named as the configs name it (not by its state's keys), in a loop of one's own too
     with pytest.raises(ConfigError, match=r"was saved with optimizer=adamw, this run uses optimizer=sgd; resume with "
                                           r"optimizer=adamw; use another checkpoint.dir to start this run afresh$"):
@@ -555,6 +563,24 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path, monk
     # latest, resolved to that folder before the ranks, is still said as typed (``Checkpointer.resume``'s errors)
     resolved = preflight(_cfg(1, [], str(tmp_path), ["checkpoint.resume=latest"]), None)
     assert (resolved.checkpoint.resume, resolved.resume_given) == (str(tmp_path), "latest")
+
+
+def test_a_new_initial_loss_scale_at_an_fp16_resume_is_said_to_give_way_to_the_saved_one(tmp_path, capsys):
+    """Dynamic scaling goes on from the saved scale, as DeepSpeed's does: the changed key is listed with it."""
+    dist = _local()
+    _train(dist, ["precision=fp16"], str(tmp_path), steps=K)
+    saved = json.loads((tmp_path / f"step-{K}" / "train_state.json").read_text())["precision"]["cur_scale"]
+    capsys.readouterr()
+    _train(dist, ["precision=fp16", "precision.initial_scale_power=8"], str(tmp_path), resume="auto", steps=K)
+    assert f"config differs in precision.initial_scale_power 16->8 (the saved scale {saved:g} carries on)" \
+        in capsys.readouterr().out
+    # saved with a static scale: the new initial scale is this run's start, listed as it is
+    _train(dist, ["precision=fp16", "precision.loss_scale=128"], str(tmp_path / "static"), steps=K)
+    capsys.readouterr()
+    _train(dist, ["precision=fp16", "precision.initial_scale_power=8"], str(tmp_path / "static"), resume="auto",
+           steps=K)
+    out = capsys.readouterr().out
+    assert "precision.initial_scale_power 16->8, precision.loss_scale 128" in out and "carries on" not in out, out
 
 
 def test_sgd_momentum_turned_on_or_off_at_a_resume_goes_on_as_torch_optim_does(tmp_path, capsys):
@@ -605,6 +631,9 @@ def test_a_resume_refuses_data_whose_ids_changed_meaning_and_says_when_only_its_
     text.write_text(words)
     prepare_chars(str(text), tokens)
     _train(dist, data, root, steps=K)
+    with pytest.raises(ConfigError, match=r"\(saved with data=tokens, this run uses data=synthetic: the data sets the "
+                                          r"model's vocabulary\); resume with data=tokens, or use another"):
+        _train(dist, ["data.vocab_size=22"], root, resume="auto", steps=K)   # (22 rows: 24 would fit)
     text.write_text(words + words[:40])   # more of the same characters
     prepare_chars(str(text), tokens)
     capsys.readouterr()
@@ -895,7 +924,8 @@ def test_an_hf_model_is_compared_by_its_config_not_the_files_path(tmp_path, caps
     capsys.readouterr()
     _hf_train(dist, copy, root, *again, steps=N)
     out = capsys.readouterr().out
-    assert f"resumed from {root / 'step-2'} (step 2" in out and "differs in model.config, model.context, train" in out, out
+    assert f"resumed from {root / 'step-2'} (step 2" in out, out
+    assert re.search(r"differs in model\.config \S+->\S+, model\.context \d+->8, train", out), out
     assert (root / f"step-{N}").is_dir()
 
 

@@ -237,3 +237,18 @@ def test_the_data_a_resume_says_changed_is_judged_by_checksum_else_by_size():
     assert data_change(text, {**text, "bytes": 104}) is None   # (CRLF newlines: the same ids)
     assert data_change(text, {**text, "sha256": "2"}) == ("the same size", False)
     assert data_change(text, {**text, "vocab": "abc"}) == ("2 -> 3 characters, adds 'c'", True)
+
+
+def test_the_resume_lists_each_changed_key_with_its_old_and_new_value():
+    """``config differs in optimizer.lr 0.001->0.0005`` (a relaunch with resume=auto may not recall the old value);
+    a group chosen anew by its choices, a long value cut to stay readable on the one line, the model check's keys
+    bare."""
+    from framework.persist.checkpoint._load import changed
+    saved = {"optimizer": {"name": "adamw", "lr": 1e-3, "fused": False}, "data": {"name": "text", "path": "/a" * 40},
+             "offload": {"name": "none"}, "seed": 0}
+    mine = {"optimizer": {"name": "adamw", "lr": 5e-4, "fused": True}, "data": {"name": "text", "path": "/b"},
+            "offload": {"name": "cpu"}, "seed": None}
+    assert changed(saved, mine, values=True) == [
+        f"data.path {'/a' * 18}/...->/b", "offload none->cpu", "optimizer.fused false->true",
+        "optimizer.lr 0.001->0.0005", "seed 0->null"]
+    assert changed(saved, mine) == ["data.path", "offload none->cpu", "optimizer.fused", "optimizer.lr", "seed"]

@@ -339,3 +339,15 @@ def test_a_resume_note_names_the_first_update_a_longer_run_moves_past_a_warm_up(
     i = int(update) - 1
     assert 20_000 < i and lr != was and (lr, was) == (f"{build[1](i):.2e}", f"{build[0](i):.2e}")
     assert all(f"{build[0](j):.2e}" == f"{build[1](j):.2e}" for j in range(5000, i))
+
+
+def test_no_resume_note_where_optimizer_lr_changed_with_train_steps():
+    """The note compares the saved run's lr with this run's: built with this run's optimizer.lr for both, its lrs,
+    the update it names and its advice were wrong where optimizer.lr changed too (min_lr null follows it as well);
+    "config differs in" names both keys."""
+    from framework.persist.checkpoint._load import schedule_change
+
+    given = ["scheduler=warmup_cosine", "scheduler.warmup_steps=2"]
+    saved = framework.compose([*given, "train.steps=4"]).to_dict()
+    assert schedule_change(saved, framework.compose([*given, "train.steps=8"]), 1) is not None
+    assert schedule_change(saved, framework.compose([*given, "train.steps=8", "optimizer.lr=5e-4"]), 1) is None

@@ -99,19 +99,27 @@ def other_job(saved: dict, mine: dict) -> list[tuple[str, str]]:
 _UNLISTED = {"dist.nproc", "offload.nvme_path"}
 
 
-def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
+def changed(a: dict, b: dict, prefix: str = "", values: bool = False) -> list[str]:
     """The dotted keys that differ between two config dicts (checkpoint.* and ``_UNLISTED`` aside); a group chosen
-    anew is one entry, ``offload none->cpu``."""
+    anew is one entry, ``offload none->cpu``; ``values``: each key with its old and new value, ``optimizer.lr
+    0.001->0.0005`` (a relaunch with ``resume=auto`` may not recall the old one)."""
     out = []
     for k in sorted(set(a) | set(b)):
         x, y = a.get(k), b.get(k)
         if isinstance(x, dict) and isinstance(y, dict) and x.get("name") != y.get("name"):
             out.append(f"{prefix}{k} {x.get('name')}->{y.get('name')}")
         elif isinstance(x, dict) and isinstance(y, dict):
-            out += changed(x, y, f"{prefix}{k}.")
+            out += changed(x, y, f"{prefix}{k}.", values)
         elif x != y and not (prefix == "checkpoint." or f"{prefix}{k}" in _UNLISTED):
-            out.append(f"{prefix}{k}")
+            out.append(f"{prefix}{k} {_shown(x)}->{_shown(y)}" if values else f"{prefix}{k}")
     return out
+
+
+def _shown(value, most: int = 40) -> str:
+    """``value`` as the config spells it, cut to ``most`` characters (a path or a list stays readable on one line)."""
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    text = " ".join(text.split())
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str | None:
@@ -130,11 +138,12 @@ def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str |
 def schedule_change(saved: dict, cfg, position: int) -> str | None:
     """The resume line's note where train.steps changed and the scheduler's length follows it: the lr of the updates
     after ``position`` (those applied) moves, which a bare "config differs in train.steps" hides. None where no update
-    follows or the scheduler itself changed (its old lr is not this one's; "config differs in" names it)."""
+    follows or the scheduler or optimizer.lr changed too (its old lr is not this one's: "config differs in" names
+    them)."""
     before, now = get_key(saved, "train.steps"), cfg.train.steps
     if not isinstance(before, int) or before < 1 or before == now or position >= now:
         return None
-    if saved.get("scheduler") != cfg.to_dict().get("scheduler"):
+    if saved.get("scheduler") != cfg.to_dict().get("scheduler") or get_key(saved, "optimizer.lr") != cfg.optimizer.lr:
         return None
     name = cfg.choices["scheduler"]
     # (called as initialize calls it: base_lr by name)
@@ -302,7 +311,13 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, way: str, same
             raise ConfigError(f"checkpoint.resume={same[1] if same else folder}: {folder} was saved with other data: "
                               f"the vocabulary of {data['path']} changed ({change[0]}), so its token ids now stand "
                               f"for other characters; restore the data file it was saved with to resume, or {way}")
-        _fits(c, folder, body, md, layout, per, scalars, whole, way, named)   # names a parameter whose shape differs
+        try:   # names a parameter whose shape differs
+            _fits(c, folder, body, md, layout, per, scalars, whole, way, named)
+        except ConfigError as e:
+            if not (other := same and isinstance(body["config"], dict) and _other_data(body["config"], same[0])):
+                raise
+            raise ConfigError(f"{str(e).removesuffix(f'; {way}')} ({other[0]}: the data sets the model's vocabulary); "
+                              f"resume with {other[1]}, or {way}") from None
         if same is not None and isinstance(body["config"], dict):
             same_run(folder, body["config"], *same, body.get("model_config"), architecture(c.module), way=way)
         return body, md
@@ -439,6 +454,19 @@ def _same_trainable(folder: Path, trainable: list[str], saved: dict, keys, whole
         raise ConfigError(f"checkpoint {folder}: parameters {switched}; set their requires_grad as when saved to "
                           f"resume from it, or start afresh from its weights alone (python -m framework.export "
                           f"{folder} --to DIR, then framework.load_weights(engine, DIR); {way})")
+
+
+def _other_data(saved: dict, mine: dict) -> tuple[str, str] | None:
+    """(how the saved run's data group differs from ``mine``'s in kind or vocab_size, the overrides that resume it)."""
+    then, now = saved.get("data"), mine.get("data")
+    if not isinstance(then, dict) or not isinstance(now, dict):
+        return None
+    if then.get("name") != now.get("name"):
+        return f"saved with data={then.get('name')}, this run uses data={now.get('name')}", f"data={then.get('name')}"
+    if then.get("vocab_size") != now.get("vocab_size") and "vocab_size" in then:
+        return (f"data.vocab_size {_shown(then['vocab_size'])}->{_shown(now.get('vocab_size'))}",
+                f"data.vocab_size={_shown(then['vocab_size'])}")
+    return None
 
 
 def _same_names(folder: Path, mine, saved, way: str, what: str = "") -> None:
