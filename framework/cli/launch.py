@@ -161,15 +161,18 @@ def check_launch_env(cfg: Config) -> None:
 
 
 def check_saves(cfg: Config) -> None:
-    """checkpoint.async=true or a keep_last of its own with checkpoint.every=0 is inert in the CLI's loop (compose
-    accepts them for one's own loop). (timeout_s is not: a resume's reads use it too.)"""
+    """checkpoint.async=true or a keep_last other than the default with checkpoint.every=0 is inert in the CLI's
+    loop (compose accepts them for one's own loop), refused wherever it is set: the command line or a config file
+    (the value, not where it came from, is what does nothing). (timeout_s is not: a resume's reads use it too.)"""
     c = cfg.checkpoint
+    where = "from the command line or config file that sets it"
     if c.async_ and not c.every:
         raise ConfigError("config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); "
-                          "set checkpoint.every=N or remove checkpoint.async")
+                          f"set checkpoint.every=N or remove checkpoint.async=true {where}")
     if c.keep_last != type(c).keep_last and not c.every:   # (the class attribute: the field's default)
         raise ConfigError(f"config: checkpoint.keep_last={c.keep_last} does nothing with checkpoint.every=0 (no "
-                          "saves, so none are pruned); set checkpoint.every=N or remove checkpoint.keep_last")
+                          f"saves, so none are pruned); set checkpoint.every=N or remove checkpoint.keep_last="
+                          f"{c.keep_last} {where}")
 
 
 def restart_notice(cfg: Config, run: RunInfo) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from torch import nn
 
+from framework.comm.distributed import rank_and_world
 from framework.core import files
 from framework.core.errors import ConfigError, one_line, say
 
@@ -71,8 +72,9 @@ def read_generation_config(model: nn.Module, folder: Path) -> None:
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
     except OSError as e:
-        say(f"warning: model.pretrained: {file} is skipped: {one_line(e)} (transformers' from_pretrained skips it "
-            f"too); fix it to use its generation settings, or remove it")
+        if rank_and_world()[0] == 0:   # (every rank builds the model: said once)
+            say(f"warning: model.pretrained: {file} is skipped: {one_line(e)} (transformers' from_pretrained skips it "
+                f"too); fix it to use its generation settings, or remove it")
     except (ValueError, RecursionError) as e:
         why = "nested too deeply to parse" if isinstance(e, RecursionError) else one_line(e)
         raise ConfigError(f"model.pretrained: {file} is not a valid generation config ({why}); fix or remove "

@@ -117,8 +117,9 @@ def _export(ckpt: Checkpoint, out_dir: Path, dtype: torch.dtype | None, max_shar
         for e in (e for plan in plans for e in plan.entries):
             value = ckpt.read([e.name])[e.name].reshape(-1)
             # (a save refuses such a state, so these values are damage its manifest was resealed over, as resume
-            # says; refused before the files are published)
-            if nonfinite_items([(e.name, value)]):
+            # says; refused before the files are published). Buffers and frozen parameters: NaN only, as saves and
+            # resume check them (an inf there may be by design, an additive attention mask).
+            if nonfinite_items([(e.name, value)], nan_only=ckpt.keys[e.name] != "model."):
                 raise CheckpointError(f"checkpoint {ckpt.step_dir}: non-finite values (NaN or inf) in "
                                       f"'{e.name}': not weights to export; export an earlier step")
             writer.write(e, 0, value)

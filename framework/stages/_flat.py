@@ -189,14 +189,20 @@ def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, i
 def check_host_room(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse, before allocating, parameters whose ``dtype`` values alone exceed the host's available memory where
     they are laid out on the host: the allocation would fail with an allocator traceback, or swap (a config.json
-    with a typo in a width builds such a model on meta in no time)."""
+    with a typo in a width builds such a model on meta in no time). Counted: what binding allocates, the trainable
+    parameters' flats and each frozen parameter ``bind_frozen`` cannot keep in place (one already on the host in
+    the dtype it is kept in, contiguous, is memory in use already)."""
     if device.type != "cpu" or (room := available_ram()) is None:
         return
-    count = sum(p.numel() for p in module.parameters())
-    if (need := count * dtype.itemsize) > room:
-        raise ConfigError(f"the model declares {count:,} parameters: {size(need)} as {dtype_name(dtype)} for the "
-                          f"weights alone, more than this host's {size(room)} of available memory; build a smaller "
-                          f"model (check its config's layer count and widths) or run where there is more memory")
+    kept = [(p, dtype if p.is_floating_point() else p.dtype) for p in module.parameters()]
+    new = [(p, d) for p, d in kept if p.requires_grad or p.is_meta or p.device.type != "cpu" or p.dtype != d
+           or not p.is_contiguous()]
+    count = sum(p.numel() for p, _ in new)
+    if (need := sum(p.numel() * d.itemsize for p, d in new)) > room:
+        raise ConfigError(f"the model declares {count:,} parameters to lay out on the host: {size(need)} as "
+                          f"{dtype_name(dtype)} for the weights alone, more than this host's {size(room)} of "
+                          f"available memory; build a smaller model (check its config's layer count and widths) or "
+                          f"run where there is more memory")
 
 
 def _bind(module: nn.Module, p: nn.Parameter, v: torch.Tensor) -> nn.Parameter:

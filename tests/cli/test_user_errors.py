@@ -371,14 +371,26 @@ def test_a_null_for_a_key_of_another_option_suggests_one_that_takes_null():
      "model.context=256 exceeds the model's max_position_embeddings (128); set model.context <= 128"),
     # the loop saves no checkpoint (compose accepts it: one's own loop may call ckpt.save)
     (["checkpoint.async=true"], "config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); set "
-     "checkpoint.every=N or remove checkpoint.async"),
+     "checkpoint.every=N or remove checkpoint.async=true from the command line or config file that sets it"),
     (["checkpoint.keep_last=5"], "config: checkpoint.keep_last=5 does nothing with checkpoint.every=0 (no saves, so "
-     "none are pruned); set checkpoint.every=N or remove checkpoint.keep_last"),
+     "none are pruned); set checkpoint.every=N or remove checkpoint.keep_last=5 from the command line or config "
+     "file that sets it"),
 ])
 def test_a_closed_choice_is_checked_before_the_run_folder(forkrun, tmp_path, overrides, says):
     p = forkrun.run("framework.train", [*overrides, "train.steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
                     cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.splitlines() == [f"error: {says}"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_keep_last_with_no_saves_is_refused_from_a_config_file_too(forkrun, tmp_path):
+    """As checkpoint.async=true is: the value does nothing wherever it is set; the line says where to remove it."""
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - train\n  - _self_\ncheckpoint:\n  keep_last: 5\n")
+    p = forkrun.run("framework.train", ["--config-dir", str(tmp_path), "--config-name", "mine", "train.steps=2",
+                                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        "error: config: checkpoint.keep_last=5 does nothing with checkpoint.every=0 (no saves, so none are pruned); "
+        "set checkpoint.every=N or remove checkpoint.keep_last=5 from the command line or config file that sets it"]
     assert not (tmp_path / "run").exists()
 
 

@@ -1716,10 +1716,36 @@ def test_parameters_beyond_the_hosts_memory_are_refused_before_they_are_allocate
 
     with framework.zero_init():
         huge = torch.nn.Linear(1 << 20, 1 << 20)   # 1.1e12 parameters: 4 TiB as fp32
-    said = (r"^the model declares 1,099,512,676,352 parameters: 4096\.00 GiB \(4398050705408 bytes\) as float32 for "
-            r"the weights alone, more than this host's")
+    said = (r"^the model declares 1,099,512,676,352 parameters to lay out on the host: 4096\.00 GiB "
+            r"\(4398050705408 bytes\) as float32 for the weights alone, more than this host's")
     with pytest.raises(framework.ConfigError, match=said):
         framework.initialize(huge, lambda m, b: m(b).sum(), framework.compose([]), connect("gloo"))
+
+
+def test_frozen_weights_already_on_the_host_are_not_counted_as_new_memory(monkeypatch):
+    """bind_frozen keeps a frozen parameter already on the host in the working dtype where it is: a frozen-backbone
+    fine-tune of a model materialised on the host needs room for the trainable flat only. A frozen one still to be
+    materialised (meta) or cast is allocated, and counted."""
+    import framework.stages._flat as flat
+    from framework.comm.distributed import connect
+
+    def model(backbone_dtype=torch.float32):
+        m = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False, dtype=backbone_dtype),
+                                torch.nn.Linear(256, 2, bias=False))   # 256 KiB frozen (fp32), 2 KiB trainable
+        return m, m[0].requires_grad_(False)
+
+    monkeypatch.setattr(flat, "available_ram", lambda: 64 << 10)
+    loss = lambda m, mb: m(mb[0]).sum()   # noqa: E731
+    m, frozen = model()
+    held = frozen.weight.data_ptr()
+    with framework.initialize(m, loss, framework.compose([]), connect("gloo")) as engine:
+        assert frozen.weight.data_ptr() == held   # (in place: no copy made)
+        engine.train_step(engine.state, framework.Batch(((torch.randn(2, 256),),)))
+    with framework.zero_init():
+        on_meta, _ = model()
+    for m in (model(torch.float64)[0], on_meta):
+        with pytest.raises(framework.ConfigError, match=r"^the model declares 66,048 parameters to lay out"):
+            framework.initialize(m, loss, framework.compose([]), connect("gloo"))
 
 
 def test_zero3_says_once_when_every_parameter_stays_gathered(capsys):

@@ -555,3 +555,23 @@ def test_non_finite_master_weights_are_refused_not_exported(tmp_path, capsys):
     assert err.startswith("error: ") and "\n" not in err, err
     assert f"non-finite values (NaN or inf) in '{bad.removeprefix('model.')}': not weights to export" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_inf_in_a_buffer_or_frozen_parameter_exports_and_a_nan_there_is_refused(tmp_path, capsys):
+    """Saves and resume check buffers and frozen parameters for NaN only (an -inf there may be a causal mask every
+    step holds): export does the same, so such a checkpoint exports as it trains and resumes."""
+    plain, _ = build_gpt(tiny_config(), seed=99)
+    sd = {f"model.{k}": v.clone() for k, v in plain.state_dict().items()}
+    mask = torch.full((4, 4), float("-inf")).triu(1)
+    frozen = torch.tensor([1.0, float("inf"), -2.0])
+    _dcp_save({**sd, "buffer.mask": mask, "frozen.scale": frozen}, tmp_path / "step-1")
+    assert main([str(tmp_path / "step-1"), "--to", str(tmp_path / "out")]) == 0
+    out = _read(tmp_path / "out")
+    assert torch.equal(out["mask"], mask) and torch.equal(out["scale"], frozen)
+    mask[0, 0] = float("nan")
+    _dcp_save({**sd, "buffer.mask": mask}, tmp_path / "step-2")
+    capsys.readouterr()
+    assert main([str(tmp_path / "step-2"), "--to", str(tmp_path / "out2")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "non-finite values (NaN or inf) in 'mask'" in err and "\n" not in err, err
+    assert not (tmp_path / "out2").exists()

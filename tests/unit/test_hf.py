@@ -629,7 +629,8 @@ def _pretrained_with_generation_config(folder: Path, text: bytes):
     return framework.compose(["model=hf", f"model.pretrained={folder}", "model.context=16"])
 
 
-def test_an_unreadable_generation_config_is_skipped_with_a_warning_as_transformers_does(tmp_path, capsys):
+def test_an_unreadable_generation_config_is_skipped_with_a_warning_as_transformers_does(tmp_path, capsys, monkeypatch):
+    """Said by rank 0 only: every rank builds the model."""
     for i, text in enumerate((b"{not json", b"\xff\xfe")):
         cfg = _pretrained_with_generation_config(tmp_path / str(i), text)
         capsys.readouterr()
@@ -638,6 +639,11 @@ def test_an_unreadable_generation_config_is_skipped_with_a_warning_as_transforme
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and re.match(r"warning: model.pretrained: .*generation_config.json is skipped: .*not a "
                                           r"valid JSON file.*fix it .*or remove it$", err[0]), err
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with framework.zero_init():
+        assert component(cfg, "model").build(cfg.model) is not None
+    assert capsys.readouterr().err == ""
 
 
 def test_a_generation_config_nested_too_deeply_is_one_line(tmp_path):
