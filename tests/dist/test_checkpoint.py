@@ -571,9 +571,12 @@ def test_a_new_initial_loss_scale_at_an_fp16_resume_is_said_to_give_way_to_the_s
     _train(dist, ["precision=fp16"], str(tmp_path), steps=K)
     saved = json.loads((tmp_path / f"step-{K}" / "train_state.json").read_text())["precision"]["cur_scale"]
     capsys.readouterr()
-    _train(dist, ["precision=fp16", "precision.initial_scale_power=8"], str(tmp_path), resume="auto", steps=K)
+    _train(dist, ["precision=fp16", "precision.initial_scale_power=8"], str(tmp_path), resume="auto", steps=2 * K)
     assert f"config differs in precision.initial_scale_power 16->8 (the saved scale {saved:g} carries on)" \
         in capsys.readouterr().out
+    # as the note says: the next checkpoint holds the saved scale, not the new initial 2**8
+    after = json.loads((tmp_path / f"step-{2 * K}" / "train_state.json").read_text())["precision"]["cur_scale"]
+    assert saved != 2 ** 8 and after == saved, (saved, after)
     # saved with a static scale: the new initial scale is this run's start, listed as it is
     _train(dist, ["precision=fp16", "precision.loss_scale=128"], str(tmp_path / "static"), steps=K)
     capsys.readouterr()
