@@ -306,19 +306,28 @@ def test_a_damaged_swap_file_fails_a_save_on_every_rank(pools, tmp_path, then):
 
 def test_too_small_parameter_buffer_fails_at_start_up_and_in_the_estimate_alike(tmp_path):
     """param_buffer_size is a floor (the slots hold the largest shard): below it the engine and the estimate refuse
-    with the same line (the estimate printed a prediction)."""
+    with the same line (the estimate printed a prediction); the floor advised is exact: it is accepted, one less not."""
     from framework.memory.model import predict
 
-    cfg = tiny_config(*BASE, "+stage=zero3", "offload=nvme", "offload.param_buffer_size=10",
-                      f"offload.nvme_path={tmp_path}")
-    module, _ = build_gpt(cfg)
-    with pytest.raises(framework.ConfigError, match=r"offload.param_buffer_size=10 is smaller than the largest "
-                                                    r"parameter shard \(\d+ elements\)") as engine:
-        framework.initialize(module, gpt_loss, cfg, _local())
-    assert [p for p in tmp_path.iterdir() if p.suffix == ".swap"] == []
-    with pytest.raises(framework.ConfigError) as estimate:
-        predict(cfg, 1)
-    assert str(estimate.value) == str(engine.value)
+    def cfg(size):
+        return tiny_config(*BASE, "+stage=zero3", "offload=nvme", f"offload.param_buffer_size={size}",
+                           f"offload.nvme_path={tmp_path}")
+
+    def refused(size):
+        with pytest.raises(framework.ConfigError, match=rf"offload.param_buffer_size={size} is smaller than the "
+                                                        r"largest parameter shard \((\d+) elements\): set "
+                                                        r"offload.param_buffer_size >= \1$") as engine:
+            framework.initialize(build_gpt(cfg(size))[0], gpt_loss, cfg(size), _local())
+        assert [p for p in tmp_path.iterdir() if p.suffix == ".swap"] == []
+        with pytest.raises(framework.ConfigError) as estimate:
+            predict(cfg(size), 1)
+        assert str(estimate.value) == str(engine.value)
+        return int(str(engine.value).rsplit(">= ", 1)[1])
+
+    floor = refused(10)
+    assert refused(floor - 1) == floor
+    predict(cfg(floor), 1)
+    framework.initialize(build_gpt(cfg(floor))[0], gpt_loss, cfg(floor), _local()).close()
 
 
 def test_max_in_cpu_below_the_largest_shard_is_refused_by_the_engine_and_the_estimate_alike(tmp_path):
