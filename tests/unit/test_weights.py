@@ -569,13 +569,16 @@ def test_an_index_nested_too_deeply_to_parse_is_one_line(tmp_path):
         load_weights(_engine(), index)
 
 
-def test_a_torch_file_with_sparse_or_meta_tensors_is_refused_before_the_load_starts(tmp_path):
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_a_torch_file_with_sparse_meta_or_nested_tensors_is_refused_before_the_load_starts(tmp_path):
     """Refused on reading the file, so the engine is not left mid-load (refusing to step) for a caller that goes on."""
     engine = _engine()
     sd = _plain_sd()
     name = next(iter(sd))
     for kind, tensor, said in (("sparse", sd[name].to_sparse(), "is sparse_coo, not dense weights"),
-                               ("meta", sd[name].to("meta"), "is on the meta device")):
+                               ("meta", sd[name].to("meta"), "is on the meta device"),
+                               # (a strided nested one: its layout is torch.strided, unlike a jagged one's)
+                               ("nested", torch.nested.nested_tensor([sd[name], sd[name]]), "is nested")):
         torch.save({**sd, name: tensor}, tmp_path / f"{kind}.pt")
         with pytest.raises(ConfigError, match=f"{kind}.pt: tensor '{re.escape(name)}' {said}"):
             load_weights(engine, tmp_path / f"{kind}.pt")
