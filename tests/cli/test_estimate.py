@@ -302,21 +302,27 @@ def test_nvme_prediction_bounds_measured_memory(tmp_path):
 def test_nvme_prediction_puts_state_on_disk():
     # offload=nvme with its default keys (params: auto is nvme under zero3).
     base = ["model=gpt-mini", "+stage=zero3", "logger=none"]
+    # the largest shard: a Block's matrices (its gather unit's largest group), half per rank
+    with torch.device("meta"):
+        largest = max(-(-sum(p.numel() for p in b.parameters() if p.ndim >= 2) // 2)
+                      for b in GPT(preset("gpt-mini")).blocks)
     cpu = predict(compose([*base, "offload=cpu"]), 2)
+    with pytest.raises(ConfigError, match=rf"param_buffer_size={largest - 1} is smaller than .* >= {largest}$"):
+        predict(compose([*base, "offload=nvme", f"offload.param_buffer_size={largest - 1}"]), 2)
     pred = predict(compose([*base, "offload=nvme", "offload.sub_group_size=1000000",
-                            f"offload.param_buffer_size={12 * 384 ** 2 // 2}"]), 2)   # (its floor: the largest shard)
+                            f"offload.param_buffer_size={largest}"]), 2)   # (its floor)
     shard_elems = cpu.items["master_params"][1] // 4   # the host master of the cpu run: every shard element
     # master + Adam state + the swapped gradient, and the shards; every swapped tensor padded to the file's
     # 4 KiB blocks (under 64 tiles here: tests/dist/test_footprint.py checks the exact bytes)
     raw = (12 + 4) * shard_elems
     assert raw <= pred.disk["optimizer"] < raw + 4 * 4096 * 64
     assert sum(cpu.items["params"]) <= pred.disk["params"] < sum(cpu.items["params"]) + 4096 * 64
-    # buffer_count (4) tiles of the largest piece (a Block's matrices: 12 d^2 elements, half per rank)
-    # when that is under sub_group_size, of master + Adam state + gradient, and one gradient bounce.
-    tile = min(1_000_000, 12 * 384 ** 2 // 2)
+    # buffer_count (4) tiles of the largest piece (the largest shard) when that is under sub_group_size, of
+    # master + Adam state + gradient, and one gradient bounce.
+    tile = min(1_000_000, largest)
     assert pred.items["nvme_optimizer_pool"] == (0, 4 * tile * (12 + 4) + 4 * tile)
     # param_buffer_count (5) slots as large as the largest shard (a Block's matrices, half per rank)
-    assert pred.items["nvme_param_pool"] == (0, 5 * (12 * 384 ** 2 // 2) * 4)
+    assert pred.items["nvme_param_pool"] == (0, 5 * largest * 4)
     assert pred.items.get("grads", (0, 0)) == (0, 0) and "host_grad_buffers" not in pred.items   # on disk
     assert pred.items.get("optimizer_state", (0, 0)) == (0, 0)
 
