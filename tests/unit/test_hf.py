@@ -695,6 +695,26 @@ def test_an_encoder_config_without_is_decoder_is_refused_not_trained_bidirection
         assert torch.equal(model(input_ids=x).logits[0, 0], model(input_ids=changed).logits[0, 0])
 
 
+def test_xlm_and_xlnet_configs_that_attend_both_ways_are_refused_with_the_flag_that_makes_them_causal(tmp_path):
+    """XLMWithLMHeadModel is causal only with causal=true (XLMModel reads it; the hub's xlm-mlm-* say false),
+    XLNetLMHeadModel only with attn_type="uni" ("bi" by default). XLNet's max_position_embeddings -1 is no limit,
+    not a bound on model.context."""
+    xlm = dict(model_type="xlm", emb_dim=32, n_layers=2, n_heads=4, vocab_size=96, max_position_embeddings=32)
+    xlnet = dict(model_type="xlnet", d_model=32, n_layer=2, n_head=4, d_inner=64, vocab_size=96)
+    for config, cls, flag, bad, good in ((xlm, "XLMWithLMHeadModel", "causal", "false", True),
+                                         (xlnet, "XLNetLMHeadModel", "attn_type", '"bi"', "uni")):
+        folder = tmp_path / config["model_type"]
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ConfigError) as e:
+            framework.compose([*BASE, f"model.config={folder}"])
+        assert str(e.value) == (f"model.config: {cls} with {flag}={bad} "
+                                f"attends to later tokens too (each position would see its target): not a causal LM; "
+                                f"set \"{flag}\": {json.dumps(good)} in {folder / 'config.json'} to train it as one")
+        (folder / "config.json").write_text(json.dumps({**config, flag: good}))
+        framework.compose([*BASE, f"model.config={folder}", "model.attn_implementation=eager"])
+
+
 def test_load_weights_of_a_checkpoint_needing_transformers_key_conversions_says_so(tmp_path):
     """GPT-NeoX as transformers' save_pretrained writes it (embed_out.weight; the model's name is lm_head.weight):
     load_weights (the zero_init + from_config recipe) names the conversion and the way out, not only the keys."""
