@@ -116,10 +116,11 @@ def changed(a: dict, b: dict, prefix: str = "", values: bool = False) -> list[st
 
 
 def _shown(value, most: int = 40) -> str:
-    """``value`` as the config spells it, cut to ``most`` characters (a path or a list stays readable on one line)."""
+    """``value`` as the config spells it, cut to its last ``most`` characters (a path or a list stays readable on one
+    line; paths mostly differ at their end: a file's name)."""
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
     text = " ".join(text.split())
-    return text if len(text) <= most else text[:most - 3] + "..."
+    return text if len(text) <= most else "..." + text[3 - most:]
 
 
 def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str | None:
