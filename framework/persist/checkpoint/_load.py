@@ -479,16 +479,13 @@ def _same_names(folder: Path, mine, saved, way: str, what: str = "") -> None:
 
 
 class _OtherShape(ConfigError):
-    """A parameter or buffer whose saved shape differs from this model's (``saved``, ``mine``)."""
-
-    def __init__(self, message: str, saved: tuple, mine: tuple):
+    def __init__(self, message: str, saved: tuple, mine: tuple):   # (the shapes: saved, this model's)
         super().__init__(message)
         self.saved, self.mine = saved, mine
 
 
 def _in_vocab(saved: tuple, mine: tuple, module) -> bool:
-    """Whether ``saved`` and ``mine`` differ in one dimension alone, this model's vocabulary (its input embedding's
-    rows) in ``mine``."""
+    """Whether the shapes differ in one dimension alone, in ``mine`` the model's vocabulary (input embedding rows)."""
     try:
         rows = module.get_input_embeddings().num_embeddings
     except (AttributeError, NotImplementedError):   # (a model without one: no dimension is known as the vocabulary's)
