@@ -30,8 +30,8 @@ from framework.core import room, units
 from framework.core.paths import READ_WEIGHT_FILES, WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 from framework.models._hf_batch import dict_forward
-from framework.models._hf_names import (  # noqa: F401 (checkpoint_names, has_conversions: public here)
-    checkpoint_names, has_conversions, unconverted)
+from framework.models._hf_names import (  # noqa: F401 (checkpoint_names, converted, has_conversions: public)
+    checkpoint_names, converted, has_conversions, unconverted)
 from framework.models._hf_files import (  # noqa: F401 (TOKENIZER_FILES: public here)
     TOKENIZER_FILES, carry_tokenizer_files, read_generation_config, tokenizer_files, write_tokenizer_files)
 

@@ -268,6 +268,9 @@ def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
     with pytest.raises(ConfigError, match=r"this gpt_neox checkpoint.s tensor names \(e.g. .embed_out.weight.\) "
                                           r"need key conversions on load"):
         framework.compose(["model=hf", f"model.pretrained={neox}", "model.context=16"])
+    # Another model's names (a llama folder under a gpt_neox config) match no conversion: not blamed on one.
+    torch.save({"model.embed_tokens.weight": torch.zeros(2)}, neox / "pytorch_model.bin")
+    framework.compose(["model=hf", f"model.pretrained={neox}", "model.context=16"])
     # From scratch the same architecture builds (no checkpoint keys to convert).
     cfg = framework.compose(["model=hf", f"model.config={folder}", "model.context=16"])
     with framework.zero_init():
@@ -734,3 +737,9 @@ def test_load_weights_of_a_checkpoint_needing_transformers_key_conversions_says_
            "transformers applies on load (transformers.conversion_mapping), which load_weights does not: load it " \
            "with AutoModelForCausalLM.from_pretrained and pass that model to framework.initialize" in str(e.value)
     assert "\n" not in str(e.value)
+    # Another model's name (no conversion matches it): the keys alone, no conversion blamed.
+    save_file({**model.state_dict(), "model.embed_tokens.weight": torch.zeros(2)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with _engine(cfg) as engine, pytest.raises(ConfigError) as e:
+        framework.load_weights(engine, tmp_path)
+    assert "unexpected 1: model.embed_tokens.weight" in str(e.value) and "conversion" not in str(e.value)
