@@ -16,8 +16,10 @@ from framework.core.paths import weights_file
 def has_conversions(model: nn.Module) -> bool:
     """Whether transformers renames or fuses some checkpoint keys of ``model``'s class on load (its
     ``transformers.conversion_mapping``: e.g. Mixtral's unfused experts, GPT-NeoX's embed_out)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
+    try:   # (transformers 5's loader internals: a release without them converts nothing the framework knows of)
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return False
     return bool(get_model_conversion_mapping(model, add_legacy=False))
 
 
@@ -32,9 +34,11 @@ def unconverted(model: nn.Module, folder: Path) -> str | None:
 
 def converted(model: nn.Module, keys: Iterable[str]) -> str | None:
     """The first of ``keys`` that a conversion of ``model``'s class (``has_conversions``) renames or fuses."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:   # (as has_conversions: no conversions known, so none to blame)
+        return None
     ways = get_model_conversion_mapping(model, add_legacy=False) or []
     renames, converts = ([w for w in ways if isinstance(w, kind)] for kind in (WeightRenaming, WeightConverter))
     return next((key for key in keys if rename_source_key(key, renames, converts) != (key, None)), None)

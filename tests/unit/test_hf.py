@@ -743,3 +743,16 @@ def test_load_weights_of_a_checkpoint_needing_transformers_key_conversions_says_
     with _engine(cfg) as engine, pytest.raises(ConfigError) as e:
         framework.load_weights(engine, tmp_path)
     assert "unexpected 1: model.embed_tokens.weight" in str(e.value) and "conversion" not in str(e.value)
+
+
+def test_a_transformers_without_its_conversion_internals_means_no_conversions_not_an_import_error(tmp_path,
+                                                                                                   monkeypatch):
+    """The key-conversion checks read transformers 5's loader modules (not public API): a release without them must
+    leave every HF model loadable (no conversions known), not fail each check with an ImportError."""
+    from framework.models.hf import converted, has_conversions
+    model, _ = build(hf_cfg(write_config("llama", tmp_path, model_type="gpt_neox", num_attention_heads=4)))
+    assert has_conversions(model)   # (this transformers knows GPT-NeoX's embed_out renaming)
+    monkeypatch.setitem(__import__("sys").modules, "transformers.conversion_mapping", None)
+    monkeypatch.setitem(__import__("sys").modules, "transformers.core_model_loading", None)
+    assert has_conversions(model) is False
+    assert converted(model, ["lm_head.weight"]) is None
