@@ -16,17 +16,32 @@ from framework.core.paths import weights_file
 def has_conversions(model: nn.Module) -> bool:
     """Whether transformers renames or fuses some checkpoint keys of ``model``'s class on load (its
     ``transformers.conversion_mapping``: e.g. Mixtral's unfused experts, GPT-NeoX's embed_out)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
+    try:   # (transformers 5's loader internals: a release without them converts nothing the framework knows of)
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return False
     return bool(get_model_conversion_mapping(model, add_legacy=False))
 
 
 def unconverted(model: nn.Module, folder: Path) -> str | None:
-    """A tensor of ``folder``'s weights that maps to no name of ``model`` (``checkpoint_names``), or None; None too
-    where the names cannot be read (the loader then says what is wrong with the file)."""
+    """A tensor of ``folder``'s weights that maps to no name of ``model`` (``checkpoint_names``) and that a
+    conversion of the class renames or fuses, or None; None too where the names cannot be read (the loader then says
+    what is wrong with the file). A key no conversion matches is another model's: the strict load names it."""
     names = set(model.state_dict())   # (tied aliases included; on meta nothing is read)
     mapped = checkpoint_names(model, _weight_names(folder), names)
-    return next((key for key, n in mapped.items() if n is not None and n not in names), None)
+    return converted(model, [key for key, n in mapped.items() if n is not None and n not in names])
+
+
+def converted(model: nn.Module, keys: Iterable[str]) -> str | None:
+    """The first of ``keys`` that a conversion of ``model``'s class (``has_conversions``) renames or fuses."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:   # (as has_conversions: no conversions known, so none to blame)
+        return None
+    ways = get_model_conversion_mapping(model, add_legacy=False) or []
+    renames, converts = ([w for w in ways if isinstance(w, kind)] for kind in (WeightRenaming, WeightConverter))
+    return next((key for key in keys if rename_source_key(key, renames, converts) != (key, None)), None)
 
 
 def _weight_names(folder: Path) -> list[str]:

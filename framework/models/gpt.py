@@ -112,6 +112,10 @@ class GPT(nn.Module):
                 for name, p in self.named_parameters():
                     self.init_parameter(name, p)
 
+    def get_input_embeddings(self) -> Embedding:
+        """The token embedding (as Hugging Face models name it): its rows are the vocabulary."""
+        return self.wte
+
     def init_parameter(self, name: str, t: Tensor) -> None:
         """nanoGPT's init of parameter ``name`` into ``t``, from a generator seeded by (initial seed, name): a
         stage materialising one parameter at a time gets the values of a model built whole."""

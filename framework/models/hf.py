@@ -30,8 +30,8 @@ from framework.core import room, units
 from framework.core.paths import READ_WEIGHT_FILES, WEIGHTS_READ, user_path, weights_file
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 from framework.models._hf_batch import dict_forward
-from framework.models._hf_names import (  # noqa: F401 (checkpoint_names, has_conversions: public here)
-    checkpoint_names, has_conversions, unconverted)
+from framework.models._hf_names import (  # noqa: F401 (checkpoint_names, converted, has_conversions: public)
+    checkpoint_names, converted, has_conversions, unconverted)
 from framework.models._hf_files import (  # noqa: F401 (TOKENIZER_FILES: public here)
     TOKENIZER_FILES, carry_tokenizer_files, read_generation_config, tokenizer_files, write_tokenizer_files)
 
@@ -252,17 +252,20 @@ def _checked_config(cfg: HFConfig, vocab_size: int | None) -> tuple[str, Path, A
     config = _transformers_config(key, file, raw)
     check_vocab(vocab_size, config, cfg.pretrained or cfg.config)
     limit = getattr(text_config(config), "max_position_embeddings", None)   # absent for some architectures
-    if limit is not None and cfg.context > limit:
+    if limit is not None and limit >= 1 and cfg.context > limit:   # (XLNet's -1: no limit)
         raise ConfigError(f"model.context={cfg.context} exceeds the model's max_position_embeddings ({limit}); "
                           f"set model.context <= {limit}")
     cls = causal_lm_class(config)
     if cls is None:
         raise ConfigError(f"{key}: model_type {config.model_type} is not a causal language model (transformers has "
                           f"no AutoModelForCausalLM class for it); model=hf trains causal LMs only")
-    if getattr(config, "is_decoder", None) is False and _needs_is_decoder(cls):
-        raise ConfigError(f"{key}: {cls.__name__} with is_decoder=false attends to later tokens too (each position "
-                          f"would see its target): not a causal LM; set \"is_decoder\": true in {file} to train it "
-                          f"as one")
+    for flag, causal in _CAUSAL_WHEN:
+        value = getattr(config, flag, None)
+        if value is not None and value != causal and (_needs_is_decoder(cls) if flag == "is_decoder" else
+                                                      _family_reads(cls, flag)):
+            raise ConfigError(f"{key}: {cls.__name__} with {flag}={json.dumps(value)} attends to later tokens too "
+                              f"(each position would see its target): not a causal LM; set \"{flag}\": "
+                              f"{json.dumps(causal)} in {file} to train it as one")
     if cfg.attn_implementation == "sdpa" and getattr(cls, "_supports_sdpa", True) is False:
         raise ConfigError(f"model.attn_implementation=sdpa is not supported by {cls.__name__}; "
                           f"set model.attn_implementation=eager")
@@ -298,6 +301,21 @@ def _check_names(file: Path, config: Any, cls: type) -> None:
     except Exception:  # noqa: BLE001 - build() says what is wrong with the config
         return
     _refuse_unconverted(model, file.parent, config.model_type)
+
+
+# The config flags that make a causal-LM class attend one way only, and the value that does: an encoder's
+# is_decoder; XLM's causal (false for the hub's xlm-mlm-*); XLNet's attn_type ("bi" by default).
+_CAUSAL_WHEN = (("is_decoder", True), ("causal", True), ("attn_type", "uni"))
+
+
+def _family_reads(cls: type, flag: str) -> bool:
+    """Whether a module class of ``cls``'s modeling file reads ``flag`` in its constructor (XLMModel reads
+    ``config.causal``, which XLMWithLMHeadModel builds): a config carrying an unread key decides nothing."""
+    def reads(o) -> bool:
+        code = dis.get_instructions(inspect.unwrap(o.__init__))
+        return any(i.opname == "LOAD_ATTR" and i.argval == flag for i in code)
+    return any(isinstance(o, type) and issubclass(o, nn.Module) and "__init__" in vars(o) and reads(o)
+               for o in vars(sys.modules[cls.__module__]).values())
 
 
 def _needs_is_decoder(cls: type) -> bool:

@@ -103,17 +103,27 @@ class _Held:
         self.direct: int | None = None     # O_DIRECT descriptor, opened on first use
         self.file = os.fstat(fd)           # the swap file this run made or took over
         self.manifest: os.stat_result | None = None   # of the manifest this run wrote
+        # Held open while this run lives, as the file's are: an inode stays allocated while open, so another file
+        # at the path (the manifest deleted under this run, another run's written there) never has its number.
+        self.manifest_fd: int | None = None
+
+    def hold_manifest(self, manifest: Path) -> None:
+        fd = os.open(manifest, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        old, self.manifest_fd, self.manifest = self.manifest_fd, fd, os.fstat(fd)
+        if old is not None:
+            os.close(old)
 
     def release(self) -> None:
-        """Close the descriptors; delete the file and its manifest if their paths still name this run's
-        (deleted under a live run, a path may name another run's file by now)."""
-        fds, self.fd, self.direct = (self.direct, self.fd), None, None
+        """Delete the file and its manifest if their paths still name this run's (deleted under a live run, a
+        path may name another run's file by now), then close the descriptors (first: a file of this run's
+        that is still open keeps its inode number from any other file)."""
+        _unlink_if(self.path, self.file)
+        _unlink_if(_manifest_path(self.path), self.manifest)
+        fds, self.fd, self.direct, self.manifest_fd = (self.direct, self.fd, self.manifest_fd), None, None, None
         for fd in fds:
             if fd is not None:
                 with suppress(OSError):
                     os.close(fd)
-        _unlink_if(self.path, self.file)
-        _unlink_if(_manifest_path(self.path), self.manifest)
 
 
 class SwapFile:
@@ -265,7 +275,7 @@ class SwapFile:
     def write_manifest(self) -> None:
         manifest = _manifest_path(self.path)
         write_atomic(manifest, json.dumps(self.meta, indent=1).encode())
-        self._held.manifest = os.lstat(manifest)
+        self._held.hold_manifest(manifest)
 
     def remove(self) -> None:
         """Close the file and delete it and its manifest (idempotent)."""

@@ -536,6 +536,11 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path, monk
                                           r"with data.vocab_size=24, or use another checkpoint.dir to start this run "
                                           r"afresh$"):
         _train(dist, ["data.vocab_size=20"], str(tmp_path), resume="auto")
+    # the data changed too, but another shape (or missing parameters) is not its doing: no advice that fails again
+    for other, told in ((["model.n_layer=3"], r"does not fit this model: missing parameters 'blocks.2.attn.*"),
+                        (["model.d_model=36"], r"has shape \(24, 32\) in the checkpoint but \(20, 36\) in this model")):
+        with pytest.raises(ConfigError, match=told + r"; use another checkpoint.dir to start this run afresh$"):
+            _train(dist, [*other, "data.vocab_size=20"], str(tmp_path), resume="auto")
     # another optimizer: named as the configs name it (not by its state's keys), in a loop of one's own too
     with pytest.raises(ConfigError, match=r"was saved with optimizer=adamw, this run uses optimizer=sgd; resume with "
                                           r"optimizer=adamw; use another checkpoint.dir to start this run afresh$"):

@@ -1,6 +1,7 @@
 """The NVMe offload's IO engine (framework.offload._aio) and swap files (framework.offload._swapfile).
 
 Faults are injected through the engine's system-call seam (``Syscalls``), never by patching."""
+import contextlib
 import errno
 import fcntl
 import json
@@ -613,6 +614,13 @@ def test_removing_a_swap_file_spares_what_another_run_put_at_its_path(tmp_path):
     manifest = a.path.with_name(a.path.name + ".manifest.json")
     a.path.unlink()
     manifest.unlink()
+    # Files are told apart by inode: a's deleted files stay open (allocated) while a lives, so b's files at the
+    # same paths cannot reuse their numbers (ext4 often hands a freed one to the next file made).
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            held.add(os.readlink(f"/proc/self/fd/{fd}"))
+    assert {f"{a.path} (deleted)", f"{manifest} (deleted)"} <= held
     with _swap(tmp_path, {"a": 10}, torch.float32, layout="layout-b") as b:
         b.write_manifest()
         a.remove()

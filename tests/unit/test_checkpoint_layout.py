@@ -249,6 +249,10 @@ def test_the_resume_lists_each_changed_key_with_its_old_and_new_value():
     mine = {"optimizer": {"name": "adamw", "lr": 5e-4, "fused": True}, "data": {"name": "text", "path": "/b"},
             "offload": {"name": "cpu"}, "seed": None}
     assert changed(saved, mine, values=True) == [
-        f"data.path {'/a' * 18}/...->/b", "offload none->cpu", "optimizer.fused false->true",
+        f"data.path ...a{'/a' * 18}->/b", "offload none->cpu", "optimizer.fused false->true",
         "optimizer.lr 0.001->0.0005", "seed 0->null"]
     assert changed(saved, mine) == ["data.path", "offload none->cpu", "optimizer.fused", "optimizer.lr", "seed"]
+    # cut at its start: long paths that differ in the file's name read apart
+    old, new = (f"/work/shared/data/experiments/2026-12/corpus_v{i}.txt" for i in (1, 2))
+    assert changed({"data": {"name": "text", "path": old}}, {"data": {"name": "text", "path": new}}, values=True) == [
+        "data.path ...ata/experiments/2026-12/corpus_v1.txt->...ata/experiments/2026-12/corpus_v2.txt"]

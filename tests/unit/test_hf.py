@@ -268,6 +268,9 @@ def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
     with pytest.raises(ConfigError, match=r"this gpt_neox checkpoint.s tensor names \(e.g. .embed_out.weight.\) "
                                           r"need key conversions on load"):
         framework.compose(["model=hf", f"model.pretrained={neox}", "model.context=16"])
+    # Another model's names (a llama folder under a gpt_neox config) match no conversion: not blamed on one.
+    torch.save({"model.embed_tokens.weight": torch.zeros(2)}, neox / "pytorch_model.bin")
+    framework.compose(["model=hf", f"model.pretrained={neox}", "model.context=16"])
     # From scratch the same architecture builds (no checkpoint keys to convert).
     cfg = framework.compose(["model=hf", f"model.config={folder}", "model.context=16"])
     with framework.zero_init():
@@ -695,6 +698,26 @@ def test_an_encoder_config_without_is_decoder_is_refused_not_trained_bidirection
         assert torch.equal(model(input_ids=x).logits[0, 0], model(input_ids=changed).logits[0, 0])
 
 
+def test_xlm_and_xlnet_configs_that_attend_both_ways_are_refused_with_the_flag_that_makes_them_causal(tmp_path):
+    """XLMWithLMHeadModel is causal only with causal=true (XLMModel reads it; the hub's xlm-mlm-* say false),
+    XLNetLMHeadModel only with attn_type="uni" ("bi" by default). XLNet's max_position_embeddings -1 is no limit,
+    not a bound on model.context."""
+    xlm = dict(model_type="xlm", emb_dim=32, n_layers=2, n_heads=4, vocab_size=96, max_position_embeddings=32)
+    xlnet = dict(model_type="xlnet", d_model=32, n_layer=2, n_head=4, d_inner=64, vocab_size=96)
+    for config, cls, flag, bad, good in ((xlm, "XLMWithLMHeadModel", "causal", "false", True),
+                                         (xlnet, "XLNetLMHeadModel", "attn_type", '"bi"', "uni")):
+        folder = tmp_path / config["model_type"]
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ConfigError) as e:
+            framework.compose([*BASE, f"model.config={folder}"])
+        assert str(e.value) == (f"model.config: {cls} with {flag}={bad} "
+                                f"attends to later tokens too (each position would see its target): not a causal LM; "
+                                f"set \"{flag}\": {json.dumps(good)} in {folder / 'config.json'} to train it as one")
+        (folder / "config.json").write_text(json.dumps({**config, flag: good}))
+        framework.compose([*BASE, f"model.config={folder}", "model.attn_implementation=eager"])
+
+
 def test_load_weights_of_a_checkpoint_needing_transformers_key_conversions_says_so(tmp_path):
     """GPT-NeoX as transformers' save_pretrained writes it (embed_out.weight; the model's name is lm_head.weight):
     load_weights (the zero_init + from_config recipe) names the conversion and the way out, not only the keys."""
@@ -714,3 +737,22 @@ def test_load_weights_of_a_checkpoint_needing_transformers_key_conversions_says_
            "transformers applies on load (transformers.conversion_mapping), which load_weights does not: load it " \
            "with AutoModelForCausalLM.from_pretrained and pass that model to framework.initialize" in str(e.value)
     assert "\n" not in str(e.value)
+    # Another model's name (no conversion matches it): the keys alone, no conversion blamed.
+    save_file({**model.state_dict(), "model.embed_tokens.weight": torch.zeros(2)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with _engine(cfg) as engine, pytest.raises(ConfigError) as e:
+        framework.load_weights(engine, tmp_path)
+    assert "unexpected 1: model.embed_tokens.weight" in str(e.value) and "conversion" not in str(e.value)
+
+
+def test_a_transformers_without_its_conversion_internals_means_no_conversions_not_an_import_error(tmp_path,
+                                                                                                   monkeypatch):
+    """The key-conversion checks read transformers 5's loader modules (not public API): a release without them must
+    leave every HF model loadable (no conversions known), not fail each check with an ImportError."""
+    from framework.models.hf import converted, has_conversions
+    model, _ = build(hf_cfg(write_config("llama", tmp_path, model_type="gpt_neox", num_attention_heads=4)))
+    assert has_conversions(model)   # (this transformers knows GPT-NeoX's embed_out renaming)
+    monkeypatch.setitem(__import__("sys").modules, "transformers.conversion_mapping", None)
+    monkeypatch.setitem(__import__("sys").modules, "transformers.core_model_loading", None)
+    assert has_conversions(model) is False
+    assert converted(model, ["lm_head.weight"]) is None

@@ -116,10 +116,11 @@ def changed(a: dict, b: dict, prefix: str = "", values: bool = False) -> list[st
 
 
 def _shown(value, most: int = 40) -> str:
-    """``value`` as the config spells it, cut to ``most`` characters (a path or a list stays readable on one line)."""
+    """``value`` as the config spells it, cut to its last ``most`` characters (a path or a list stays readable on one
+    line; paths mostly differ at their end: a file's name)."""
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
     text = " ".join(text.split())
-    return text if len(text) <= most else text[:most - 3] + "..."
+    return text if len(text) <= most else "..." + text[3 - most:]
 
 
 def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str | None:
@@ -313,8 +314,9 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, way: str, same
                               f"for other characters; restore the data file it was saved with to resume, or {way}")
         try:   # names a parameter whose shape differs
             _fits(c, folder, body, md, layout, per, scalars, whole, way, named)
-        except ConfigError as e:
-            if not (other := same and isinstance(body["config"], dict) and _other_data(body["config"], same[0])):
+        except _OtherShape as e:   # (the data change explains it only where the vocabulary's dimension differs)
+            other = same and isinstance(body["config"], dict) and _other_data(body["config"], same[0])
+            if not other or not _in_vocab(e.saved, e.mine, c.module):
                 raise
             raise ConfigError(f"{str(e).removesuffix(f'; {way}')} ({other[0]}: the data sets the model's vocabulary); "
                               f"resume with {other[1]}, or {way}") from None
@@ -476,7 +478,23 @@ def _same_names(folder: Path, mine, saved, way: str, what: str = "") -> None:
         raise ConfigError(f"checkpoint {folder} does not fit this model: " + "; ".join(parts) + f"; {way}")
 
 
+class _OtherShape(ConfigError):
+    def __init__(self, message: str, saved: tuple, mine: tuple):   # (the shapes: saved, this model's)
+        super().__init__(message)
+        self.saved, self.mine = saved, mine
+
+
+def _in_vocab(saved: tuple, mine: tuple, module) -> bool:
+    """Whether the shapes differ in one dimension alone, in ``mine`` the model's vocabulary (input embedding rows)."""
+    try:
+        rows = module.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):   # (a model without one: no dimension is known as the vocabulary's)
+        return False
+    differ = [i for i, (a, b) in enumerate(zip(saved, mine)) if a != b]
+    return len(saved) == len(mine) and len(differ) == 1 and mine[differ[0]] == rows
+
+
 def _same_shape(folder: Path, what: str, saved: tuple, mine: tuple, way: str) -> None:
     if saved != mine:
-        raise ConfigError(f"checkpoint {folder}: {what} has shape {saved} in the checkpoint but {mine} in this model"
-                          f"; {way}")
+        raise _OtherShape(f"checkpoint {folder}: {what} has shape {saved} in the checkpoint but {mine} in this model"
+                          f"; {way}", tuple(saved), tuple(mine))
