@@ -162,7 +162,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     if cfg.notices:   # the DeepSpeed file's warnings and notes, as training prints them (after the checks)
         print("\n".join(cfg.notices), file=sys.stderr, flush=True)
     probe = _probe.load(hw.device, disk, collectives=hw.ranks > 1, reprobe=flags["reprobe"])
-    planned = plan(cfg, base, hw, own, probe, setups)
+    planned = plan(cfg, base, hw, own, probe, setups, vocab=size)
     print(_describe(hw, probe, cfg, planned, flags["top"], vocab, notes))
     if flags["json"] and not flags["verify"]:
         print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,

@@ -177,10 +177,12 @@ class Engine(contextlib.AbstractContextManager):
         """TrainingError (beginning with ``what``) when trainable weights were written in place since initialize or
         the last load (``module.load_state_dict``, say): the next step would overwrite them from the masters, or
         keep them, depending on precision and offload; a save would not hold them."""
-        edited, frozen = self.components.stage.edited(), self.components.stage.cast_frozen()
+        stage = self.components.stage
+        moved = stage.detached()
+        edited, frozen = stage.edited(moved), stage.cast_frozen()
         if not edited and not frozen:
             return
-        if (moved := self.components.stage.detached()) or frozen:
+        if moved or frozen:
             raise detached_error(what, moved, frozen)
         changed = (f"{what}: the weights of {counted(len(edited), 'trainable parameter')} ({few(edited, 3, str)}) "
                    f"were changed in place (or replaced) after framework.initialize (e.g. module.load_state_dict)")

@@ -234,12 +234,14 @@ def compose_setups(base: list[str], cands: list[Candidate]) -> dict[tuple[str, s
 
 
 def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
-         composed: dict[tuple[str, str], object] | None = None) -> list[Planned]:
+         composed: dict[tuple[str, str], object] | None = None, vocab: int | None = None) -> list[Planned]:
     """Every candidate with its predicted time and memory, fitting ones first, fastest first. ``base``: the
-    overrides each candidate adds its choices to; ``composed``: ``compose_setups``' result, if made already."""
-
-    vocab, cuda = data_vocab(cfg), hw.gpu_mem is not None   # the vocabulary training builds the model at
-    check_model_vocab(cfg, vocab)   # (one training refuses: not planned)
+    overrides each candidate adds its choices to; ``composed``: ``compose_setups``' result, if made already;
+    ``vocab``: ``data_vocab(cfg)``, if read (and checked) already (a text file is read to learn it)."""
+    if vocab is None:
+        vocab = data_vocab(cfg)   # the vocabulary training builds the model at
+        check_model_vocab(cfg, vocab)   # (one training refuses: not planned)
+    cuda = hw.gpu_mem is not None
     process = probe.get("process_rss_bytes", 0)
     rank_base = process + (CUDA_HOST_BYTES if cuda and hw.device.type != "cuda" else 0)
     launcher = process + TRACKER_BYTES if hw.ranks > 1 else 0

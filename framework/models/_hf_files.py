@@ -44,7 +44,7 @@ def write_tokenizer_files(folder: Path, carried: Mapping[str, bytes]) -> None:
     record = folder / _RECORD
     files.refuse_links(record, *(folder / n for n in carried))
     try:
-        earlier = json.loads(record.read_bytes())
+        earlier = files.parse_json(record.read_bytes())
     except (OSError, ValueError):   # none (a folder no save wrote tokenizer files into), or not ours to read
         earlier = {}
     for name, data in carried.items():

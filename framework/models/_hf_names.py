@@ -23,6 +23,16 @@ def has_conversions(model: nn.Module) -> bool:
     return bool(get_model_conversion_mapping(model, add_legacy=False))
 
 
+def class_converts(class_name: str, model_type: str) -> bool:
+    """Whether transformers has a conversion mapping for a model class or its model_type (a look-up by name; False
+    where a transformers release lacks those loader internals, as ``has_conversions``)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return False
+    return bool(get_checkpoint_conversion_mapping(class_name) or get_checkpoint_conversion_mapping(model_type))
+
+
 def unconverted(model: nn.Module, folder: Path) -> str | None:
     """A tensor of ``folder``'s weights that maps to no name of ``model`` (``checkpoint_names``) and that a
     conversion of the class renames or fuses, or None; None too where the names cannot be read (the loader then says

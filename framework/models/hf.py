@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dis
+import functools
 import inspect
 import json
 import math
@@ -31,7 +32,7 @@ from framework.core.paths import READ_WEIGHT_FILES, WEIGHTS_READ, user_path, wei
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 from framework.models._hf_batch import dict_forward
 from framework.models._hf_names import (  # noqa: F401 (checkpoint_names, converted, has_conversions: public)
-    checkpoint_names, converted, has_conversions, unconverted)
+    checkpoint_names, class_converts, converted, has_conversions, unconverted)
 from framework.models._hf_files import (  # noqa: F401 (TOKENIZER_FILES: public here)
     TOKENIZER_FILES, carry_tokenizer_files, read_generation_config, tokenizer_files, write_tokenizer_files)
 
@@ -210,7 +211,7 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
         raise ConfigError(f"{key}: {file} is not a valid {model_type} config: {one_line(e)}") from None
     # transformers accepts a layer count below 1 (a model of embeddings only would train) and one no host could build
     # (a typo: modules are built for hours, even on meta). (A multimodal config keeps its sizes in text_config.)
-    text = text_config(config)
+    text, free = text_config(config), room.available_ram()
     for conf in {id(c): c for c in (config, text)}.values():
         for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
             value = getattr(conf, name, None)
@@ -218,7 +219,7 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
                 raw = conf.attribute_map.get(name, name)   # the file's own name for it (GPT-2: n_layer)
                 raise ConfigError(f"{key}: {file}: {name}={value} must be >= 1"
                                   + (f" ({raw} in the file)" if raw != name else ""))
-        layers, free = getattr(conf, "num_hidden_layers", None), room.available_ram()
+        layers = getattr(conf, "num_hidden_layers", None)
         if isinstance(layers, int) and free is not None and layers * _LAYER_FLOOR > free:
             raise ConfigError(f"{key}: {file}: {layers} hidden layers, more than this host's {units.size(free)} of "
                               f"available memory holds even as bare modules; check its layer count")
@@ -291,9 +292,8 @@ def _check_names(file: Path, config: Any, cls: type) -> None:
     """``_refuse_unconverted`` before launch, on the model built on meta, where the class or its model_type has a
     conversion mapping (a cheap look-up; a sub-model's or a fused module's mapping is found by ``build``)."""
     import transformers
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-    if not (get_checkpoint_conversion_mapping(cls.__name__) or get_checkpoint_conversion_mapping(config.model_type)):
+    if not class_converts(cls.__name__, config.model_type):
         return
     try:
         with torch.device("meta"):
@@ -308,6 +308,7 @@ def _check_names(file: Path, config: Any, cls: type) -> None:
 _CAUSAL_WHEN = (("is_decoder", True), ("causal", True), ("attn_type", "uni"))
 
 
+@functools.cache   # (a class's bytecode does not change: read once per class and flag)
 def _family_reads(cls: type, flag: str) -> bool:
     """Whether a module class of ``cls``'s modeling file reads ``flag`` in its constructor (XLMModel reads
     ``config.causal``, which XLMWithLMHeadModel builds): a config carrying an unread key decides nothing."""
@@ -318,6 +319,7 @@ def _family_reads(cls: type, flag: str) -> bool:
                for o in vars(sys.modules[cls.__module__]).values())
 
 
+@functools.cache
 def _needs_is_decoder(cls: type) -> bool:
     """Whether ``cls``'s constructor reads ``config.is_decoder`` without setting it. That is where transformers'
     encoder families (BERT, RoBERTa, ELECTRA, ...) decide that their causal-LM class is causal only with it (they

@@ -243,9 +243,9 @@ class AsyncIO:
         threads = self._threads
         return threads is not None and any(t.is_alive() for t in threads)
 
-    def _run(self, job: tuple) -> None:
+    def _run(self, job: tuple, bounce_addr: int) -> None:
         """One piece of a request (its locals go with this frame: a thread waiting for work holds no request)."""
-        handle, offset, address, nbytes, bounce_addr = job
+        handle, offset, address, nbytes = job
         error = self._broken
         if error is None and handle._error is None:   # a failed request skips its remaining pieces
             try:
@@ -343,7 +343,7 @@ def _worker(engine: weakref.ref, work: queue.SimpleQueue, bounce: mmap.mmap) -> 
     job = None
     try:
         while (job := work.get()) is not None:
-            engine()._run((*job, bounce_addr))
+            engine()._run(job, bounce_addr)
             job = None
     except BaseException as e:  # noqa: BLE001 - this thread is lost: fail what is queued, never hang a wait
         if (alive := engine()) is not None:

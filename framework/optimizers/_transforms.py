@@ -152,12 +152,13 @@ def positive_fp32(value: float) -> bool:
 
 
 def check(name: str, cfg: Any, betas: Sequence[str] = (), nonneg: Sequence[str] = (),
-          positive: Sequence[str] = ()) -> Any:
-    """``cfg``, or a one-line ConfigError: lr and weight_decay finite and >= 0, ``betas`` in [0, 1), ``nonneg``
-    >= 0, ``positive`` (an eps added to a denominator that is 0 where a gradient and its state are) > 0 in fp32,
+          positive: Sequence[str] = (), fractions: Sequence[str] = ()) -> Any:
+    """``cfg``, or a one-line ConfigError: lr and weight_decay finite and >= 0, ``betas`` in [0, 1), ``fractions``
+    in [0, 1], ``nonneg`` >= 0, ``positive`` (an eps added to a denominator that is 0 where a gradient and its state are) > 0 in fp32,
     the state's dtype."""
     for keys, rule, ok in ((("lr", "weight_decay"), ">= 0", lambda v: math.isfinite(v) and v >= 0),
-                           (betas, "in [0, 1)", lambda v: 0 <= v < 1), (nonneg, ">= 0", lambda v: v >= 0),
+                           (betas, "in [0, 1)", lambda v: 0 <= v < 1),
+                           (fractions, "in [0, 1]", lambda v: 0 <= v <= 1), (nonneg, ">= 0", lambda v: v >= 0),
                            (positive, "> 0", positive_fp32)):
         for key in keys:
             if not ok(value := getattr(cfg, key)):

@@ -23,9 +23,7 @@ def check_config(cfg: SGDConfig, *_) -> SGDConfig:
     """Build's check, and the component's: at compose time, before the scheduler's, which reads the lr."""
     # momentum >= 1 never forgets a gradient (the step grows without bound); dampening > 1 or < 0 turns the
     # new gradient's weight negative or above 1, ascent or blow-up (torch checks neither bound)
-    check("sgd", cfg, betas=("momentum",))
-    if not 0 <= cfg.dampening <= 1:
-        raise ConfigError(f"optimizer.dampening must be in [0, 1] for sgd, got {cfg.dampening}")
+    check("sgd", cfg, betas=("momentum",), fractions=("dampening",))
     if cfg.nesterov and not (cfg.momentum > 0 and cfg.dampening == 0):
         raise ConfigError("optimizer.nesterov needs momentum > 0 and dampening == 0 for sgd, got "
                           f"momentum={cfg.momentum} dampening={cfg.dampening}")

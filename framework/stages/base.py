@@ -150,11 +150,11 @@ class BaseStage:
             if now is not None and (now.dtype != t.dtype or now.device != t.device):
                 m._buffers[a] = t
 
-    def edited(self) -> list[str]:
+    def edited(self, moved: list[str] | None = None) -> list[str]:
         """The trainable parameters written in place, or replaced on their module (``load_state_dict(...,
-        assign=True)``), or whose storage was replaced (``detached``), since ``watch`` (Python ints, identities
-        and addresses compared: no tensor read)."""
-        moved = set(self.detached())
+        assign=True)``), or whose storage was replaced (``detached``; ``moved``: its result, if taken already),
+        since ``watch`` (Python ints, identities and addresses compared: no tensor read)."""
+        moved = set(self.detached() if moved is None else moved)
         return [n for n, p, v, owners in self.watched   # (a ScriptModule's _parameters has no .get)
                 if (n in moved or p._version != v
                     or any(a not in m._parameters or m._parameters[a] is not p for m, a in owners))

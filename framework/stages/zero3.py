@@ -5,7 +5,6 @@ from __future__ import annotations
 import linecache
 import operator
 import re
-import sys
 import traceback
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 
 from framework.comm.distributed import Dist
-from framework.core.errors import ConfigError, FrameworkError, first_line, typed_line
+from framework.core.errors import ConfigError, FrameworkError, first_line, say, typed_line
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.stages._flat import (bind_frozen, initial_values, initializer, make_layout, refuse_sparse_grads,
@@ -93,8 +92,7 @@ class Zero3Stage(PartitionedStage):
         if persistent is not None:
             self.gatherer.gather_now(persistent)  # stays gathered
             if not any(plan.named for plan in plans) and self.dist.is_main:   # (sizes only: no host sync)
-                print(all_persistent_note(persistent_named, self.cfg.stage3_param_persistence_threshold),
-                      file=sys.stderr, flush=True)
+                say(all_persistent_note(persistent_named, self.cfg.stage3_param_persistence_threshold))
         self.gatherer.attach(module, [plan.modules for plan in plans])
         self.unit_modules = {plan.name: plan.modules for plan in plans}   # (for the error line below)
         # close() removes these; the state_dict refusal below stays (the parameters remain empty).

@@ -752,7 +752,10 @@ def test_a_transformers_without_its_conversion_internals_means_no_conversions_no
     from framework.models.hf import converted, has_conversions
     model, _ = build(hf_cfg(write_config("llama", tmp_path, model_type="gpt_neox", num_attention_heads=4)))
     assert has_conversions(model)   # (this transformers knows GPT-NeoX's embed_out renaming)
+    from framework.models.hf import class_converts
+    assert class_converts(type(model).__name__, "gpt_neox")
     monkeypatch.setitem(__import__("sys").modules, "transformers.conversion_mapping", None)
     monkeypatch.setitem(__import__("sys").modules, "transformers.core_model_loading", None)
     assert has_conversions(model) is False
     assert converted(model, ["lm_head.weight"]) is None
+    assert class_converts(type(model).__name__, "gpt_neox") is False

@@ -87,6 +87,25 @@ def test_memory_is_about_the_ids_not_copies_of_the_text(tmp_path, monkeypatch):
     assert np.array_equal(np.fromfile(tmp_path / "t.bin", "<u2"), ids) and meta["vocab_size"] == len(chars)
 
 
+def test_memory_grows_by_the_ids_alone_and_not_at_all_for_the_vocab_and_prepare(tmp_path, monkeypatch):
+    """The bounds above at one size, here their growth between two: 6 MB more text costs encode_file its 6 MB of
+    uint8 ids (and no more), and the vocabulary scan and prepare nothing (they hold a chunk, not the text)."""
+    monkeypatch.setattr(text, "_CHUNK", 1 << 18, raising=False)
+    line = b"To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer\n"
+    peaks = []
+    for n in (2_000_000, 8_000_000):
+        path = tmp_path / f"t{n}.txt"
+        path.write_bytes(line * (n // len(line)))
+        size = path.stat().st_size
+        encode = _peak(lambda: text.encode_file(str(path)))[1]
+        vocab = _peak(lambda: text.COMPONENT.vocab(text.TextConfig(path=str(path)), seed=0, context=8))[1]
+        prepare = _peak(lambda: text.prepare_chars(str(path), tmp_path / f"t{n}.bin"))[1]
+        peaks.append((size, encode, vocab, prepare))
+    (s0, e0, v0, p0), (s1, e1, v1, p1) = peaks
+    assert abs((e1 - e0) - (s1 - s0)) < 0.05 * (s1 - s0), (e1 - e0, s1 - s0)
+    assert abs(v1 - v0) < 0.01 * (s1 - s0) and abs(p1 - p0) < 0.01 * (s1 - s0), (v0, v1, p0, p1)
+
+
 def test_prepare_refuses_a_text_too_short_for_the_context(tmp_path):
     (tmp_path / "t.txt").write_text("to be or not to be\n" * 20)   # val: 38 characters
     with pytest.raises(DataError) as e:
