@@ -16,11 +16,16 @@ from framework.core.paths import weights_file
 def has_conversions(model: nn.Module) -> bool:
     """Whether transformers renames or fuses some checkpoint keys of ``model``'s class on load (its
     ``transformers.conversion_mapping``: e.g. Mixtral's unfused experts, GPT-NeoX's embed_out)."""
+    return bool(_conversions(model))
+
+
+def _conversions(model: nn.Module) -> list:
+    """``model``'s class conversion mapping; [] where there is none."""
     try:   # (transformers 5's loader internals: a release without them converts nothing the framework knows of)
         from transformers.conversion_mapping import get_model_conversion_mapping
     except ImportError:
-        return False
-    return bool(get_model_conversion_mapping(model, add_legacy=False))
+        return []
+    return get_model_conversion_mapping(model, add_legacy=False) or []
 
 
 def class_converts(class_name: str, model_type: str) -> bool:
@@ -37,19 +42,24 @@ def unconverted(model: nn.Module, folder: Path) -> str | None:
     """A tensor of ``folder``'s weights that maps to no name of ``model`` (``checkpoint_names``) and that a
     conversion of the class renames or fuses, or None; None too where the names cannot be read (the loader then says
     what is wrong with the file). A key no conversion matches is another model's: the strict load names it."""
+    if not (ways := _conversions(model)):   # (nothing to convert: the folder is not read)
+        return None
     names = set(model.state_dict())   # (tied aliases included; on meta nothing is read)
     mapped = checkpoint_names(model, _weight_names(folder), names)
-    return converted(model, [key for key, n in mapped.items() if n is not None and n not in names])
+    return _first_converted(ways, [key for key, n in mapped.items() if n is not None and n not in names])
 
 
 def converted(model: nn.Module, keys: Iterable[str]) -> str | None:
     """The first of ``keys`` that a conversion of ``model``'s class (``has_conversions``) renames or fuses."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:   # (as has_conversions: no conversions known, so none to blame)
+    return _first_converted(_conversions(model), keys)
+
+
+def _first_converted(ways: list, keys: Iterable[str]) -> str | None:
+    """The first of ``keys`` that one of the conversions ``ways`` renames or fuses."""
+    if not ways:   # (also where transformers lacks its loader internals: no conversions known, none to blame)
         return None
-    ways = get_model_conversion_mapping(model, add_legacy=False) or []
+    # (ways came from transformers.conversion_mapping, which imports these itself)
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     renames, converts = ([w for w in ways if isinstance(w, kind)] for kind in (WeightRenaming, WeightConverter))
     return next((key for key in keys if rename_source_key(key, renames, converts) != (key, None)), None)
 

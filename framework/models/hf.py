@@ -280,7 +280,7 @@ def _refuse_unconverted(model: nn.Module, folder: Path, model_type: str) -> None
     """Our loader reads tensors under the model's own names only: refuse a checkpoint whose keys transformers would
     rename or fuse on load (the hub's Mixtral experts, GPT-NeoX's embed_out). Decided by the folder's names (its
     index or header), not the class: a folder already under the model's names (our own export) needs none."""
-    if has_conversions(model) and (name := unconverted(model, folder)):
+    if name := unconverted(model, folder):
         raise ConfigError(f"model.pretrained: this {model_type} checkpoint's tensor names (e.g. {name!r}) need key "
                           f"conversions on load (transformers.conversion_mapping renames or fuses them), which "
                           f"framework's sliced loader does not apply; load it with "

@@ -24,7 +24,7 @@ from torch import nn
 from framework.comm.distributed import agree
 from framework.core import files
 from framework.core.errors import ConfigError
-from framework.models.hf import (checkpoint_names, converted, has_conversions, is_hf_model, tokenizer_files,
+from framework.models.hf import (checkpoint_names, converted, is_hf_model, tokenizer_files,
                                  write_tokenizer_files)
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
@@ -178,7 +178,7 @@ def _chosen(src: WeightsSource, strict: bool, tgts: list[Target], module: nn.Mod
                  ("mismatched", mismatched)) if names]
     if problems:
         # (a checkpoint under the hub's names of a model transformers converts on load: GPT-NeoX's embed_out)
-        convert = strict and is_hf_model(inner) and has_conversions(inner) and converted(inner, unexpected)
+        convert = strict and is_hf_model(inner) and converted(inner, unexpected)
         raise ConfigError(f"load_weights: {src.where} does not fit this model: " + "; ".join(problems)
                           + ("" if strict or not mismatched else " (strict=False skips only missing/unexpected)")
                           + ("; its tensor names need the key conversions transformers applies on load "
