@@ -132,11 +132,11 @@ class Checkpointer:
             losses = body.get("recent_losses")   # (none in a checkpoint of an older version)
             self.recent_losses = [x for x in losses if isinstance(x, (int, float)) and not isinstance(x, bool)] \
                 if isinstance(losses, list) else []
-            diff = changed(body["config"], self.config, values=True)
-            if body["dynamic_loss_scale"] is True and self.config["precision"].get("loss_scale") == 0:
-                # (a dynamic scale goes on from the saved one: a new initial scale is not used)
-                diff = [f"{d} (the saved scale {state.precision.cur_scale:g} carries on)"
-                        if d.startswith("precision.initial_scale_power ") else d for d in diff]
+            # (a dynamic scale goes on from the saved one: a new initial scale is not used)
+            goes_on = body["dynamic_loss_scale"] is True and self.config["precision"].get("loss_scale") == 0
+            diff = changed(body["config"], self.config, values=True, notes={
+                "precision.initial_scale_power": f"the saved scale {state.precision.cur_scale:g} carries on"}
+                if goes_on else None)
             batch = self.batch_from_config and batch_change(body["config"], body["world"], self.config,
                                                             self.group.world)
             data = data_change(body.get("data_identity"), self.data)   # (another vocabulary: refused by load)

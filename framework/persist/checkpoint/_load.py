@@ -99,19 +99,21 @@ def other_job(saved: dict, mine: dict) -> list[tuple[str, str]]:
 _UNLISTED = {"dist.nproc", "offload.nvme_path"}
 
 
-def changed(a: dict, b: dict, prefix: str = "", values: bool = False) -> list[str]:
+def changed(a: dict, b: dict, prefix: str = "", values: bool = False, notes: dict | None = None) -> list[str]:
     """The dotted keys that differ between two config dicts (checkpoint.* and ``_UNLISTED`` aside); a group chosen
     anew is one entry, ``offload none->cpu``; ``values``: each key with its old and new value, ``optimizer.lr
-    0.001->0.0005`` (a relaunch with ``resume=auto`` may not recall the old one)."""
-    out = []
+    0.001->0.0005`` (a relaunch with ``resume=auto`` may not recall the old one); ``notes``: a dotted key -> the
+    note in brackets after its entry where it differs."""
+    out, notes = [], notes or {}
     for k in sorted(set(a) | set(b)):
-        x, y = a.get(k), b.get(k)
+        x, y, key = a.get(k), b.get(k), f"{prefix}{k}"
         if isinstance(x, dict) and isinstance(y, dict) and x.get("name") != y.get("name"):
-            out.append(f"{prefix}{k} {x.get('name')}->{y.get('name')}")
+            out.append(f"{key} {x.get('name')}->{y.get('name')}")
         elif isinstance(x, dict) and isinstance(y, dict):
-            out += changed(x, y, f"{prefix}{k}.", values)
-        elif x != y and not (prefix == "checkpoint." or f"{prefix}{k}" in _UNLISTED):
-            out.append(f"{prefix}{k} {_shown(x)}->{_shown(y)}" if values else f"{prefix}{k}")
+            out += changed(x, y, f"{key}.", values, notes)
+        elif x != y and not (prefix == "checkpoint." or key in _UNLISTED):
+            out.append((f"{key} {_shown(x)}->{_shown(y)}" if values else key)
+                       + (f" ({notes[key]})" if key in notes else ""))
     return out
 
 
