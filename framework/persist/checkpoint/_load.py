@@ -314,14 +314,8 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, way: str, same
             raise ConfigError(f"checkpoint.resume={same[1] if same else folder}: {folder} was saved with other data: "
                               f"the vocabulary of {data['path']} changed ({change[0]}), so its token ids now stand "
                               f"for other characters; restore the data file it was saved with to resume, or {way}")
-        try:   # names a parameter whose shape differs
-            _fits(c, folder, body, md, layout, per, scalars, whole, way, named)
-        except _OtherShape as e:   # (the data change explains it only where the vocabulary's dimension differs)
-            other = same and isinstance(body["config"], dict) and _other_data(body["config"], same[0])
-            if not other or not _in_vocab(e.saved, e.mine, c.module):
-                raise
-            raise ConfigError(f"{str(e).removesuffix(f'; {way}')} ({other[0]}: the data sets the model's vocabulary); "
-                              f"resume with {other[1]}, or {way}") from None
+        other = same and isinstance(body["config"], dict) and _other_data(body["config"], same[0])
+        _fits(c, folder, body, md, layout, per, scalars, whole, way, named, other)   # names a shape that differs
         if same is not None and isinstance(body["config"], dict):
             same_run(folder, body["config"], *same, body.get("model_config"), architecture(c.module), way=way)
         return body, md
@@ -425,9 +419,10 @@ def _state_change(opt: dict, per: dict, scalars: dict) -> tuple[list[str], list[
 
 
 def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict,
-          whole: dict[str, torch.Tensor], way: str, named: bool) -> None:
+          whole: dict[str, torch.Tensor], way: str, named: bool, other: tuple[str, str] | None) -> None:
     """ConfigError for another model or optimizer; CheckpointError when the files lack what the train state names.
-    ``named``: the saved config names this optimizer, so other state is another setting of it (SGD's momentum)."""
+    ``named``: the saved config names this optimizer, so other state is another setting of it (SGD's momentum);
+    ``other``: ``_other_data``'s, to explain a shape that differs in the vocabulary's dimension."""
     opt = body["optimizer"]
     if not named and any(_state_change(opt, per, scalars)):
         theirs = sorted(opt["keys"][k] for k in [*opt["per_element"], *opt["scalars"]])
@@ -439,12 +434,12 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
     _same_trainable(folder, trainable, saved, md.state_dict_metadata, whole, way)
     _same_names(folder, trainable, saved, way, "parameters ")
     for p in layout.params.values():
-        _same_shape(folder, f"parameter {p.name!r}", saved[p.name], p.shape, way)
+        _same_shape(folder, f"parameter {p.name!r}", saved[p.name], p.shape, way, other, c.module)
     kept = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if k.startswith(("buffer.", "frozen."))}
     if kept:
         _same_names(folder, whole, kept, way)
     for k in kept:
-        _same_shape(folder, repr(k), kept[k], tuple(whole[k].shape), way)
+        _same_shape(folder, repr(k), kept[k], tuple(whole[k].shape), way, other, c.module)
     wanted = [dcp_key(key, n, opt["keys"]) for n in layout.params
               for key in ("master", *(k for k in per if k in opt["per_element"]))]
     absent = sorted(set(wanted) - set(md.state_dict_metadata))
@@ -480,12 +475,6 @@ def _same_names(folder: Path, mine, saved, way: str, what: str = "") -> None:
         raise ConfigError(f"checkpoint {folder} does not fit this model: " + "; ".join(parts) + f"; {way}")
 
 
-class _OtherShape(ConfigError):
-    def __init__(self, message: str, saved: tuple, mine: tuple):   # (the shapes: saved, this model's)
-        super().__init__(message)
-        self.saved, self.mine = saved, mine
-
-
 def _in_vocab(saved: tuple, mine: tuple, module) -> bool:
     """Whether the shapes differ in one dimension alone, in ``mine`` the model's vocabulary (input embedding rows)."""
     try:
@@ -496,7 +485,11 @@ def _in_vocab(saved: tuple, mine: tuple, module) -> bool:
     return len(saved) == len(mine) and len(differ) == 1 and mine[differ[0]] == rows
 
 
-def _same_shape(folder: Path, what: str, saved: tuple, mine: tuple, way: str) -> None:
-    if saved != mine:
-        raise _OtherShape(f"checkpoint {folder}: {what} has shape {saved} in the checkpoint but {mine} in this model"
-                          f"; {way}", tuple(saved), tuple(mine))
+def _same_shape(folder: Path, what: str, saved: tuple, mine: tuple, way: str, other: tuple[str, str] | None,
+                module) -> None:
+    if saved == mine:
+        return
+    # (the data change explains it only where the vocabulary's dimension differs)
+    how = (f" ({other[0]}: the data sets the model's vocabulary); resume with {other[1]}, or {way}"
+           if other and _in_vocab(tuple(saved), tuple(mine), module) else f"; {way}")
+    raise ConfigError(f"checkpoint {folder}: {what} has shape {saved} in the checkpoint but {mine} in this model{how}")
