@@ -81,6 +81,10 @@ class Scan:
     def dtype(self) -> type:
         return np.uint8 if len(self.points) <= 1 << 8 else np.uint16 if len(self.points) <= 1 << 16 else np.int32
 
+    def check_splits(self, context: int) -> None:
+        """``check_splits`` of the file's training and held-out splits for a model of ``context``."""
+        check_splits(f"text {self.path}", {"train": self.split, "val": self.count - self.split}, context)
+
 
 def scan_chars(source: str) -> Scan:
     """The characters of the UTF-8 file ``source`` (one read, no encoding)."""
@@ -134,7 +138,7 @@ def prepare_chars(source: str, out: Path, *, context: int | None = None) -> dict
         raise DataError(f"{path} has {len(scan.points)} distinct characters, more than the 65536 uint16 token ids "
                         f"of a token file hold; train on the text itself: data=text data.path={path}")
     if context is not None:
-        check_splits(f"text {path}", {"train": scan.split, "val": scan.count - scan.split}, context)
+        scan.check_splits(context)
     if out.is_dir():
         raise DataError(f"--out {out} is a folder; give the token file to write, e.g. --out {out / 'tokens.bin'}")
     if out.exists():
@@ -208,7 +212,7 @@ class TextSource(CropSource):
 def _vocab(cfg: TextConfig, *, seed: int, context: int) -> int:
     """The vocabulary ``TextSource`` would have, from one read of the characters (estimate and plan need no ids)."""
     scan = scan_chars(cfg.path)
-    check_splits(f"text {scan.path}", {"train": scan.split, "val": scan.count - scan.split}, context)
+    scan.check_splits(context)
     return len(scan.points)
 
 
