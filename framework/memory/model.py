@@ -278,19 +278,20 @@ def build_vocab(cfg, overrides: list[str]) -> tuple[int, str]:
 
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             traces: dict | None = None, loss_fn=None, context: int | None = None,
-            device: str | None = None, batch=None, rank: int = 0) -> Prediction:
+            device: str | None = None, batch=None, rank: int = 0, policy=None) -> Prediction:
     """Per-rank memory of training ``cfg`` on ``world`` ranks. ``module``: a model built on meta, traced
     with ``loss_fn(module, batch)``: ``batch`` is one micro batch as ``loss_fn`` takes it (its tensors are
     moved to meta), by default token ids ``(x, x)`` of ``[train.micro_batch, context]``; ``traces``: reused
     activation traces (the planner's sweep); ``device``: trace attention only as "cpu" or "cuda" runs it
-    (default: both); ``rank``: whose share (by default 0's, the largest: padding lies at the ends)."""
+    (default: both); ``rank``: whose share (by default 0's, the largest: padding lies at the ends); ``policy``:
+    ``cfg``'s precision, if built already (the planner's sweep)."""
     world = world or cfg.dist.nproc
     if not 0 <= rank < world:   # (else read as all padding, or all real: a wrong share, silently)
         raise ConfigError(f"predict: rank {rank} is not in 0..{world - 1} (world {world}); give a rank below the world")
     model = component(cfg, "model")
     # By default the configured model's loss, as training computes it (and its checkpointing key in force).
     own_loss, loss_fn = loss_fn is None, loss_fn or model.trace_loss or model.loss
-    policy = component(cfg, "precision").build(cfg.precision)
+    policy = policy or component(cfg, "precision").build(cfg.precision)
     notes = []
     if module is None:   # as training builds it: at the data's vocabulary (unless the model keeps its own)
         with torch.device("meta"):

@@ -102,10 +102,10 @@ def parse_bytes(text: str) -> int:
 
 # --- the roofline --------------------------------------------------------------------------------
 
-def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> dict[str, float]:
-    """Seconds per optimizer step on one rank, by phase."""
+def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int, policy=None) -> dict[str, float]:
+    """Seconds per optimizer step on one rank, by phase (``policy``: ``cfg``'s precision, if built already)."""
     m = cfg.model
-    policy = component(cfg, "precision").build(cfg.precision)
+    policy = policy or component(cfg, "precision").build(cfg.precision)
     n, w, red = hw.ranks, policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
     tokens = cand.micro_batch * m.context
     # 6 flops per parameter and token for forward + backward (2 + 4), 8 with the forward recomputed;
@@ -247,6 +247,7 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
     launcher = process + TRACKER_BYTES if hw.ranks > 1 else 0
     traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
     modules: dict = {}   # meta models by model config and working dtype
+    policies: dict = {}   # precision policies by precision config
     out = []
     cands = candidates(cfg, hw, own)
     composed = compose_setups(base, cands) if composed is None else composed   # one compose per stage and offload
@@ -257,7 +258,9 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
             continue
         ccfg = replace(c, train=replace(c.train, micro_batch=cand.micro_batch, grad_accum=cand.grad_accum),
                        model=replace(c.model, activation_checkpointing=cand.checkpointing))
-        dtype = component(ccfg, "precision").build(ccfg.precision).param_dtype
+        if (policy := policies.get(ccfg.precision)) is None:
+            policy = policies[ccfg.precision] = component(ccfg, "precision").build(ccfg.precision)
+        dtype = policy.param_dtype
         if (module := modules.get((ccfg.model, dtype))) is None:
             with torch.device("meta"):
                 module = component(ccfg, "model").build(ccfg.model, vocab_size=vocab)
@@ -265,7 +268,7 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
             # changes nothing: each then reads it as built.
             if all(t.dtype == dtype for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()):
                 modules[(ccfg.model, dtype)] = module
-        pred = predict(ccfg, hw.ranks, module=module, traces=traces, device="cuda" if cuda else "cpu")
+        pred = predict(ccfg, hw.ranks, module=module, traces=traces, device="cuda" if cuda else "cpu", policy=policy)
         # On a CPU-only machine the host is the device: a rank's peak is all of its process.
         rank_held = rank_base + (probe.get("checkpointing_rss_bytes", 0) if cand.checkpointing else 0)
         device_peak = pred.device_peak(cuda) if cuda else pred.peak + rank_held
@@ -274,7 +277,7 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
                  "disk": (sum(pred.disk.values()) * hw.ranks, hw.nvme)}
         over = max(n / limit if limit else float("inf") if n else 0.0 for n, limit in needs.values())
         why = ", ".join(f"{k} {units.size(n)} > {units.size(limit)}" for k, (n, limit) in needs.items() if n > limit)
-        out.append(Planned(cand, step_time(ccfg, cand, hw, probe, pred.params), device_peak, host, why, over))
+        out.append(Planned(cand, step_time(ccfg, cand, hw, probe, pred.params, policy), device_peak, host, why, over))
     out.sort(key=lambda p: (not p.fits, p.time["total"], p.cand.guide_rank, p.cand.checkpointing,
                             -p.cand.micro_batch))
     return out
