@@ -108,14 +108,13 @@ class BaseStage:
                 # nor of a tensor's in-place write counter, a Python int read with no device access)
                 for a, p in m._parameters.items():
                     owners.setdefault(id(p), []).append((m, a))
-            self.watched = tuple((n, p, p._version, tuple(owners[id(p)]))
-                                 for n, p in self.module.named_parameters() if p.requires_grad)
-            self.frozen = tuple((n, p, tuple(owners[id(p)]))
-                                for n, p in self.module.named_parameters() if not p.requires_grad)
+            named = list(self.module.named_parameters())
+            self.watched = tuple((n, p, p._version, tuple(owners[id(p)])) for n, p in named if p.requires_grad)
+            self.frozen = tuple((n, p, tuple(owners[id(p)])) for n, p in named if not p.requires_grad)
             # (an alias of each view: the stage's buffers, which live as long as the stage, hold no more memory;
             # frozen parameters and the module's buffers too, so that a discard puts back all that module.half()
             # or .to() cast, not only what is checked)
-            self.bound = tuple((p, p.data) for p in self.module.parameters() if self.fixed_views or not p.requires_grad)
+            self.bound = tuple((p, p.data) for _, p in named if self.fixed_views or not p.requires_grad)
             self.views = {id(p): view for p, view in self.bound}
             self.bound_buffers = tuple((m, a, t) for m in self.module.modules() for a, t in m._buffers.items()
                                        if t is not None)
