@@ -34,6 +34,7 @@ from framework.cli import RANK_NAMES, run_command
 from framework.config import compose, override_key
 from framework.config.checks import KEY_ALIASES, writable
 from framework.config.plainconf import check_delete, library_line, load_yaml, parse, set_key, typed
+from framework.core import files
 from framework.core.errors import ConfigError, FrameworkError, typed_line
 from framework.core.registry import closest_hint, registry
 from framework.core.units import GiB, MiB
@@ -145,12 +146,15 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
     except ImportError:   # (the GPU image: no Hydra) read as the plain composer reads a preset
         return _plain_yaml_model(path, model_keys, fields)
     try:
+        files.parse_yaml(path.read_text())   # (an alias bomb refused before OmegaConf expands it)
         schema = writable(OmegaConf.structured(GPTConfig), GPTConfig)   # (the overrides go into it)
         node = OmegaConf.merge(schema, OmegaConf.load(path))
     except YAMLError as e:
         raise ConfigError(f"estimate: {path} is not YAML: {' '.join(str(e).split())}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"estimate: {path} is not a GPT model config: {_omega_error(e)}") from None
+    except ValueError as e:   # (parse_yaml's: OmegaConf's ValueErrors are caught above)
+        raise ConfigError(f"estimate: {path}: {e}") from None
     for o in model_keys:
         key, _, text = o.partition("=")
         name = _model_key(o, fields)
@@ -174,6 +178,8 @@ def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> G
         node = load_yaml(path)
     except YAMLError as e:
         raise ConfigError(f"estimate: {path} is not YAML: {' '.join(str(e).split())}") from None
+    except ConfigError as e:
+        raise ConfigError(f"estimate: {str(e).removeprefix('config: ')}") from None
     except (TypeError, ValueError):
         raise ConfigError(f"estimate: {path} is not a GPT model config: not a mapping of keys") from None
     for key in node:

@@ -81,9 +81,11 @@ def find(name: str) -> Recipe:
         if not (d / f).is_file():
             raise RecipeError(f"recipe {d} has no {f}")
     try:
-        spec = yaml.safe_load((d / "recipe.yaml").read_text()) or {}
+        spec = files.parse_yaml((d / "recipe.yaml").read_text()) or {}
     except yaml.YAMLError as e:
         raise RecipeError(f"{d / 'recipe.yaml'} is not valid YAML ({' '.join(str(e).split())})") from None
+    except ValueError as e:
+        raise RecipeError(f"{d / 'recipe.yaml'}: {e}") from None
     if not isinstance(spec, dict):
         raise RecipeError(f"{d / 'recipe.yaml'} is not a mapping (runs:, quick:, ...) but a {type(spec).__name__}")
 

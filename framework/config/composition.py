@@ -42,6 +42,7 @@ def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
     if not have_hydra():
         return plainconf.plain_composer(overrides, config_dir=config_dir, config_name=config_name)
     primary, overrides, merged = search_order(config_dir, config_name, overrides)
+    plainconf.check_aliases(primary, overrides + merged)
     return _hydra_compose(config_name, overrides + merged, primary)
 
 

@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from framework.core import files
 from framework.core.errors import ConfigError
 from framework.core.registry import GROUPS, closest, closest_hint, registry
 from framework.config.schema import DEFAULT_STAGE
@@ -154,9 +155,33 @@ def _split(inner: str) -> list[str]:
 
 
 def load_yaml(path: Path) -> dict:
-    import yaml  # (PyYAML: a core dependency; here only where a config is composed without Hydra)
+    text = path.read_text(encoding="utf-8")
+    try:
+        node = files.parse_yaml(text)
+    except ValueError as e:   # (an alias bomb: yaml.YAMLError, not a ValueError, is the callers' to word)
+        raise ConfigError(f"config: {path}: {e}") from None
+    return dict(node or {})
 
-    return dict(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+
+def check_aliases(primary: str, overrides: list[str]) -> None:
+    """Refuse an alias bomb (``load_yaml``'s line) in the YAML of the folders Hydra will search, but conf/ (the
+    package's own): each ``*.yaml`` of the primary folder and the ``file://`` entries of ``hydra.searchpath=[...]``
+    overrides, and of their group folders. Read here, first: Hydra's own read would expand it for ever."""
+    from framework.core.paths import conf_dir
+
+    given = [s.strip() for o in overrides if override_key(o) == "hydra.searchpath"
+             for s in o.partition("=")[2].strip("[]").split(",")]
+    folders = {Path(f.removeprefix("file://")).resolve() for f in (primary, *given) if "://" not in f or
+               f.startswith("file://")} - {conf_dir().resolve()}
+    for path in (p for f in sorted(folders) for d in (f, *(f / g for g in GROUPS)) for p in sorted(d.glob("*.yaml"))):
+        try:
+            files.parse_yaml(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeError):   # (unreadable: Hydra's read says what is wrong, as for bad YAML below)
+            continue
+        except ValueError as e:
+            raise ConfigError(f"config: {path}: {e}") from None
+        except Exception:  # noqa: BLE001 - yaml.YAMLError, RecursionError: Hydra's read words them
+            continue
 
 
 def no_yaml(group: str, name: str) -> str:

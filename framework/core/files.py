@@ -7,6 +7,7 @@
     write_at(fd, values, offset)                   # a host tensor's bytes at a byte offset (read_into: back)
     fd = lock(folder / "x.lock", busy, what)       # an exclusive flock, held while fd is open
     data = parse_json(path.read_bytes())           # json.loads; too deep a nesting is a ValueError too
+    data = parse_yaml(path.read_text())            # yaml.safe_load; an alias bomb is a ValueError
 
 In a folder others may write to (a shared scratch disk) a planted link would make a plain ``open``
 overwrite its target: every open here refuses a link in the final component (``UnsafePathError``).
@@ -265,6 +266,39 @@ def parse_json(text: str | bytes, **kwargs) -> object:
         return json.loads(text, **kwargs)
     except RecursionError:
         raise ValueError("nested too deeply to parse") from None
+
+
+# Nodes a config file's YAML aliases may add: far past any config's, short of an alias bomb's (nested anchors that
+# each repeat the one before: ten levels of ten are 10**10 nodes), which OmegaConf would expand for ever.
+YAML_ALIAS_NODES = 10_000
+
+
+def parse_yaml(text: str) -> object:
+    """``yaml.safe_load(text)``, raising ``ValueError`` where its aliases would add more than ``YAML_ALIAS_NODES``
+    nodes when expanded (or an alias names a node that holds it): counted on the composed node graph, where each
+    alias is one shared node, in time linear in the text. Other unreadable text raises ``yaml.YAMLError``."""
+    import yaml   # (PyYAML: a core dependency; imported where a config file is read)
+
+    loader = yaml.SafeLoader   # (safe_load's: the values and messages it gives, unchanged)
+    sizes: dict[int, int] = {}   # a node's id -> the nodes it expands to, itself included
+    open_: set[int] = set()
+    stack = [(root, False)] if (root := yaml.compose(text, Loader=loader)) is not None else []
+    while stack:
+        node, done = stack.pop()
+        kids = (node.value if isinstance(node, yaml.SequenceNode) else
+                [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+        if done:
+            open_.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(k)] for k in kids)
+        elif id(node) in open_:
+            raise ValueError("an alias names a node that holds it, which expands for ever; write the values out")
+        elif id(node) not in sizes:
+            open_.add(id(node))
+            stack += [(node, True), *((k, False) for k in kids)]
+    if root is not None and (added := sizes[id(root)] - len(sizes)) > YAML_ALIAS_NODES:
+        raise ValueError(f"its aliases expand to {added:.3g} more nodes (over {YAML_ALIAS_NODES:,}: an alias bomb?); "
+                         f"write the repeated values out or nest fewer aliases")
+    return yaml.load(text, Loader=loader)
 
 
 def probe_writable(folder: os.PathLike | str) -> None:

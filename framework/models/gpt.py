@@ -15,6 +15,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from framework.core import files
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
 from framework.models._base import ModelComponent, name_seed, next_token_loss
@@ -203,8 +204,8 @@ def preset(name: str) -> GPTConfig:
     never at import: a bad preset must not break the runs of every other model."""
     path = conf_dir() / "model" / f"{name}.yaml"
     try:
-        node = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
+        node = files.parse_yaml(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError) as e:
         raise ConfigError(f"{path}: cannot read model preset {name!r}: {' '.join(str(e).split())}") from None
     fields = [f.name for f in dataclasses.fields(GPTConfig)]
     if not isinstance(node, dict):

@@ -173,13 +173,15 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
         if (odd := next((f for f in weight_map.values() if not isinstance(f, str)), None)) is not None:
             raise ConfigError(f"load_weights: {path} is not a safetensors index (its weight_map maps a tensor to "
                               f"{json.dumps(odd)[:40]}, not a shard's file name)")
+        if (out := next((f for f in weight_map.values() if os.path.isabs(f) or ".." in Path(f).parts), None)):
+            raise ConfigError(f"load_weights: {path} names a shard outside its folder ({out!r}); an index names its "
+                              f"shards by file name in its own folder: put the shards there and name them so")
         if any(not f.endswith(".safetensors") for f in weight_map.values()):
             raise ConfigError(f"load_weights: {path} indexes torch .bin shards, which load_weights does not read "
                               f"sharded; convert the checkpoint to safetensors (transformers' from_pretrained, then "
                               f"save_pretrained) and load that")
         shards = {name: path.parent / f for name, f in weight_map.items()}
-        absent = sorted({str(f) for f in shards.values() if not f.is_file()})
-        if absent:
+        if absent := sorted({str(f) for f in shards.values() if not f.is_file()}):
             raise ConfigError(f"load_weights: {path} names shard(s) that do not exist: {few(absent, 20, str)}")
         return WeightsSource(str(path), paths=list(dict.fromkeys(shards.values())), weight_map=shards)
     if path.suffix == ".safetensors":

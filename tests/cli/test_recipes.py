@@ -499,6 +499,10 @@ def test_expected_json_checks_are_validated_before_anything_runs(tmp_path, capsy
 def test_malformed_recipe_files_are_one_line(tmp_path, capsys):
     for i, (files_text, says) in enumerate(((dict(recipe_yaml="runs: [[a\n  b: ]"), "recipe.yaml is not valid YAML"),
                                             (dict(recipe_yaml="- [a]\n"), "not a mapping"),
+                                            (dict(recipe_yaml="runs: &a [" + ",".join(["[x]"] * 200) + "]\n"
+                                                  + "".join(f"r{i}: &r{i} [*{'a' if i == 0 else f'r{i - 1}'}, "
+                                                            f"*{'a' if i == 0 else f'r{i - 1}'}]\n" for i in range(8))),
+                                             "recipe.yaml: its aliases expand to"),
                                             (dict(expected_json="[1]"), "not a JSON object"))):
         d = _recipe_copy(tmp_path / str(i), **files_text)
         _one_line_error(capsys, [str(d), "--quick", "--out", str(tmp_path / "out")], says)

@@ -546,6 +546,35 @@ def test_the_composed_configs_mappings_and_lists_are_frozen_too():
     assert swapped.stage.gather_unit == ("Block", "MLP") and hash(swapped) != hash(cfg)
 
 
+def _alias_bomb(levels: int) -> str:
+    """YAML whose nested anchors each repeat the one before ten times: 10**levels nodes once expanded."""
+    return "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, levels))
+
+
+def test_a_yaml_alias_bomb_is_one_line_before_hydra_expands_it(tmp_path):
+    """Hydra's read (OmegaConf) would expand it for ever: the search path's folders are read first, conf/ aside."""
+    from framework.config.plainconf import load_yaml
+    from framework.core.files import parse_yaml
+
+    (tmp_path / "bomb.yaml").write_text("defaults:\n  - train\n  - _self_\n" + _alias_bomb(5))
+    says = r"its aliases expand to 1\.\d+e\+05 more nodes \(over 10,000: an alias bomb\?\); write the repeated values out"
+    with pytest.raises(ConfigError, match=f"^config: {tmp_path / 'bomb.yaml'}: {says}"):
+        compose([], config_dir=str(tmp_path), config_name="bomb")
+    (tmp_path / "bomb.yaml").unlink()   # in a group folder of a hydra.searchpath folder
+    (tmp_path / "optimizer").mkdir()
+    (tmp_path / "optimizer" / "sgd.yaml").write_text(_alias_bomb(5))
+    with pytest.raises(ConfigError, match=f"^config: {tmp_path / 'optimizer' / 'sgd.yaml'}: {says}"):
+        compose([f"hydra.searchpath=[file://{tmp_path}]", "optimizer=sgd"])
+    with pytest.raises(ConfigError, match=f"^config: {tmp_path / 'optimizer' / 'sgd.yaml'}: {says}"):
+        load_yaml(tmp_path / "optimizer" / "sgd.yaml")   # the composer without Hydra
+    # Aliases that add few nodes read as before; an alias inside its own anchor is refused.
+    assert parse_yaml("a: &x {b: 1}\nc: *x\ne: {<<: *x, f: 2}\n") == {"a": {"b": 1}, "c": {"b": 1}, "e": {"b": 1, "f": 2}}
+    assert parse_yaml(_alias_bomb(3))["a2"][9][9][9] == "x"
+    with pytest.raises(ValueError, match="^an alias names a node that holds it"):
+        parse_yaml("a: &x [1, *x]")
+
+
 def test_a_yaml_value_nested_too_deeply_is_one_line(tmp_path):
     (tmp_path / "deep.yaml").write_text("defaults:\n  - train\n  - _self_\nx: " + "[" * 5000 + "]" * 5000 + "\n")
     with pytest.raises(ConfigError) as e:

@@ -642,6 +642,12 @@ def test_a_resume_refuses_data_whose_ids_changed_meaning_and_says_when_only_its_
     with pytest.raises(ConfigError, match=r"\(saved with data=tokens, this run uses data=synthetic: the data sets the "
                                           r"model's vocabulary\); resume with data=tokens, or use another"):
         _train(dist, ["data.vocab_size=22"], root, resume="auto", steps=K)   # (22 rows: 24 would fit)
+    # 24 rows fit: refused all the same, the saved data position counting batches of the token file
+    with pytest.raises(ConfigError, match=rf"^checkpoint.resume=auto: {tmp_path}/ck/step-{K} was saved with "
+                                          r"data=tokens, this run uses data=synthetic \(its data position counts "
+                                          r"batches of that data, not of this run's\); resume with data=tokens, or "
+                                          r"use another checkpoint.dir to start this run afresh$"):
+        _train(dist, [], root, resume="auto", steps=K)
     text.write_text(words + words[:40])   # more of the same characters
     prepare_chars(str(text), tokens)
     capsys.readouterr()

@@ -173,6 +173,23 @@ def test_plan_files_splits_at_the_limit():
     assert plan_files(tensors, "1GB")[0].name == "model.safetensors"
 
 
+def test_an_index_naming_a_shard_outside_its_folder_is_refused_before_any_shard_is_read(tmp_path):
+    from safetensors.torch import save_file
+    save_file({"a": torch.zeros(2)}, tmp_path / "outside.safetensors")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    index = folder / "model.safetensors.index.json"
+    for name in ("../outside.safetensors", str(tmp_path / "outside.safetensors"), "sub/../../outside.safetensors"):
+        index.write_text(json.dumps({"weight_map": {"a": name}}))
+        with pytest.raises(ConfigError, match=r"names a shard outside its folder .*name them so$"):
+            open_weights(folder)
+    # A shard that is a symlink to elsewhere stays readable: the hub cache's snapshot folders are laid out so.
+    (folder / "s.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    index.write_text(json.dumps({"weight_map": {"a": "s.safetensors"}}))
+    with open_weights(folder) as src:
+        assert list(src.meta) == ["a"]
+
+
 def test_save_weights_single_file_bf16_and_old_outputs_replaced(tmp_path):
     from safetensors.torch import load_file
     engine = _engine("+stage=zero3", "precision=bf16")

@@ -29,8 +29,7 @@ from framework.core.utils import counted, few, under
 _MODEL_FREE = {"activation_checkpointing", "attn_implementation", "dropout", "pretrained"}
 # model=hf: also the sequence length (build keeps it within the model's positions) and, where the checkpoint
 # recorded the resolved config (``architecture``, compared instead), the path of the file it was read from.
-_HF_FREE = {"context"}
-_HF_RECORDED_FREE = {"config"}
+_HF_FREE, _HF_RECORDED_FREE = {"context"}, {"config"}
 
 
 def saves_among(folder: Path, root: Path, every: int) -> bool:
@@ -68,6 +67,9 @@ def same_run(folder: Path, saved: dict, mine: dict, resume: str, recorded=None, 
         what = ", ".join(f"{k} {a!r} vs {b!r}" for k, a, b in diffs[:4])
         raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved by another model ({whose}{what}; saved vs "
                           f"this run); {way}")
+    if (other := _other_data(saved, mine)) and other[1].startswith("data="):   # (not another data.vocab_size)
+        raise ConfigError(f"checkpoint.resume={resume}: {folder} was {other[0]} (its data position counts batches of "
+                          f"that data, not of this run's); resume with {other[1]}, or {way}")
     same_optimizer(folder, saved, mine, resume, way=way)
 
 
@@ -226,8 +228,7 @@ def verify(folder: Path, group: Group | None = None, resume: bool = False) -> di
     if newer := next((p for n, p in found if n == _NEWER), None):
         raise on_every_rank(stepfolders.NewerVersion(newer))   # (its advice: the caller's)
     unread = sorted(n for n, _ in found if resume and n.startswith(copy16))
-    bad = sorted(p for n, p in found if n not in unread)
-    if bad:
+    if bad := sorted(p for n, p in found if n not in unread):
         raise on_every_rank(CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(bad)))   # (all found it)
     if unread and rank == 0:
         gone = [n for n in unread if not (folder / n).exists()]
@@ -435,15 +436,13 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
     _same_names(folder, trainable, saved, way, "parameters ")
     for p in layout.params.values():
         _same_shape(folder, f"parameter {p.name!r}", saved[p.name], p.shape, way, other, c.module)
-    kept = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if k.startswith(("buffer.", "frozen."))}
-    if kept:
+    if kept := {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if k.startswith(("buffer.", "frozen."))}:
         _same_names(folder, whole, kept, way)
     for k in kept:
         _same_shape(folder, repr(k), kept[k], tuple(whole[k].shape), way, other, c.module)
     wanted = [dcp_key(key, n, opt["keys"]) for n in layout.params
               for key in ("master", *(k for k in per if k in opt["per_element"]))]
-    absent = sorted(set(wanted) - set(md.state_dict_metadata))
-    if absent:
+    if absent := sorted(set(wanted) - set(md.state_dict_metadata)):
         raise CheckpointError(f"checkpoint {folder}: the DCP files lack {few(absent)}")
 
 
