@@ -558,7 +558,8 @@ def test_a_yaml_alias_bomb_is_one_line_before_hydra_expands_it(tmp_path):
     from framework.core.files import parse_yaml
 
     (tmp_path / "bomb.yaml").write_text("defaults:\n  - train\n  - _self_\n" + _alias_bomb(5))
-    says = r"its aliases expand to 1\.\d+e\+05 more nodes \(over 10,000: an alias bomb\?\); write the repeated values out"
+    says = (r"its aliases expand to 1\.\d+e\+05 more nodes \(over 10,000: an alias bomb\?\); "
+            r"write the repeated values out")
     with pytest.raises(ConfigError, match=f"^config: {tmp_path / 'bomb.yaml'}: {says}"):
         compose([], config_dir=str(tmp_path), config_name="bomb")
     (tmp_path / "bomb.yaml").unlink()   # in a group folder of a hydra.searchpath folder
@@ -569,7 +570,8 @@ def test_a_yaml_alias_bomb_is_one_line_before_hydra_expands_it(tmp_path):
     with pytest.raises(ConfigError, match=f"^config: {tmp_path / 'optimizer' / 'sgd.yaml'}: {says}"):
         load_yaml(tmp_path / "optimizer" / "sgd.yaml")   # the composer without Hydra
     # Aliases that add few nodes read as before; an alias inside its own anchor is refused.
-    assert parse_yaml("a: &x {b: 1}\nc: *x\ne: {<<: *x, f: 2}\n") == {"a": {"b": 1}, "c": {"b": 1}, "e": {"b": 1, "f": 2}}
+    assert parse_yaml("a: &x {b: 1}\nc: *x\ne: {<<: *x, f: 2}\n") == {
+        "a": {"b": 1}, "c": {"b": 1}, "e": {"b": 1, "f": 2}}
     assert parse_yaml(_alias_bomb(3))["a2"][9][9][9] == "x"
     with pytest.raises(ValueError, match="^an alias names a node that holds it"):
         parse_yaml("a: &x [1, *x]")
