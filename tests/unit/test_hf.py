@@ -77,6 +77,32 @@ def test_conv1d_initialised_by_its_constructor_alone_materialises(tmp_path):
     assert math.isfinite(m["loss"])
 
 
+def test_xlnet_parameters_of_legacy_constructors_follow_its_init_not_memory(tmp_path):
+    """XLNet makes mask_emb and its attention tensors with nn.Parameter(torch.FloatTensor(...)), which ignores the
+    meta device: under zero_init they go on meta all the same and get its _init_weights' N(0, initializer_range),
+    as in transformers' own construction on the CPU, not whatever memory held (NaN at step 1, or finite garbage)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = dict(model_type="xlnet", vocab_size=96, d_model=32, n_layer=1, n_head=2, d_inner=64, attn_type="uni")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    legacy = ["transformer.mask_emb", *(f"transformer.layer.0.rel_attn.{k}" for k in
+                                        ("q", "k", "v", "o", "r", "r_r_bias", "r_s_bias", "r_w_bias", "seg_embed"))]
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw))   # the rule: std 0.02 (initializer_range)
+    assert eager.get_parameter(legacy[1]).std().item() == pytest.approx(0.02, rel=0.15)
+    for stage in ("zero2", "zero3"):
+        cfg = hf_cfg(tmp_path / "config.json", "model.attn_implementation=eager", f"+stage={stage}")
+        model, data = build(cfg)
+        with framework.initialize(model, causal_lm_loss, cfg) as engine:
+            if stage == "zero2":
+                for n in legacy:
+                    t = model.get_parameter(n)
+                    assert 0.01 < t.std().item() < 0.04 and t.abs().max().item() < 0.2, (n, t.std(), t.abs().max())
+                assert model.get_parameter(legacy[1]).std().item() == pytest.approx(0.02, rel=0.15)
+            _, m = engine.train_step(engine.state, data.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1))
+        assert math.isfinite(m["loss"]) and m["loss"] < 6, m   # ln(96) = 4.56 at init
+
+
 def test_meta_buffers_equal_eager_construction(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 

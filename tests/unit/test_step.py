@@ -261,6 +261,35 @@ def test_model_built_on_meta_gets_the_same_values():
     assert engine.components.module.lm_head is None   # still tied: the head is the embedding
 
 
+class _LegacyParameters(nn.Module):
+    """Parameters made by constructors that ignore the default device (meta under zero_init): real, uninitialised."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.FloatTensor(5, 7))
+        self.b = nn.Parameter(torch.empty(7, device="cpu"), requires_grad=False)
+        self.lin = nn.Linear(7, 1)
+
+    def init_parameter(self, name, t):
+        t.fill_(len(name) / 10)
+
+    def forward(self, x):
+        return self.lin(x @ self.a + self.b)
+
+
+def test_zero_init_puts_parameters_made_on_a_real_device_on_meta_for_the_models_init():
+    with framework.zero_init():
+        model = _LegacyParameters()
+    assert all(p.is_meta for p in model.parameters()) and not model.b.requires_grad
+    real = _LegacyParameters()   # outside the block: left as made
+    assert not any(p.is_meta for p in real.parameters())
+    with framework.initialize(model, mse, framework.compose(["logger=none"])) as engine:
+        for name, p in model.named_parameters():
+            assert torch.all(p == len(name) / 10), (name, p)
+        _, m = engine.train_step(engine.state, Batch(((torch.ones(4, 5), torch.ones(4, 1)),)))
+    assert math.isfinite(m["loss"])
+
+
 def _sq_norm_bound(tensors, lam: float = 8.0) -> float:
     """Relative error bound of ``sq_norm`` on CPU tensors, from an error analysis that holds for
     ANY order of the fp32 additions (the SIMD width, and with it the order, differs by CPU).
