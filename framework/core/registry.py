@@ -134,17 +134,24 @@ def registry(group: str) -> Registry:
     defined_by: dict[str, str] = {}   # name -> the module defining it
     check = getattr(package, "check_entry", None)
 
-    def add(found: dict[str, Component], source: str, where: str, yaml: str) -> None:
+    def add(found: dict[str, Component], source: str, where: str, yaml: str, point: EntryPoint | None = None) -> None:
         for name, component in found.items():
             # (a second module's entry would silently replace the first for every run choosing that name)
             if name in defined_by:
                 raise ConfigError(f"{group} {name!r} is defined by both {defined_by[name]} and {where}: rename one "
                                   f"(and its YAML file {yaml}{group}/{name}.yaml)")
             defined_by[name] = source
-            _check_build(group, source, name, component)
-            _check_frozen(group, source, name, component.config)
-            if check is not None:
-                check(source, name, component)
+            try:
+                _check_build(group, source, name, component)
+                _check_frozen(group, source, name, component.config)
+                if check is not None:
+                    check(source, name, component)
+            except ConfigError as e:
+                if point is None:
+                    raise
+                # checked like a built-in, so it stops runs that never choose it: say whose it is and the way out
+                raise ConfigError(f"{e} ({name!r} is an entry point of {_owner(point)}, read by every run: fix it "
+                                  f"there, or {_uninstall(point)})") from None
         entries.update(found)
 
     for info in pkgutil.iter_modules(package.__path__):
@@ -153,7 +160,7 @@ def registry(group: str) -> Registry:
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         add(components_of(module, info.name), module.__name__, module.__name__, "conf/")
     for point in entry_points(group=f"framework.{group}"):   # other packages' components (see above)
-        add(_plugin(group, point), point.value, f"{point.value} (entry point of {_owner(point)})", "")
+        add(_plugin(group, point), point.value, f"{point.value} (entry point of {_owner(point)})", "", point)
     return Registry(group, MappingProxyType(entries), getattr(package, "UNKNOWN_HINT", ""))
 
 
@@ -176,6 +183,10 @@ def _plugin(group: str, point: EntryPoint) -> dict[str, Component]:
 
 def _owner(point: EntryPoint) -> str:
     return f"package {point.dist.name}" if point.dist is not None else "an installed package"
+
+
+def _uninstall(point: EntryPoint) -> str:
+    return f"pip uninstall {point.dist.name}" if point.dist is not None else "uninstall that package"
 
 
 def _check_build(group: str, module_name: str, name: str, component: Component) -> None:

@@ -145,7 +145,7 @@ class Gatherer:
                 "runs the one backward pass per micro batch, and no other may run on the module's output")
         if not self.in_backward:
             self.in_backward = True
-            for u in self.units:
+            for u in self.all_units:
                 u.arrived, u.reduced = set(), False
             # (private, with no public equal: a callback once the whole backward has run, as torch's FSDP registers it)
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -165,13 +165,11 @@ class Gatherer:
             raise sparse_gradient("zero3", p.zero3_names[0])
         if p.grad.numel() != p.logical_shape.numel():   # (metadata only: no host sync)
             raise TrainingError(read_hint(p, f"its gradient has {p.grad.numel()} elements"))
+        if id(p) in unit.arrived:
+            raise late_gradient(f"zero3: {p.zero3_names[0]!r} (unit {unit.name!r})")
+        unit.arrived.add(id(p))
         if unit is self.persistent:
             return  # reduced once at the end of backward
-        if id(p) in unit.arrived:
-            if unit.reduced:
-                raise late_gradient(f"zero3: a parameter of unit {unit.name!r}", "the unit")
-            return  # accumulated again before the unit was reduced: nothing is lost
-        unit.arrived.add(id(p))
         # (counted per group: ``unit.params`` builds a list, once per gradient would be quadratic)
         if unit.in_backward and len(unit.arrived) == sum(len(g.params) for g in unit.groups):
             self._reduce(unit)

@@ -162,11 +162,12 @@ def check_no_grads(entries: list[Entry], stage: str) -> None:
             f"backward pass, or take gradients with torch.autograd.grad(out, inputs), which leaves .grad alone")
 
 
-def late_gradient(who: str, reduced: str) -> TrainingError:
-    """A gradient arrived after ``reduced`` went to its owners: it would be lost."""
-    return TrainingError(f"{who} received a second gradient in one backward pass after {reduced} was reduced "
-                         f"(a weight used in two segments of reentrant activation checkpointing?); "
-                         f"use torch.utils.checkpoint with use_reentrant=False")
+def late_gradient(who: str) -> TrainingError:
+    """A second gradient in one backward pass. Refused at every stage, world size and bucket layout (with
+    bucketed reduction it may arrive after its bucket went out, and be lost), so a one-process test finds it."""
+    return TrainingError(f"{who} received a second gradient in one backward pass (a weight used in two segments "
+                         f"of reentrant activation checkpointing?); use torch.utils.checkpoint with "
+                         f"use_reentrant=False")
 
 
 def sparse_gradient(stage: str, name: str) -> TrainingError:
@@ -224,8 +225,9 @@ class FlatGrads:
         self.work: list = []   # (bucket, pending, wire buffer or None, micro batches divided out) of launched buckets
         self.abandoned: list | None = None   # those of an interrupted pass, not waited for
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.entries], stage)
-        self.hook_handles = (self.launcher.attach([p for p, _ in self.entries], dist.acc)
-                             if dist.world > 1 and overlap else [])
+        self.overlap = dist.world > 1 and overlap
+        # attached at every world size: a second gradient is refused as under overlap (a Python call, no sync)
+        self.hook_handles = self.launcher.attach([p for p, _ in self.entries], dist.acc)
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         """One micro batch's backward into the bound views; ``sync``: the step's last one. Gradients
@@ -233,8 +235,7 @@ class FlatGrads:
         check_no_grads(self.entries, self.stage)
         for (p, _), v in zip(self.entries, self.views):
             p.grad = v
-        if sync and self.dist.world > 1:
-            self.launcher.arm()
+        self.launcher.arm(launch=sync and self.overlap)
         try:
             backward_or_reset(lambda: (loss / self.dist.world).backward(), self.abort_backward, self.stage)
         finally:
@@ -333,8 +334,8 @@ class FlatGrads:
 
 class Arrivals:
     """Calls ``launch(bucket index)`` once per armed backward, strictly in bucket order (every rank issues the
-    same collectives), once all the bucket's parameters arrived. Arrival is a per-parameter flag: under
-    reentrant checkpointing a weight can arrive twice, and an arrival after its bucket went out raises."""
+    same collectives), once all the bucket's parameters arrived (only where armed with ``launch``). Arrival is
+    a per-parameter flag: under reentrant checkpointing a weight can arrive twice, which raises."""
 
     def __init__(self, buckets: list[Bucket], launch: Callable[[int], None], names: list[str], stage: str):
         self.buckets, self.run, self.names, self.stage = buckets, launch, names, stage
@@ -342,7 +343,7 @@ class Arrivals:
         for i, b in enumerate(buckets):
             for pid in b.params:
                 self.owners.setdefault(pid, []).append(i)
-        self.armed = False
+        self.armed = self.launching = False
         self.seen: list[bool] = []     # per parameter, whether it arrived in the armed pass
         self.pending: list[int] = []   # per bucket, its parameters yet to arrive
         self.next = len(buckets)  # the next bucket to launch (buckets before it went out); none armed
@@ -352,8 +353,10 @@ class Arrivals:
                                                               f"the {self.stage} gradient hook"))
                 for i, p in enumerate(params)]
 
-    def arm(self) -> None:   # buckets launch as their gradients arrive until disarm()
-        self.armed = True
+    def arm(self, launch: bool = True) -> None:
+        """Arrivals are checked until disarm(); with ``launch`` buckets launch as their gradients arrive, without
+        it all of them at the next flush()."""
+        self.armed, self.launching = True, launch
         self.seen = [False] * len(self.names)
         self.pending = [len(b.params) for b in self.buckets]
         self.next = 0
@@ -369,10 +372,10 @@ class Arrivals:
         if not self.armed:
             return
         if self.seen[pid]:
-            if any(b < self.next for b in self.owners.get(pid, ())):
-                raise late_gradient(f"{self.stage}: {self.names[pid]!r}", "its bucket")
-            return  # accumulated again before its bucket went out: nothing is lost
+            raise late_gradient(f"{self.stage}: {self.names[pid]!r}")
         self.seen[pid] = True
+        if not self.launching:
+            return
         for i in self.owners.get(pid, ()):   # none for a parameter of 0 elements: no bucket holds it
             self.pending[i] -= 1
         self.flush(arrived=True)

@@ -292,10 +292,13 @@ def _bucket_notes(node: ZeroConfig, config) -> list[str]:
     inert = [] if gloo or node.allgather_bucket_size == ZeroConfig.allgather_bucket_size else [   # (its default)
         f"note: stage.allgather_bucket_size={node.allgather_bucket_size} changes nothing on {resolved}: NCCL gathers "
         "the partitions in one in-place call (the key bounds gloo's broadcasts only); drop it"]
+    # the host step goes per reduce bucket share only: said where that bucket is small and a host step runs
+    host = (" (with offload also one host step per reduce_bucket_size / world elements)"
+            if node.reduce_bucket_size < SMALL_BUCKET and config.choices["offload"] != "none" else "")
     return inert + ([f"note: {' and '.join(small)} (elements): one collective per bucket of that many elements, each "
                      f"costing its fixed latency (about a millisecond on gloo) whatever its size: a model of N "
-                     f"parameters makes about N / bucket size of them a micro batch (with offload also one host step "
-                     f"per reduce_bucket_size / world elements); DeepSpeed's default is 500,000,000"] if small else [])
+                     f"parameters makes about N / bucket size of them a micro batch{host}; DeepSpeed's default is "
+                     f"500,000,000"] if small else [])
 
 
 def _zero1_notes(node: ZeroConfig, config) -> list[str]:

@@ -451,7 +451,7 @@ def test_an_installed_packages_entry_point_adds_a_component(tmp_path, monkeypatc
         assert str(e.value) == ("optimizer 'adamw' is defined by both framework.optimizers.adamw and uplug (entry "
                                 "point of package uplug): rename one (and its YAML file optimizer/adamw.yaml)")
         # The registry's own refusal, not "has no code", where the group is named on the command line: for the
-        # broken entry itself (its YAML found) and for a built-in beside it
+        # broken entry itself (its YAML found) and for a built-in beside it, naming the package and the way out
         points.write_text("[framework.optimizer]\nulion3 = uplug:LOOSE\n")
         registry.cache_clear()
         for choice in ("ulion3", "adamw"):
@@ -459,7 +459,8 @@ def test_an_installed_packages_entry_point_adds_a_component(tmp_path, monkeypatc
                 compose([f"optimizer={choice}", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
             assert str(e.value) == ("optimizer 'ulion3' (uplug:LOOSE): its config LooseConfig is not frozen (a "
                                     "composed config is checked once and cannot change after); declare it "
-                                    "@dataclass(frozen=True, kw_only=True)"), str(e.value)
+                                    "@dataclass(frozen=True, kw_only=True) ('ulion3' is an entry point of package "
+                                    "uplug, read by every run: fix it there, or pip uninstall uplug)"), str(e.value)
     finally:
         monkeypatch.undo()
         sys.modules.pop("uplug", None)

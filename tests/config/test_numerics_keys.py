@@ -29,6 +29,12 @@ def test_a_tiny_bucket_gets_one_note():
     said = "note: stage.reduce_bucket_size=20 and stage.allgather_bucket_size=999 (elements): one collective per bucket"
     assert len(cfg.notices) == 1 and cfg.notices[0].startswith(said), cfg.notices
     assert compose([f"+stage={stage}", "stage.reduce_bucket_size=1000"]).notices == ()
+    # the host step per reduce bucket share is named only with offload and a small reduce bucket
+    host = "(with offload also one host step per reduce_bucket_size / world elements)"
+    assert host not in cfg.notices[0]
+    for small, offload, named in (("reduce", "cpu", True), ("allgather", "cpu", False), ("allgather", "none", False)):
+        said = compose([f"+stage={stage}", f"stage.{small}_bucket_size=20", f"offload={offload}"]).notices
+        assert len(said) == 1 and (host in said[0]) == named, (small, offload, said)
     # NCCL gathers the parameters in one in-place call: an allgather_bucket_size of its own does nothing there, said
     # so (not as a small bucket); at its default nothing is said
     inert = ("note: stage.allgather_bucket_size=999 changes nothing on nccl: NCCL gathers the partitions in one "
