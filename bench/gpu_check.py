@@ -387,7 +387,72 @@ def check_sync(dry: bool, out: Path) -> list[dict]:
                         counts["backward"], "0"))
         rows.append(row("sync", f"{name}: main-thread syncs outside backward, after the first", None, counts["step"],
                         "a few per step: gradient norm, loss, event waits"))
+    rows.append(_hf_forward_syncs(device, out))
     return rows
+
+
+def _hf_forward_syncs(device, out: Path) -> dict:
+    """model=hf (a 2-layer GPT-2 config.json written to ``out``) under zero2, 3 steps: the host reads of a
+    tensor's value inside the forward (``causal_lm_loss``), counted on every device, and on CUDA the syncs
+    that CUDA's sync debug mode reports there, from the second step on (docs/hf.md: transformers' mask code)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    try:
+        from framework import initialize
+        from framework.config import compose
+        from framework.engine.build import component
+        from framework.models.hf import causal_lm_loss
+    except ImportError as e:   # (transformers not installed)
+        return row("sync", "model=hf: host syncs in the forward", None, f"skipped: {_first_line(e)}")
+    path = out / "hf_gpt2" / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(model_type="gpt2", n_layer=2, n_head=4, n_embd=64, vocab_size=128,
+                                    n_positions=64, bos_token_id=0, eos_token_id=0)))
+    cfg = compose(["model=hf", f"model.config={path}", "model.context=32", "data.vocab_size=128",
+                   "precision=bf16", "logger=none", "train.micro_batch=4", "+stage=zero2"])
+    counts, step = {"reads": 0, "syncs": 0}, {"n": 0}
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if step["n"] > 0 and getattr(func, "__name__", "") in ("__bool__", "item", "tolist", "__int__"):
+                counts["reads"] += 1
+            return func(*args, **(kwargs or {}))
+
+    def seen(message, *_a, **_k):
+        if step["n"] > 0 and "synchroniz" in str(message).lower():
+            counts["syncs"] += 1
+
+    with torch.device("meta"):
+        model = component(cfg, "model").build(cfg.model, vocab_size=128)
+    engine = initialize(model, causal_lm_loss, cfg)
+    loss_fn = engine.components.loss_fn
+
+    def counted(m, batch):
+        cuda = device.type == "cuda" and step["n"] > 0
+        with warnings.catch_warnings(), Reads():
+            warnings.simplefilter("always")
+            warnings.showwarning = seen
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return loss_fn(m, batch)
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+    object.__setattr__(engine.components, "loss_fn", counted)
+    try:
+        gen, state = torch.Generator().manual_seed(0), engine.state
+        for n in range(3):
+            step["n"] = n
+            x = torch.randint(0, 128, (4, 33), generator=gen).to(device)
+            state, _ = engine.train_step(state, [(x[:, :-1], x[:, 1:])])
+    finally:
+        engine.close()
+    syncs = f", {counts['syncs']} CUDA syncs" if device.type == "cuda" else " (CUDA syncs: needs a GPU)"
+    return row("sync", "model=hf (GPT-2, zero2): host reads in the forward, steps 2-3", None,
+               f"{counts['reads']} value reads{syncs}", "2 (one a forward): transformers' packed-sequence check "
+               "(docs/hf.md)")
 
 
 def check_timing(dry: bool, out: Path) -> list[dict]:

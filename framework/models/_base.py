@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import zlib
 from typing import Any, Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -34,4 +35,5 @@ def name_seed(seed: int, name: str) -> int:
 
 def next_token_loss(logits: Tensor, y: Tensor) -> Tensor:
     """Mean cross-entropy of logits [B, T, vocab] against targets [B, T], in fp32 (as both models train)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    # (int64 targets on the logits' device: cross-entropy takes no other integer dtype; a no-op for the data's)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1).to(logits.device, torch.long))

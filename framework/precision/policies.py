@@ -68,7 +68,7 @@ class Policy:
         if self.scaler is None:
             return PrecisionState()
         s = self.scaler
-        scale = s.loss_scale if s.loss_scale > 0 else float(2 ** s.initial_scale_power)
+        scale = s.loss_scale if s.loss_scale > 0 else float(2 ** s.initial_scale_power)   # host sync: no (an int)
         return PrecisionState(cur_scale=scale, cur_hysteresis=s.hysteresis)
 
     def continued(self, saved: PrecisionState) -> PrecisionState:
@@ -89,7 +89,7 @@ def scale_power(value) -> int | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 127):
         return None
     power = math.log2(value)
-    return int(power) if power.is_integer() else None
+    return int(power) if power.is_integer() else None   # host sync: no (a Python float)
 
 
 def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,

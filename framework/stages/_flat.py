@@ -167,7 +167,7 @@ def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, i
     ``world`` ranks in ``order(named)``, with rank 0's initial values. Returns the kinds, layouts and buffers
     per group, and (parameter, (group, slot)) in registration order (buckets are planned from it)."""
     groups = param_groups(module)
-    check_host_room(module, dtype, dist.device)
+    check_room(module, dtype, dist.device, dist.acc.free_memory())
     layouts, flats, entries = [], [], []
     for g, (_, named) in enumerate(groups):
         placed = order(named)
@@ -186,23 +186,26 @@ def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, i
     return [kind for kind, _ in groups], layouts, flats, entries
 
 
-def check_host_room(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, before allocating, parameters whose ``dtype`` values alone exceed the host's available memory where
-    they are laid out on the host: the allocation would fail with an allocator traceback, or swap (a config.json
-    with a typo in a width builds such a model on meta in no time). Counted: what binding allocates, the trainable
-    parameters' flats and each frozen parameter ``bind_frozen`` cannot keep in place (one already on the host in
-    the dtype it is kept in, contiguous, is memory in use already)."""
-    if device.type != "cpu" or (room := available_ram()) is None:
+def check_room(module: nn.Module, dtype: torch.dtype, device: torch.device, free: int | None) -> None:
+    """Refuse, before allocating, parameters whose ``dtype`` values alone exceed the memory where they are laid
+    out: ``free`` bytes of device memory (the accelerator's count; None: the device is the host, whose available
+    memory is read here). The allocation would fail with an allocator traceback, or swap (a config.json with a
+    typo in a width builds such a model on meta in no time). Counted: what binding allocates, the trainable
+    parameters' flats and each frozen parameter ``bind_frozen`` cannot keep in place (one already on ``device``
+    in the dtype it is kept in, contiguous, is memory in use already)."""
+    room = free if free is not None else available_ram() if device.type == "cpu" else None
+    if room is None:
         return
     kept = [(p, dtype if p.is_floating_point() else p.dtype) for p in module.parameters()]
-    new = [(p, d) for p, d in kept if p.requires_grad or p.is_meta or p.device.type != "cpu" or p.dtype != d
+    new = [(p, d) for p, d in kept if p.requires_grad or p.is_meta or p.device != device or p.dtype != d
            or not p.is_contiguous()]
     count = sum(p.numel() for p, _ in new)
+    where, has = ("the host", f"this host's {size(room)} of available memory") if free is None else \
+        (str(device), f"the {size(room)} free on {device}")
     if (need := sum(p.numel() * d.itemsize for p, d in new)) > room:
-        raise ConfigError(f"the model declares {count:,} parameters to lay out on the host: {size(need)} as "
-                          f"{dtype_name(dtype)} for the weights alone, more than this host's {size(room)} of "
-                          f"available memory; build a smaller model (check its config's layer count and widths) or "
-                          f"run where there is more memory")
+        raise ConfigError(f"the model declares {count:,} parameters to lay out on {where}: {size(need)} as "
+                          f"{dtype_name(dtype)} for the weights alone, more than {has}; build a smaller model "
+                          f"(check its config's layer count and widths) or run where there is more memory")
 
 
 def _bind(module: nn.Module, p: nn.Parameter, v: torch.Tensor) -> nn.Parameter:

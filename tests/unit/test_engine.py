@@ -1749,6 +1749,24 @@ def test_frozen_weights_already_on_the_host_are_not_counted_as_new_memory(monkey
             framework.initialize(m, loss, framework.compose([]), connect("gloo"))
 
 
+def test_parameters_beyond_the_devices_free_memory_are_one_line_before_allocating(monkeypatch):
+    """On CUDA the flats go to device memory: more than the accelerator's free memory is the host check's one line
+    for the device (the accelerator's count stood in for here: the CPU one has none, so the host's RAM counts)."""
+    from framework.comm.accelerator import CpuAccelerator
+    from framework.comm.distributed import connect
+
+    loss = lambda m, mb: m(mb[0]).sum()   # noqa: E731
+    monkeypatch.setattr(CpuAccelerator, "free_memory", lambda self: 64 << 10)
+    for stage in ([], ["+stage=zero2"]):
+        with pytest.raises(framework.ConfigError) as e:   # 256 KiB of fp32 weights
+            framework.initialize(torch.nn.Linear(256, 256, bias=False), loss, framework.compose(stage), connect("gloo"))
+        assert str(e.value).startswith("the model declares 65,536 parameters to lay out on cpu: 0.25 MiB") \
+            and "more than the 0.06 MiB (65536 bytes) free on cpu; build a smaller model" in str(e.value), e.value
+    monkeypatch.setattr(CpuAccelerator, "free_memory", lambda self: 1 << 20)
+    with framework.initialize(torch.nn.Linear(256, 256, bias=False), loss, framework.compose([]), connect("gloo")):
+        pass
+
+
 def test_zero3_says_once_when_every_parameter_stays_gathered(capsys):
     """Every trainable parameter below stage3_param_persistence_threshold: no unit gathers anything and the gather
     keys change nothing, said once at start-up; with one parameter at the threshold there is a unit (no note)."""

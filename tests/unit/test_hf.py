@@ -179,6 +179,38 @@ def test_a_transformers_dict_batch_is_shifted_as_transformers_does(tmp_path):
         assert needle in str(e.value) and "'input_ids': [B, T] ids" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_dict_batch_ids_and_labels_dtypes_through_the_engine():
+    """Signed integer labels (int32, int8...) train as int64 ones do (cast on the device); ids an embedding does
+    not take, and labels that cannot hold -100 (unsigned, bool), are one line naming the dtype; the run goes on."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from framework import DataError
+
+    raw = dict(CONFIGS["gpt2"])
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    x = torch.randint(0, 96, (2, 9))
+    reference = causal_lm_loss(model, {"input_ids": x, "labels": x}).item()
+    cfg = framework.compose(["+stage=zero2", "train.micro_batch=2", "logger=none", "optimizer.lr=0"])
+    with framework.initialize(model, causal_lm_loss, cfg) as engine:
+        state = engine.state
+        for ids_dtype, labels_dtype in ((torch.int32, torch.int32), (torch.int64, torch.int8),
+                                        (torch.int64, torch.int16)):
+            state, m = engine.train_step(state, [{"input_ids": x.to(ids_dtype), "labels": x.to(labels_dtype)}])
+            assert m["loss"] == pytest.approx(reference, rel=1e-5)
+        state, m = engine.train_step(state, [(x[:, :-1], x[:, 1:].int())])   # a tuple's int32 y too
+        assert math.isfinite(m["loss"])
+        for key, dtype in (("input_ids", torch.uint8), ("input_ids", torch.int16), ("input_ids", torch.bool),
+                           ("labels", torch.uint8), ("labels", torch.bool)):
+            batch = {"input_ids": x, "labels": x, key: x.to(dtype)}
+            with pytest.raises(DataError) as e:
+                engine.train_step(state, [batch])
+            assert f"has {key} of dtype {dtype}; {key} must be token ids of a signed integer dtype" in str(e.value)
+            assert ".long()" in str(e.value) and "\n" not in str(e.value)
+        assert "each holds -100" in str(e.value)
+        state, m = engine.train_step(state, [{"input_ids": x, "labels": x}])
+        assert m["loss"] == pytest.approx(reference, rel=1e-5) and state.step == 5
+
+
 def test_model_keys_reach_transformers(tmp_path):
     cfg = hf_cfg(write_config("llama", tmp_path), "model.attn_implementation=eager",
                  "model.activation_checkpointing=true")

@@ -36,7 +36,9 @@ ROOT = Path(__file__).resolve().parents[2]
 HOT = ["framework/engine/step.py", "framework/comm/collectives.py",
        "framework/offload/_pipeline.py", "framework/offload/base.py", "framework/offload/_store.py",
        "framework/offload/_diskstore.py", "framework/offload/cpu.py", "framework/offload/_disk.py", "framework/offload/_diskshards.py",
-       "framework/offload/_swapfile.py", "framework/core/utils.py", "framework/stages", "framework/engine/build.py"]
+       "framework/offload/_swapfile.py", "framework/core/utils.py", "framework/stages", "framework/engine/build.py",
+       # (per micro batch: the loss of a model, the forward pre-hook that casts the inputs)
+       "framework/models/_base.py", "framework/models/_hf_batch.py", "framework/precision"]
 MARK = "host sync:"
 METHODS = {"item", "cpu", "tolist", "numpy", "nonzero"}
 # Calls whose result size or value the host must know: each waits for the device queue.

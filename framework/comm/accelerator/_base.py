@@ -101,6 +101,10 @@ class Accelerator(Protocol):
         """Pinned host bytes: ``requested`` (live buffers) and ``reserved`` (what the allocator holds)."""
         return {"requested": 0, "reserved": 0}
 
+    def free_memory(self) -> int | None:
+        """Bytes free in device memory now; None where the device is the host (its room: ``available_ram``)."""
+        return None
+
     def verify(self) -> None:
         """Raise what the checks found outside a call (a freed buffer still in use); else nothing."""
 
@@ -178,6 +182,12 @@ class CudaAccelerator(Accelerator):
         stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
         return {"requested": int(stats.get("active_bytes.current", 0)),
                 "reserved": int(stats.get("allocated_bytes.current", 0))}
+
+    def free_memory(self) -> int | None:
+        """The driver's count of free bytes on the device (a host-side query: no stream is waited for), plus what
+        torch's caching allocator holds and can hand out again."""
+        held = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return int(torch.cuda.mem_get_info(self.device)[0]) + held
 
 
 class _NoStream:
