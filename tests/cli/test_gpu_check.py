@@ -169,34 +169,34 @@ def test_gpu_check_stopped_while_ending_a_timed_out_check_still_kills_its_group(
 def test_gpu_check_timing_keeps_to_the_deadline_the_driver_set(monkeypatch, tmp_path):
     """The timing check starts no run that the driver's deadline (absolute, set before the check's
     process started) leaves too little time for."""
-    from bench import gpu_check
+    from bench import _gpu_checks
 
     monkeypatch.setenv("GPU_CHECK_DEADLINE", repr(time.time() + 25))
-    rows = gpu_check.check_timing(True, tmp_path)
-    assert [r["value"] for r in rows] == ["skipped (time budget)"] * len(gpu_check.TIMING_DRY), rows
+    rows = _gpu_checks.check_timing(True, tmp_path)
+    assert [r["value"] for r in rows] == ["skipped (time budget)"] * len(_gpu_checks.TIMING_DRY), rows
 
 
 def test_gpu_check_timing_run_cut_short_by_the_budget_is_not_a_failure(monkeypatch, tmp_path):
     """A timing run stopped by the budget's end is not checked, not failed; on the GPU no 1.4 B run
     starts with under a minute left; a GPU run past its own limit (a hang) still fails."""
-    from bench import gpu_check
+    from bench import _gpu_checks
 
     def run(cmd, timeout, **kw):
         seen.append(timeout)
         raise subprocess.TimeoutExpired(cmd, timeout)
     seen = []
-    monkeypatch.setattr(gpu_check.subprocess, "run", run)
-    monkeypatch.setattr(gpu_check, "TIMING_DRY", ("fsdp2",))
+    monkeypatch.setattr(_gpu_checks.subprocess, "run", run)
+    monkeypatch.setattr(_gpu_checks, "TIMING_DRY", ("fsdp2",))
     monkeypatch.setenv("GPU_CHECK_DEADLINE", repr(time.time() + 40))
-    rows = gpu_check.check_timing(True, tmp_path)
+    rows = _gpu_checks.check_timing(True, tmp_path)
     assert len(seen) == 1 and [(r["ok"], r["value"].split(" (")[0]) for r in rows] == [(None, "stopped: time budget")], rows
     seen.clear()
-    rows = gpu_check.check_timing(False, tmp_path)   # 30 s left: no GPU run starts
+    rows = _gpu_checks.check_timing(False, tmp_path)   # 30 s left: no GPU run starts
     assert not seen and {r["value"] for r in rows} == {"skipped (time budget)"}, rows
-    monkeypatch.setattr(gpu_check, "TIMING", ("plain",))
-    monkeypatch.setattr(gpu_check, "TIMING_RUN_CAP_S", 1)
+    monkeypatch.setattr(_gpu_checks, "TIMING", ("plain",))
+    monkeypatch.setattr(_gpu_checks, "TIMING_RUN_CAP_S", 1)
     monkeypatch.setenv("GPU_CHECK_DEADLINE", repr(time.time() + 100))
-    rows = gpu_check.check_timing(False, tmp_path)
+    rows = _gpu_checks.check_timing(False, tmp_path)
     assert seen == [1] and rows[0]["ok"] is False and rows[0]["value"] == "timed out after 1 s (a run's limit)", rows
 
 
@@ -233,14 +233,14 @@ def _fake_pytest(junit_xml: str, seen: list):
 def test_gpu_check_reports_a_failed_gpu_test_whose_failure_element_is_bare(monkeypatch, tmp_path):
     """A <failure/> without children (falsy as an Element) is one failed row, not the whole
     equivalence check lost to an AttributeError."""
-    from bench import gpu_check
+    from bench import _gpu_checks
 
     xml = ('<testsuites><testsuite><testcase classname="tests.gpu.test_zz" name="test_p"><failure/></testcase>'
            '<testcase classname="tests.gpu.test_zz" name="test_e"><error message="boom">tb</error></testcase>'
            '<testcase classname="tests.gpu.test_zz" name="test_ok"/></testsuite></testsuites>')
     seen = []
-    monkeypatch.setattr(gpu_check.subprocess, "run", _fake_pytest(xml, seen))
-    rows = {r["item"]: r for r in gpu_check.check_equivalence(True, tmp_path)}
+    monkeypatch.setattr(_gpu_checks.subprocess, "run", _fake_pytest(xml, seen))
+    rows = {r["item"]: r for r in _gpu_checks.check_equivalence(True, tmp_path)}
     assert rows["pytest test_zz::test_p"]["ok"] is False and rows["pytest test_zz::test_p"]["value"] == "failed"
     assert rows["pytest test_zz::test_e"]["ok"] is False and rows["pytest test_zz::test_e"]["note"] == "boom"
     assert rows["pytest test_zz::test_ok"]["ok"] is True
@@ -249,11 +249,11 @@ def test_gpu_check_reports_a_failed_gpu_test_whose_failure_element_is_bare(monke
 
 def test_gpu_check_runs_the_offload_test_before_the_comparison_matrix(monkeypatch, tmp_path):
     """pytest's time limit may cut the long matrix; the short CUDA offload test runs before it."""
-    from bench import gpu_check
+    from bench import _gpu_checks
 
     seen = []
-    monkeypatch.setattr(gpu_check.subprocess, "run", _fake_pytest("<testsuites/>", seen))
-    gpu_check.check_equivalence(True, tmp_path)
+    monkeypatch.setattr(_gpu_checks.subprocess, "run", _fake_pytest("<testsuites/>", seen))
+    _gpu_checks.check_equivalence(True, tmp_path)
     tests = [a for a in seen[0] if a.startswith("tests/")]
     assert tests[0] == "tests/gpu/test_offload_cuda.py" and "tests/gpu/test_matrix.py" in tests, tests
 
@@ -262,7 +262,7 @@ def test_gpu_check_kernels_row_gives_the_failed_builds_own_reason(monkeypatch, t
     """Not what a status call that may not build says afterwards ("building is off")."""
     import warnings
 
-    from bench import gpu_check
+    from bench import _gpu_checks
     from framework import ops
     from framework.ops import _loader
 
@@ -275,7 +275,7 @@ def test_gpu_check_kernels_row_gives_the_failed_builds_own_reason(monkeypatch, t
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # the fallback's one warning
-            rows = gpu_check.check_kernels(True, tmp_path)
+            rows = _gpu_checks.check_kernels(True, tmp_path)
     finally:
         _loader.status.cache_clear()
     kernels = rows[0]
@@ -424,30 +424,30 @@ def test_gpu_check_sync_watches_the_thread_that_runs_backward():
 
     import torch
 
-    from bench import gpu_check
+    from bench import _gpu_engine_checks
     from framework.config import compose
 
     told = []
     cfg = compose(["model=gpt-nano", "precision=bf16", "logger=none", "train.micro_batch=4",
-                   *gpu_check.SYNC["zero3"]])
-    gpu_check._engine_run(cfg, torch.device("cpu"), 2,
-                          around_backward=lambda now: told.append((now, threading.get_ident())))
+                   *_gpu_engine_checks.SYNC["zero3"]])
+    _gpu_engine_checks._engine_run(cfg, torch.device("cpu"), 2,
+                                   around_backward=lambda now: told.append((now, threading.get_ident())))
     assert [now for now, _ in told] == ["backward", "autograd", "step"] * 2, told
 
 
 def test_gpu_check_a_deepspeed_that_raises_on_import_is_one_row(monkeypatch, tmp_path):
     """A DeepSpeed install that raises something other than ImportError on import (its RuntimeError
     when CUDA_HOME is missing) gives one "import failed" row; the check's other rows stay."""
-    from bench import gpu_check
+    from bench import _gpu_checks
 
     fake = tmp_path / "fake"
     (fake / "deepspeed").mkdir(parents=True)
     (fake / "deepspeed" / "__init__.py").write_text('raise RuntimeError("CUDA_HOME does not exist")\n')
     monkeypatch.syspath_prepend(str(fake))
-    rows = gpu_check.check_environment(True, tmp_path)
+    rows = _gpu_checks.check_environment(True, tmp_path)
     values = {r["item"]: r["value"] for r in rows}
     assert values["import deepspeed"] == "import failed: RuntimeError: CUDA_HOME does not exist", rows
     assert "import transformers" in values and "dist.backend=auto, 1 local rank" in values
-    monkeypatch.setattr(gpu_check, "TIMING_DRY", ("deepspeed-zero2-offload",))
-    rows = gpu_check.check_timing(True, tmp_path)
+    monkeypatch.setattr(_gpu_checks, "TIMING_DRY", ("deepspeed-zero2-offload",))
+    rows = _gpu_checks.check_timing(True, tmp_path)
     assert [r["value"] for r in rows] == ["deepspeed: import failed: RuntimeError: CUDA_HOME does not exist"], rows
