@@ -404,14 +404,15 @@ def _count_known(module: nn.Module, known: frozenset) -> int | None:
     seen, stack, count = set(), [module], 0
     while stack:
         sub = stack.pop()
-        if id(sub) not in seen:   # (a module reachable twice, or a cycle)
-            seen.add(id(sub))
-            for p in sub._parameters.values():
-                if p is not None:
-                    if id(p) not in known:
-                        return None
-                    count += 1
-            stack.extend(m for m in sub._modules.values() if m is not None)   # (a slot may hold None)
+        if sub is None or id(sub) in seen:   # (a slot may hold None; a module reachable twice, or a cycle)
+            continue
+        seen.add(id(sub))
+        for p in sub._parameters.values():
+            if p is not None:
+                if id(p) not in known:
+                    return None
+                count += 1
+        stack += sub._modules.values()   # (no generator per module: this walk runs before every step)
     return count
 
 

@@ -87,6 +87,7 @@ class BaseStage:
     bound_buffers: tuple = ()   # (module, name, buffer) as at initialize
     frozen: tuple = ()   # (name, parameter, its (module, attribute) owners) per frozen one
     views: dict   # id(parameter) -> its view in ``bound`` (set with it)
+    fixed: tuple = ()   # (name, parameter, its view) per trainable one in ``bound``, in ``watched``'s order
 
     def close(self) -> None:   # remove the hooks this stage registered on the module
         for h in self.hook_handles:
@@ -116,6 +117,7 @@ class BaseStage:
             # or .to() cast, not only what is checked)
             self.bound = tuple((p, p.data) for _, p in named if self.fixed_views or not p.requires_grad)
             self.views = {id(p): view for p, view in self.bound}
+            self.fixed = tuple((n, p, self.views[id(p)]) for n, p, _, _ in self.watched if id(p) in self.views)
             self.bound_buffers = tuple((m, a, t) for m in self.module.modules() for a, t in m._buffers.items()
                                        if t is not None)
             return
@@ -154,17 +156,19 @@ class BaseStage:
         assign=True)``), or whose storage was replaced (``detached``; ``moved``: its result, if taken already),
         since ``watch`` (Python ints, identities and addresses compared: no tensor read)."""
         moved = set(self.detached() if moved is None else moved)
-        return [n for n, p, v, owners in self.watched   # (a ScriptModule's _parameters has no .get)
-                if (n in moved or p._version != v
-                    or any(a not in m._parameters or m._parameters[a] is not p for m, a in owners))
-                and not self.in_edit(p)]
+        # (one pass over every owner, no generator per parameter: this runs before every step)
+        replaced = {id(p) for _, p, _, owners in self.watched for m, a in owners   # (a ScriptModule's
+                    if a not in m._parameters or m._parameters[a] is not p}        # _parameters has no .get)
+        return [n for n, p, v, _ in self.watched
+                if (n in moved or p._version != v or id(p) in replaced) and not self.in_edit(p)]
 
     def detached(self) -> list[str]:
         """The trainable parameters no longer views of the stage's buffers: ``module.to()``, ``.half()``,
         ``.float()``, ``.cuda()``... (``nn.Module._apply``) gave them new storage under the same Parameter and
         version counter, so from then on the forward would read stale weights and no update would reach them.
         (Dtype, device and data address compared: host metadata, no tensor read.)"""
-        return [n for n, p, _, _ in self.watched if id(p) in self.views and _moved(p, self.views[id(p)])]
+        return [n for n, p, view in self.fixed   # (_moved inlined: this runs before every step)
+                if p.dtype != view.dtype or p.device != view.device or p.data_ptr() != view.data_ptr()]
 
     def cast_frozen(self) -> list[str]:
         """The frozen parameters a move or cast (``nn.Module._apply``) gave other storage, or replaced on their

@@ -144,6 +144,7 @@ class Zero2Stage(ShardedStage):
         buckets = self.plan(self.cfg, self.slots, {g: layout.shard for g, layout in enumerate(self.layouts)},
                             self.dist.world)
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.named], "zero2")
+        self.spans = [self._spans(b) for b in buckets]   # (fixed with the layout: worked out once, not per step)
         self.unowned = [pid for pid in range(len(self.params)) if pid not in self.launcher.owners]   # 0 elements
         n, size = bucket_buffers(buckets, self.cfg.overlap_comm, self.cfg.contiguous_gradients)
         self.buffers = [torch.empty(size, dtype=self.policy.reduce_dtype, device=self.dist.device) for _ in range(n)]
@@ -164,7 +165,7 @@ class Zero2Stage(ShardedStage):
                 self._complete(self.in_flight.popleft())
             base = self.free.pop()
             buf = base[:b.numel]
-            for lo, hi, part, off in self._pieces(b):
+            for lo, hi, part, off in self._pieces(i):
                 dst = buf[off:off + hi - lo]
                 dst.copy_(part) if part is not None else dst.zero_()
             chunks = buf.chunk(b.count)   # one per range
@@ -178,7 +179,7 @@ class Zero2Stage(ShardedStage):
             base = None
             pieces = [(lo, part.to(self.policy.reduce_dtype) if part is not None
                        else torch.zeros(hi - lo, dtype=self.policy.reduce_dtype, device=self.dist.device))
-                      for lo, hi, part, _ in self._pieces(b)]
+                      for lo, hi, part, _ in self._pieces(i)]
             pending = Pending.of(reduce_to_owners(comm, t, lo, shard, rs, what) for lo, t in pieces)
         for pid in b.params:  # a parameter's .grad goes with the last bucket that reads it
             if self.launcher.owners[pid][-1] == i:
@@ -187,18 +188,25 @@ class Zero2Stage(ShardedStage):
         if not self.cfg.overlap_comm:
             self._complete(self.in_flight.popleft())
 
-    def _pieces(self, b):
-        """(flat lo, flat hi, gradient values or None, offset in the buffer) of each piece in ``b``."""
+    def _spans(self, b) -> tuple:
+        """(parameter id, flat lo, flat hi, their offsets in the parameter, offset in the buffer) of each piece in
+        bucket ``b``, in buffer order."""
+        out = []
         for k, (start, end) in enumerate(b.ranges):   # the ranges lie end to end in the buffer
             for pid in b.params:
                 slot = self.slots[pid][1]
                 lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
                 if lo < hi:
-                    g = self.params[pid].grad
-                    if g is not None and g.is_sparse:   # (metadata only)
-                        raise sparse_gradient("zero2", self.named[pid][1])
-                    yield lo, hi, None if g is None else g.reshape(-1)[lo - slot.offset:hi - slot.offset], \
-                        k * (b.end - b.start) + lo - start
+                    out.append((pid, lo, hi, lo - slot.offset, hi - slot.offset, k * (b.end - b.start) + lo - start))
+        return tuple(out)
+
+    def _pieces(self, i: int):
+        """(flat lo, flat hi, gradient values or None, offset in the buffer) of each piece in bucket ``i``."""
+        for pid, lo, hi, a, z, off in self.spans[i]:
+            g = self.params[pid].grad
+            if g is not None and g.is_sparse:   # (metadata only)
+                raise sparse_gradient("zero2", self.named[pid][1])
+            yield lo, hi, None if g is None else g.reshape(-1)[a:z], off
 
     def _complete(self, item, add: bool = True) -> None:
         """Wait for a launched bucket; add this rank's sums into its partition (if ``add``); reuse its buffer."""
