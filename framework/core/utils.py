@@ -1,8 +1,11 @@
 """Small helpers shared across layers."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import re
+import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -164,3 +167,13 @@ def unwrapped(module):
     plain model of the same class has come from (weights saved for it, loaded from it)."""
     inner = getattr(module, "_orig_mod", None) if type(module).__name__ == "OptimizedModule" else None
     return inner if isinstance(inner, torch.nn.Module) else module
+
+
+@contextlib.contextmanager
+def ignoring(message: str, category: type[Warning] = UserWarning):
+    """The warnings that start with ``message`` dropped inside the block only. Not for a hot path or a block other
+    threads run beside: ``catch_warnings`` restores the whole filter list on leaving (another thread's filter added
+    meanwhile included) and each filter change resets every module's once-per-place warning registry."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+        yield

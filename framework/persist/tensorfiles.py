@@ -23,7 +23,7 @@ from framework.core.errors import ConfigError, FrameworkError, first_line
 from framework.core.paths import WEIGHTS_INDEX as INDEX, WEIGHTS_READ, WEIGHTS_SINGLE as SINGLE, weights_file
 from framework.core.room import FULL, free_bytes, free_note
 from framework.core.units import MiB, size
-from framework.core.utils import counted, dtype_name, few
+from framework.core.utils import counted, dtype_name, few, ignoring
 from framework.persist import stepfolders
 
 # Elements converted and written per call: bounds the memory a save needs beyond the model states.
@@ -43,8 +43,7 @@ class WeightsSource(contextlib.AbstractContextManager):
 
     def __init__(self, where: str, tensors: dict[str, torch.Tensor] | None = None, paths: Sequence[Path] = (),
                  weight_map: dict[str, Path] | None = None):
-        self.where = where
-        self.bytes_read = 0
+        self.where, self.bytes_read = where, 0
         self._tensors = tensors or {}
         self.meta: dict[str, tuple[tuple[int, ...], torch.dtype | str]] = {
             k: (tuple(v.shape), v.dtype) for k, v in self._tensors.items()}
@@ -112,13 +111,14 @@ class WeightsSource(contextlib.AbstractContextManager):
 def _torch_file(path: Path) -> dict[str, torch.Tensor]:
     """A torch state-dict file, loaded ``weights_only`` (nothing in it runs), memory-mapped where the format allows
     (reads touch only their ranges). Another format's bytes, read as pickle, raise bare errors too."""
-    try:
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):  # legacy (non-zip) files cannot be mapped: read them whole
-                raise
-            sd = torch.load(path, map_location="cpu", weights_only=True)
+    try:   # (torch 2.11 warns on rebuilding a sparse tensor, refused below: noise above the refusal)
+        with ignoring("Sparse invariant checks are implicitly disabled"):
+            try:
+                sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):  # legacy (non-zip) files cannot be mapped: read them whole
+                    raise
+                sd = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, LookupError, ValueError, TypeError, struct.error) as e:
         if "GLOBAL" not in (why := _unpickle_reason(e)):
             raise ConfigError(f"load_weights: cannot read {path}: not a torch state-dict file (corrupt or another "

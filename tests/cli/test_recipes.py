@@ -3,6 +3,7 @@
 doctored results, and the report of a real multirun."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import math
@@ -20,6 +21,11 @@ from framework.core import files
 from framework.core.errors import DataError
 from tests._helpers import shakespeare
 
+# A recipe run checks first that matplotlib (the report's plots, an optional extra) is there: without it the
+# tests of what a run does or refuses after that skip (test_run_without_matplotlib_... checks that line).
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="needs matplotlib: pip install -e '.[report]'")
+
 ROOT = Path(__file__).resolve().parents[2]
 SHAKESPEARE = shakespeare()   # without it the tests that need it skip
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -34,6 +40,7 @@ def run_quick(name: str, out: Path, *overrides: str) -> dict:
 
 @pytest.fixture(scope="module")
 def equivalence(tmp_path_factory) -> dict:
+    pytest.importorskip("matplotlib")   # a run checks for the report's plots first
     return run_quick("zero_equivalence", tmp_path_factory.mktemp("zero_equivalence"))
 
 
@@ -242,6 +249,7 @@ def test_prepare_takes_only_data_path_with_a_file(given, tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+@needs_matplotlib
 def test_shakespeare_char_cpu_quick(shakespeare_tokens, tmp_path):
     """The twin: ddp on 1 rank and zero3 on 2 ranks at the same global batch reach the same
     validation loss on the prepared data."""
@@ -252,6 +260,7 @@ def test_shakespeare_char_cpu_quick(shakespeare_tokens, tmp_path):
     assert abs(a - b) < 1e-4, vals   # same global batch, fp32: ddp x1 and zero3 x2 agree
 
 
+@needs_matplotlib
 def test_shakespeare_char_gpu_quick(shakespeare_tokens, tmp_path):
     """The GPU recipe's CPU twin (bf16, dropout 0.2, the same data set)."""
     verdict = run_quick("shakespeare_char_gpu", tmp_path, f"data.path={shakespeare_tokens}")
@@ -272,6 +281,7 @@ def test_shakespeare_char_gpu_quick(shakespeare_tokens, tmp_path):
     assert not verdict["passed"] and failed == ["min:val_loss", "drop:val_loss"], log.getvalue()[-2000:]
 
 
+@needs_matplotlib
 def test_missing_data_names_the_prepare_step(tmp_path):
     with pytest.raises(DataError, match="framework.recipe shakespeare_char_cpu prepare data.path="):
         recipes.run(recipes.find("shakespeare_char_cpu"), quick=True, out=tmp_path,
@@ -291,6 +301,7 @@ def test_metric_check_reports_the_numbers(equivalence):
     assert not res[1]["passed"] and "no job matches" in res[1]["message"]
 
 
+@needs_matplotlib
 def test_memory_scaling_quick(tmp_path):
     verdict = run_quick("memory_scaling", tmp_path)
     assert [c["check"] for c in verdict["checks"]][1:] == [{"memory_scaling": "ddp", "max_change": 0.25}]
@@ -351,6 +362,7 @@ def test_memory_scaling_check_against_the_formula():
     assert "measured 0 MiB, ZeRO formula 0 MiB" in res["message"], res["message"]
 
 
+@needs_matplotlib
 def test_hf_gpt2_zero3_quick(tmp_path, capsys):
     """The guide's scenario end to end (estimate, ZeRO-3 + CPU offload JSON with "auto", train,
     export, from_pretrained, generate); needs the optional ``hf`` extra."""
@@ -443,6 +455,7 @@ def _one_line_error(capsys, argv: list[str], says: str) -> str:
     return err
 
 
+@needs_matplotlib
 def test_run_refuses_an_out_folder_holding_results(tmp_path, capsys):
     """A second run into the same --out would resume or overwrite the first one's jobs and count
     its leftovers: refused in one line before anything runs, nothing deleted."""
@@ -512,6 +525,7 @@ def test_malformed_recipe_files_are_one_line(tmp_path, capsys):
     assert not res[0]["passed"] and "reload.json is malformed" in res[0]["message"], res[0]["message"]
 
 
+@needs_matplotlib
 def test_a_recipe_that_requires_cuda_refuses_a_full_run_without_one(tmp_path, capsys, monkeypatch):
     """shakespeare_char_gpu's full run on the CPU would go on for hours: one line before anything is
     made; its twin runs anywhere. requires: takes only what is checked, and unknown keys stay refused."""
@@ -532,6 +546,7 @@ def test_a_recipe_that_requires_cuda_refuses_a_full_run_without_one(tmp_path, ca
     assert not out.exists()
 
 
+@needs_matplotlib
 def test_run_refuses_data_unlike_the_reference(tmp_path, capsys):
     """A token file prepared from another text than tiny shakespeare would train for nothing and
     then fail on its token counts: its meta.json is compared with expected.json's data first."""
@@ -668,6 +683,7 @@ def test_report_plots_a_job_without_tokens_per_s(tmp_path, capsys):
     assert f"`{tmp_path}`: 1 job (0 without a summary);" in (tmp_path / "report.md").read_text()
 
 
+@needs_matplotlib
 @pytest.mark.parametrize("given", ["hydra.sweep.dir=elsewhere", "hydra.sweep.subdir=x${hydra.job.num}"])
 def test_run_refuses_hydra_sweep_overrides(given, tmp_path, capsys):
     """The recipe places its jobs in --out as run<i>-job<n> (finish reads those): a user's

@@ -4,6 +4,9 @@ import json
 import os
 import pickle
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,8 @@ from framework.models.gpt import gpt_loss
 from framework.persist.tensorfiles import open_weights, parse_size, plan_files
 from framework.persist.weights import load_weights, save_on_model_save, save_weights
 from tests._helpers import build_gpt, tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _engine(*overrides):
@@ -577,6 +582,24 @@ def test_a_torch_compiled_modules_weights_take_the_plain_models_names(tmp_path):
         with framework.initialize(module, loss, tiny_config("+stage=zero2")) as engine:
             load_weights(engine, tmp_path / "c")
             assert torch.equal(engine.consolidated_state_dict()["0.weight"], compiled._orig_mod[0].weight.detach())
+
+
+def test_a_sparse_torch_file_is_refused_without_torchs_sparse_warning(tmp_path):
+    """torch 2.11's weights_only rebuild of a sparse tensor warns (once a process) that sparse invariant checks are
+    implicitly disabled: above the refusal, of a tensor nothing uses. Each in a fresh process (it warns once)."""
+    torch.save({"w": torch.eye(3).to_sparse()}, tmp_path / "sparse.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    load = {"torch": f"torch.load({str(tmp_path / 'sparse.pt')!r}, weights_only=True, mmap=True)",
+            "framework": f"open_weights({str(tmp_path / 'sparse.pt')!r})"}
+    said = {k: subprocess.run([sys.executable, "-c", "import torch\nfrom framework.core.errors import ConfigError\n"
+                               "from framework.persist.tensorfiles import open_weights\n"
+                               f"try:\n    {code}\nexcept ConfigError as e:\n    print(e)"],
+                              capture_output=True, text=True, env=env, timeout=120) for k, code in load.items()}
+    if "Sparse invariant checks" not in said["torch"].stderr:
+        pytest.skip(f"torch {torch.__version__} does not warn on loading a sparse tensor")
+    assert said["framework"].stdout.endswith("is sparse_coo, not dense weights; save a dense tensor in its place "
+                                             "(t.to_dense() of a sparse one; a materialized model's, not meta)\n")
+    assert said["framework"].stderr == "", said["framework"].stderr
 
 
 def test_an_index_nested_too_deeply_to_parse_is_one_line(tmp_path):
