@@ -3,7 +3,8 @@
     python -m tests.cli._memrun '{"overrides": ["+stage=zero2", "model=gpt-mini"], "world": 2, "steps": 2}'
 
 Each rank first trains one step of the same configuration with a tiny model (so modules, kernels
-and thread pools are loaded), composes the config, builds the data and the model on the meta
+and thread pools are loaded; for ``model=hf model.config=...`` a config.json of the same model_type), with the
+model's own loss, composes the config, builds the data and the model on the meta
 device, asks glibc to return freed memory (``malloc_trim``) and reads its resident set (``/proc/self/statm``): the
 baseline, and resets the kernel's peak resident set to it (``clear_refs``), so that a peak reached
 earlier (imports, the warm-up) cannot hide the run's own. Then it builds the engine and trains ``steps``
@@ -36,7 +37,6 @@ def _rank(rank: int, spec: dict, world: int, store: str, out_dir: str) -> None:
     from framework.engine.build import component, initialize
     from framework.config import compose
     from framework.comm.distributed import connect
-    from framework.models.gpt import gpt_loss
 
     cfg = compose(spec["overrides"])
     dist = connect("gloo", 120, store_path=store) if world > 1 else connect("gloo", 120)
@@ -46,9 +46,9 @@ def _rank(rank: int, spec: dict, world: int, store: str, out_dir: str) -> None:
         module = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
     batches = [data.train_batch(i, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
                                 rank=dist.rank, world=dist.world) for i in range(spec["steps"])]
-    _warm_up(spec["overrides"], dist)
+    _warm_up(spec["overrides"], cfg, dist, out_dir)
     base = _reset_hwm()
-    engine = initialize(module, gpt_loss, cfg, dist)
+    engine = initialize(module, component(cfg, "model").loss, cfg, dist)
     state = engine.state
     built = _rss()
     for b in batches:
@@ -111,20 +111,43 @@ def _checkpoint(cfg, engine, state, folder: str) -> dict:
             "weights_load_peak": weights_load_peak}
 
 
-def _warm_up(overrides: list[str], dist) -> None:
+def _warm_up(overrides: list[str], cfg, dist, folder: str) -> None:
     """One step of the same configuration with a tiny model, so that the baseline already holds
     everything a run loads once whatever the model size (modules, the C++ kernels, thread pools)."""
     from framework.engine.build import component, initialize
     from framework.config import compose
-    from framework.models.gpt import gpt_loss
 
-    cfg = compose([*overrides, "model.n_layer=1", "model.d_model=32", "model.n_head=2", "train.micro_batch=1"])
+    cfg = compose([*overrides, *_tiny_model(cfg, folder, dist.rank), "train.micro_batch=1"])
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
     with torch.device("meta"):
         module = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
-    with initialize(module, gpt_loss, cfg, dist) as engine:
+    with initialize(module, component(cfg, "model").loss, cfg, dist) as engine:
         engine.train_step(engine.state, data.train_batch(0, micro_batch=1, grad_accum=cfg.train.grad_accum,
                                                          rank=dist.rank, world=dist.world))
+
+
+# A Hugging Face config.json's size keys, shrunk for the warm-up (the same model_type, so the same code paths).
+_HF_TINY = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 128}
+
+
+def _tiny_model(cfg, folder: str, rank: int) -> list[str]:
+    """Overrides for a tiny model of ``cfg``'s kind: a GPT preset's size keys, or (``model=hf model.config=``) a
+    config.json of the same model_type with ``_HF_TINY``'s sizes, written to ``folder``."""
+    if cfg.choices["model"] != "hf":
+        return ["model.n_layer=1", "model.d_model=32", "model.n_head=2"]
+    if cfg.model.config is None:
+        raise SystemExit("_memrun: model=hf is measured from model.config=path/to/config.json, not model.pretrained")
+    src = cfg.model.config if cfg.model.config.endswith(".json") else os.path.join(cfg.model.config, "config.json")
+    with open(src) as f:
+        raw = json.load(f)
+    tiny = {**raw, **{k: v for k, v in _HF_TINY.items() if k in raw}}
+    if raw.get("layer_types"):
+        tiny["layer_types"] = raw["layer_types"][:1]
+    path = os.path.join(folder, f"tiny-{rank}.json")
+    with open(path, "w") as f:
+        json.dump(tiny, f)
+    return [f"model.config={path}"]
 
 
 def main() -> None:

@@ -254,9 +254,10 @@ MEASURED = [  # (overrides, world): three stages, with and without offload and c
 ]
 
 
-def _measured(overrides: list[str], world: int) -> list[dict]:
-    """Per rank: the resident sets ``tests/cli/_memrun.py`` reads over two steps of ``overrides``."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def _measured(overrides: list[str], world: int, env: dict | None = None) -> list[dict]:
+    """Per rank: the resident sets ``tests/cli/_memrun.py`` reads over two steps of ``overrides`` (``env``: more
+    environment)."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     run = subprocess.run([sys.executable, "-m", "tests.cli._memrun",
                           json.dumps({"overrides": overrides, "world": world, "steps": 2})],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
@@ -267,8 +268,30 @@ def _measured(overrides: list[str], world: int) -> list[dict]:
 @pytest.mark.parametrize("overrides,world", MEASURED,
                          ids=["ddp", "zero2-offload-bf16", "zero3-ckpt", "ddp-ckpt", "ddp-bf16-context128"])
 def test_prediction_matches_measured_memory(overrides, world):
+    # zero2 in 16 bits: backward grows glibc's heap 30-45 MiB past the live bytes here (0.88-0.89x; 1.03x
+    # with MALLOC_MMAP_THRESHOLD_=131072), the under-prediction docs/estimate.md states.
+    zero2_16 = "+stage=zero2" in overrides and "precision=bf16" in overrides
+    _check_measured(overrides, world, low=0.85 if zero2_16 else 0.95)
+
+
+def test_hf_prediction_matches_measured_memory(tmp_path):
+    """A Hugging Face Llama (GQA, rotary, untied head), measured by _memrun with the model's own loss. Its trace
+    holds the bytes a real CPU step allocates (4 layers: 87.0 MiB both, by torch.profiler), but glibc's heap
+    grows past them at this short context (4 layers: 0.91-0.93x with the default settings, as docs/estimate.md
+    states; these 2: 0.97-0.99x): measured, as that page advises, with the mmap threshold fixed (1.03x)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+                             num_key_value_heads=2, vocab_size=8000, max_position_embeddings=512
+                             ).to_json_file(tmp_path / "config.json")
+    _check_measured(["model=hf", f"model.config={tmp_path / 'config.json'}", "model.context=128",
+                     "train.micro_batch=4"], 1, low=0.95, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+
+
+def _check_measured(overrides: list[str], world: int, low: float, env: dict | None = None) -> None:
+    """The prediction against ``_measured``: the model states within 10%, the peak at most 20% (35% with
+    checkpointing on one rank) above and at most ``1 - low`` below."""
     overrides = [*overrides, "logger=none", f"dist.nproc={world}"]
-    measured = _measured(overrides, world)
+    measured = _measured(overrides, world, env)
     pred = predict(compose(overrides), world)
     assert pred.lazy <= set(pred.items), pred.lazy   # (only items the engine has appear at the first step)
     for rank, m in enumerate(measured):
@@ -280,9 +303,6 @@ def test_prediction_matches_measured_memory(overrides, world):
         # not low (5% for the noise of a shared machine). With checkpointing on the host, the heap's
         # fragmentation varies from run to run (ddp-ckpt: 1.04-1.25x of the measured peak over 17 runs).
         over = 0.35 if "model.activation_checkpointing=true" in overrides and world == 1 else 0.20
-        # zero2 in 16 bits: backward grows glibc's heap 30-45 MiB past the live bytes here (0.88-0.89x; 1.03x
-        # with MALLOC_MMAP_THRESHOLD_=131072), the under-prediction docs/estimate.md states.
-        low = 0.85 if "+stage=zero2" in overrides and "precision=bf16" in overrides else 0.95
         assert pred.peak - peak <= over * peak and pred.peak >= low * peak, (rank, pred.peak / 2**20, peak / 2**20)
 
 
