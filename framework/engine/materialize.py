@@ -15,8 +15,6 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_parameter_registration_hook
-from torch.nn.parameter import UninitializedParameter
 
 from framework.stages import buffer_dtypes, initializer
 
@@ -24,24 +22,9 @@ from framework.stages import buffer_dtypes, initializer
 @contextmanager
 def zero_init() -> Iterator[None]:
     """Models built inside this block live on the meta device until ``framework.initialize`` materialises them.
-    So does every parameter registered in it: one a constructor makes on a real device all the same (XLNet's
-    ``nn.Parameter(torch.FloatTensor(n))``: the legacy constructors ignore the default device) holds uninitialised
-    memory, so it goes on meta too and is initialised as the others (a model's ``_init_weights`` or
-    ``init_parameter``, which also decide its values in a construction on a real device)."""
-    handle = register_module_parameter_registration_hook(_on_meta)
-    try:
-        with torch.device("meta"):
-            yield
-    finally:
-        handle.remove()
-
-
-def _on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-    """A real parameter registered under ``zero_init`` replaced by a meta one of its shape, dtype and
-    ``requires_grad`` (None: kept as it is)."""
-    if param is None or param.is_meta or isinstance(param, UninitializedParameter):
-        return None
-    return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    A parameter that is real all the same (values put there, a legacy ``torch.FloatTensor(n)``) is kept as it is."""
+    with torch.device("meta"):
+        yield
 
 
 def materialize_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:

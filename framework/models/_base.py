@@ -27,6 +27,23 @@ class ModelComponent(Component):
     trace_loss: Callable[[nn.Module, Any], Tensor] | None = None
 
 
+def all_on_meta(module: nn.Module) -> nn.Module:
+    """A module built on meta (some parameter is) with each parameter not on meta replaced by a meta one of its
+    shape, dtype and ``requires_grad``: one per distinct parameter, in every module that holds it (a tie stays). For
+    a model built from a config alone, whose constructors made some on a real device all the same (XLNet's
+    ``nn.Parameter(torch.FloatTensor(n))``: the legacy constructors ignore the default device), holding whatever
+    memory held: the model's init then writes them like the others. Built on a real device: left as it is."""
+    if not any(p.is_meta for p in module.parameters()):
+        return module
+    done: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for key, p in list(sub._parameters.items()):
+            if p is not None and not p.is_meta and not isinstance(p, nn.UninitializedParameter):
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                sub._parameters[key] = done[id(p)]   # (the slot: setattr would run registration hooks)
+    return module
+
 
 def name_seed(seed: int, name: str) -> int:
     """The seed of tensor ``name``'s initialisation: independent of the order tensors are made in."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from framework.core.errors import ConfigError
 from framework.core.paths import weights_file
 
 
@@ -113,3 +114,14 @@ def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[s
             out[k] = None if ignore is not None and ignore.search(k) else k
     return out
 
+
+def refuse_unconverted(model: nn.Module, folder: Path, model_type: str) -> None:
+    """Our loader reads tensors under the model's own names only: refuse a checkpoint whose keys transformers would
+    rename or fuse on load (the hub's Mixtral experts, GPT-NeoX's embed_out). Decided by the folder's names (its
+    index or header), not the class: a folder already under the model's names (our own export) needs none."""
+    if name := unconverted(model, folder):
+        raise ConfigError(f"model.pretrained: this {model_type} checkpoint's tensor names (e.g. {name!r}) need key "
+                          f"conversions on load (transformers.conversion_mapping renames or fuses them), which "
+                          f"framework's sliced loader does not apply; load it with "
+                          f"AutoModelForCausalLM.from_pretrained and pass the model to framework.initialize, or use "
+                          f"model.config to train one from scratch")

@@ -29,10 +29,10 @@ from framework.core.errors import ConfigError, FrameworkError, one_line
 from framework.core.files import parse_json
 from framework.core import room, units
 from framework.core.paths import READ_WEIGHT_FILES, WEIGHTS_READ, user_path, weights_file
-from framework.models._base import ModelComponent, name_seed, next_token_loss
+from framework.models._base import ModelComponent, all_on_meta, name_seed, next_token_loss
 from framework.models._hf_batch import dict_forward
 from framework.models._hf_names import (  # noqa: F401 (checkpoint_names, converted, has_conversions: public)
-    checkpoint_names, class_converts, converted, has_conversions, unconverted)
+    checkpoint_names, class_converts, converted, has_conversions, refuse_unconverted)
 from framework.models._hf_files import (  # noqa: F401 (TOKENIZER_FILES: public here)
     TOKENIZER_FILES, carry_tokenizer_files, read_generation_config, tokenizer_files, write_tokenizer_files)
 
@@ -276,20 +276,8 @@ def _checked_config(cfg: HFConfig, vocab_size: int | None) -> tuple[str, Path, A
     return key, file, config, cls
 
 
-def _refuse_unconverted(model: nn.Module, folder: Path, model_type: str) -> None:
-    """Our loader reads tensors under the model's own names only: refuse a checkpoint whose keys transformers would
-    rename or fuse on load (the hub's Mixtral experts, GPT-NeoX's embed_out). Decided by the folder's names (its
-    index or header), not the class: a folder already under the model's names (our own export) needs none."""
-    if name := unconverted(model, folder):
-        raise ConfigError(f"model.pretrained: this {model_type} checkpoint's tensor names (e.g. {name!r}) need key "
-                          f"conversions on load (transformers.conversion_mapping renames or fuses them), which "
-                          f"framework's sliced loader does not apply; load it with "
-                          f"AutoModelForCausalLM.from_pretrained and pass the model to framework.initialize, or use "
-                          f"model.config to train one from scratch")
-
-
 def _check_names(file: Path, config: Any, cls: type) -> None:
-    """``_refuse_unconverted`` before launch, on the model built on meta, where the class or its model_type has a
+    """``refuse_unconverted`` before launch, on the model built on meta, where the class or its model_type has a
     conversion mapping (a cheap look-up; a sub-model's or a fused module's mapping is found by ``build``)."""
     import transformers
 
@@ -300,7 +288,7 @@ def _check_names(file: Path, config: Any, cls: type) -> None:
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except Exception:  # noqa: BLE001 - build() says what is wrong with the config
         return
-    _refuse_unconverted(model, file.parent, config.model_type)
+    refuse_unconverted(model, file.parent, config.model_type)
 
 
 # The config flags that make a causal-LM class attend one way only, and the value that does: an encoder's
@@ -343,8 +331,10 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
         raise
     except Exception as e:  # noqa: BLE001 - a config the model's constructor rejects (asserts, shape errors)
         raise ConfigError(f"{key}: {cls.__name__} cannot be built from {file}: {one_line(e)}") from None
-    if cfg.pretrained is not None:
-        _refuse_unconverted(model, file.parent, config.model_type)
+    if cfg.pretrained is None:   # a new model: no values of a user's (pretrained: the files' overwrite them all)
+        all_on_meta(model)
+    else:
+        refuse_unconverted(model, file.parent, config.model_type)
         if (file.parent / "generation_config.json").is_file():   # e.g. a chat model's eos ids, kept on export
             read_generation_config(model, file.parent)
         carry_tokenizer_files(model, file.parent)   # (so are its tokenizer's files)

@@ -16,6 +16,7 @@ from framework import ConfigError
 from framework.engine.build import component
 from framework.models.hf import HFConfig, HFInit, causal_lm_loss, config_vocab, materialize
 from framework.models.hf import build as hf_build
+from framework.models._base import all_on_meta
 from tests._hf import BASE, CONFIGS, build, hf_cfg, write_config
 
 
@@ -101,6 +102,22 @@ def test_xlnet_parameters_of_legacy_constructors_follow_its_init_not_memory(tmp_
                 assert model.get_parameter(legacy[1]).std().item() == pytest.approx(0.02, rel=0.15)
             _, m = engine.train_step(engine.state, data.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1))
         assert math.isfinite(m["loss"]) and m["loss"] < 6, m   # ln(96) = 4.56 at init
+
+
+def test_all_on_meta_keeps_a_shared_legacy_parameter_shared():
+    """``build``'s move of legacy-made parameters to meta: one meta parameter per real one, in each module that
+    held it, with its requires_grad; a model built on a real device is left as it is."""
+    with framework.zero_init():
+        m = nn.ModuleDict(dict(a=nn.Linear(4, 4), b=nn.Linear(4, 4)))
+        m.a.bias = m.b.bias = nn.Parameter(torch.FloatTensor(4))   # real memory, tied
+        m.a.register_parameter("fixed", nn.Parameter(torch.FloatTensor(2), requires_grad=False))
+    assert not m.a.bias.is_meta
+    all_on_meta(m)
+    assert all(p.is_meta for p in m.parameters()) and len(list(m.parameters())) == 4
+    assert m.a.bias is m.b.bias and m.a.bias.requires_grad and not m.a.fixed.requires_grad
+    real = nn.Linear(2, 2)
+    weight = real.weight
+    assert all_on_meta(real).weight is weight and not weight.is_meta
 
 
 def test_meta_buffers_equal_eager_construction(tmp_path):

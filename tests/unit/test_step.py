@@ -4,6 +4,7 @@ import copy
 import math
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -261,31 +262,41 @@ def test_model_built_on_meta_gets_the_same_values():
     assert engine.components.module.lm_head is None   # still tied: the head is the embedding
 
 
-class _LegacyParameters(nn.Module):
-    """Parameters made by constructors that ignore the default device (meta under zero_init): real, uninitialised."""
+class _RealValues(nn.Module):
+    """Parameters given real values in a zero_init block: made on the CPU, one of them held by two modules, and a
+    fixed table from numpy."""
 
     def __init__(self):
         super().__init__()
-        self.a = nn.Parameter(torch.FloatTensor(5, 7))
-        self.b = nn.Parameter(torch.empty(7, device="cpu"), requires_grad=False)
-        self.lin = nn.Linear(7, 1)
+        self.a = nn.Parameter(torch.full((5, 7), 0.5, device="cpu"))
+        self.b = nn.Parameter(torch.from_numpy(np.arange(7, dtype=np.float32)), requires_grad=False)
+        self.lin, self.twin = nn.Linear(7, 1), nn.Linear(7, 1)
+        self.lin.bias = self.twin.bias = nn.Parameter(torch.full((1,), 3.0, device="cpu"))   # tied
 
     def init_parameter(self, name, t):
         t.fill_(len(name) / 10)
 
     def forward(self, x):
-        return self.lin(x @ self.a + self.b)
+        h = x @ self.a + self.b
+        return self.lin(h) + self.twin(h)
 
 
-def test_zero_init_puts_parameters_made_on_a_real_device_on_meta_for_the_models_init():
+def test_zero_init_keeps_real_values_and_ties_registered_in_it():
+    """Only what the default device makes goes on meta: real values put in the block (a constructor's, a
+    ``load_state_dict(assign=True)``'s) are kept through initialize, and a tie stays one parameter."""
+    pretrained = nn.Linear(7, 1)
+    with torch.no_grad():
+        pretrained.weight.fill_(7.0)
     with framework.zero_init():
-        model = _LegacyParameters()
-    assert all(p.is_meta for p in model.parameters()) and not model.b.requires_grad
-    real = _LegacyParameters()   # outside the block: left as made
-    assert not any(p.is_meta for p in real.parameters())
+        model = _RealValues()
+        model.lin.load_state_dict({"weight": pretrained.weight, "bias": model.lin.bias}, assign=True)
+    assert [n for n, p in model.named_parameters() if p.is_meta] == ["twin.weight"]
+    assert model.lin.bias is model.twin.bias and not model.b.requires_grad
     with framework.initialize(model, mse, framework.compose(["logger=none"])) as engine:
+        assert model.lin.bias is model.twin.bias and len(list(model.parameters())) == 5
+        values = dict(a=0.5, b=torch.arange(7.0), **{"lin.weight": 7.0, "lin.bias": 3.0, "twin.weight": 1.1})
         for name, p in model.named_parameters():
-            assert torch.all(p == len(name) / 10), (name, p)
+            assert torch.all(p == values[name]), (name, p)
         _, m = engine.train_step(engine.state, Batch(((torch.ones(4, 5), torch.ones(4, 1)),)))
     assert math.isfinite(m["loss"])
 
