@@ -46,7 +46,8 @@ def test_gpu_check_dry_run_without_hydra(tmp_path):
     assert {("world 1" in r["item"], "world 2" in r["item"]) for r in compared} == {(True, False), (False, True)}
     assert all(r["ok"] for r in compared)
     hf = [r for r in rows if r["check"] == "sync" and r["item"].startswith("model=hf")]
-    assert len(hf) == 1 and hf[0]["value"].split()[0].isdigit(), hf   # transformers' reads in the forward, counted
+    # transformers' reads in the forward, counted (2 with today's transformers: not pinned, an upgrade may change it)
+    assert len(hf) == 1 and int(hf[0]["value"].split()[0]) >= 1, hf
     timing = {r["item"]: r for r in rows if r["check"] == "timing"}
     assert timing["fsdp2"]["ok"], timing   # the peer's code path (ours runs in memory and sync)
     table = (tmp_path / "gpu_check.md").read_text()

@@ -309,7 +309,8 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
     from framework.persist.checkpoint import preflight
     other = tmp_path / "other" / f"step-{K}"
     shutil.copytree(tmp_path / f"step-{K}", other)
-    refused = fr"checkpoint.resume={other}: {tmp_path} holds 1 checkpoint, newest step-{K}, which this run's saves"
+    refused = fr"checkpoint.resume={re.escape(str(other))}: {re.escape(str(tmp_path))} holds 1 checkpoint, newest " \
+              fr"step-{K}, which this run's saves"
     with pytest.raises(ConfigError, match=refused):
         preflight(_cfg(1, [], str(tmp_path), [f"checkpoint.resume={other}"]), None)
     with pytest.raises(ConfigError, match=refused):
@@ -405,7 +406,8 @@ def test_a_file_the_manifest_leaves_out_is_damage_not_read_unchecked(tmp_path):
     del manifest["files"]["__0_0.distcp"]
     manifest.pop("manifest_sha256")   # (edited: a manifest without its own checksum is read as an older version's)
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match=f"checkpoint {folder} is damaged: {folder / '__0_0.distcp'} is not in "
+    with pytest.raises(CheckpointError, match=f"checkpoint {re.escape(str(folder))} is damaged: "
+                                              f"{re.escape(str(folder / '__0_0.distcp'))} is not in "
                                               r"manifest.json \(a save lists every file it writes"):
         _train(dist, [], str(tmp_path / "b"), resume=str(folder), steps=K)
 
@@ -424,7 +426,7 @@ def test_files_no_save_writes_are_ignored_not_damage(tmp_path, capsys):
     assert (f"checkpoint: {folder} holds '.DS_Store', '.train_state.json.swp', 'notes.txt', which no save writes: "
             "ignored") in capsys.readouterr().err
     (folder / "__1_0.distcp").write_bytes(b"x")
-    with pytest.raises(CheckpointError, match=f"{folder / '__1_0.distcp'} is not in manifest.json"):
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(folder / '__1_0.distcp'))} is not in manifest.json"):
         _train(dist, [], str(tmp_path / "b"), resume=str(folder), steps=N)
 
 
@@ -517,8 +519,8 @@ def test_every_checkpoint_damaged_keeps_them_and_names_the_way_out(tmp_path):
     # a manifest there that does not parse (truncated) is damage too, not a folder without a commit to ignore
     manifest = tmp_path / f"step-{K}" / "manifest.json"
     manifest.write_bytes(manifest.read_bytes()[:-20])
-    with pytest.raises(CheckpointError, match=fr"every checkpoint in .* is damaged .*{manifest} is unreadable as the "
-                                              r"manifest"):
+    with pytest.raises(CheckpointError, match=fr"every checkpoint in .* is damaged .*{re.escape(str(manifest))} is "
+                                              r"unreadable as the manifest"):
         _train(dist, [], str(tmp_path), resume="auto")
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{K}"]
 
@@ -643,7 +645,7 @@ def test_a_resume_refuses_data_whose_ids_changed_meaning_and_says_when_only_its_
                                           r"model's vocabulary\); resume with data=tokens, or use another"):
         _train(dist, ["data.vocab_size=22"], root, resume="auto", steps=K)   # (22 rows: 24 would fit)
     # 24 rows fit: refused all the same, the saved data position counting batches of the token file
-    with pytest.raises(ConfigError, match=rf"^checkpoint.resume=auto: {tmp_path}/ck/step-{K} was saved with "
+    with pytest.raises(ConfigError, match=rf"^checkpoint.resume=auto: {re.escape(root)}/step-{K} was saved with "
                                           r"data=tokens, this run uses data=synthetic \(its data position counts "
                                           r"batches of that data, not of this run's\); resume with data=tokens, or "
                                           r"use another checkpoint.dir to start this run afresh$"):
@@ -656,11 +658,11 @@ def test_a_resume_refuses_data_whose_ids_changed_meaning_and_says_when_only_its_
            "with its new rows" in capsys.readouterr().out
     text.write_text(words.replace("a", "u"))
     prepare_chars(str(text), tokens)
-    with pytest.raises(ConfigError, match=rf"^checkpoint.resume=auto: {tmp_path}/ck/step-{K} was saved with other "
-                                          rf"data: the vocabulary of {tokens} changed \(20 -> 20 characters, adds 'u' "
-                                          r"and drops 'a'\), so its token ids now stand for other characters; restore "
-                                          r"the data file it was saved with to resume, or use another checkpoint.dir "
-                                          r"to start this run afresh$"):
+    with pytest.raises(ConfigError, match=rf"^checkpoint.resume=auto: {re.escape(root)}/step-{K} was saved with other "
+                                          rf"data: the vocabulary of {re.escape(str(tokens))} changed \(20 -> 20 "
+                                          r"characters, adds 'u' and drops 'a'\), so its token ids now stand for other "
+                                          r"characters; restore the data file it was saved with to resume, or use "
+                                          r"another checkpoint.dir to start this run afresh$"):
         _train(dist, data, root, resume="auto", steps=K)
     monkeypatch.setattr(_base.CropSource, "identity", lambda self: None)   # saved before checkpoints recorded it
     _train(dist, data, str(tmp_path / "old"), steps=K)

@@ -41,7 +41,8 @@ def test_a_second_arrival_is_refused_before_or_after_its_bucket():
 
 
 class SharedTwice(nn.Module):
-    """One Linear used in two reentrant checkpoint segments."""
+    """One Linear used in two checkpoint segments (reentrant unless ``reentrant`` is False)."""
+    reentrant = True
 
     def __init__(self):
         super().__init__()
@@ -54,8 +55,8 @@ class SharedTwice(nn.Module):
 
     def forward(self, x):
         h = torch.tanh(self.inp(x))
-        h = checkpoint(self.segment, h, use_reentrant=True)
-        h = checkpoint(self.segment, h, use_reentrant=True)
+        h = checkpoint(self.segment, h, use_reentrant=self.reentrant)
+        h = checkpoint(self.segment, h, use_reentrant=self.reentrant)
         return self.out(h)
 
 
@@ -102,8 +103,56 @@ def test_shared_weight_under_reentrant_checkpointing(stage, bucket):
     _sgd_against_plain(cfg, SharedTwice(), error=True)
 
 
+@pytest.mark.parametrize("stage,bucket", [(s, b) for s in ("ddp", "zero1", "zero2") for b in (10_000, 8)])
+def test_shared_weight_under_non_reentrant_checkpointing_equals_plain(stage, bucket):
+    """The other side of the refusal: non-reentrant checkpointing accumulates the shared weight once per
+    backward, so the hooks (on every parameter, at every world size) let it through and three steps equal
+    torch.optim.SGD; a hook that fired twice or counted a recomputation as a second gradient shows here."""
+    cfg = framework.compose([f"+stage={stage}", f"stage.reduce_bucket_size={bucket}", "optimizer=sgd",
+                             "optimizer.lr=0.1", "scheduler=constant", "train.steps=3", "train.grad_clip=0"])
+    torch.manual_seed(0)
+    model = SharedTwice()
+    model.reentrant = False
+    _sgd_against_plain(cfg, model, error=False)
+
+
+class SharedInFirstMicroBatch(SharedTwice):
+    """Reuses the shared Linear in its first forward only (data-dependent reuse); later ones use another."""
+
+    def __init__(self):
+        super().__init__()
+        self.other = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = torch.tanh(self.inp(x))
+        h = checkpoint(self.segment, h, use_reentrant=True)
+        second = self.segment if self.calls == 1 else (lambda t: torch.tanh(self.other(t)))
+        return self.out(checkpoint(second, h, use_reentrant=True))
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2"])
+def test_a_second_gradient_in_a_micro_batch_before_the_sync_one_is_refused(stage):
+    """With train.grad_accum=2 only the first micro batch (not the step's sync one, which launches nothing
+    under ddp/zero1) gives the shared weight two gradients: refused there too, not only when it launches."""
+    cfg = framework.compose([f"+stage={stage}", "stage.reduce_bucket_size=10000", "optimizer=sgd",
+                             "optimizer.lr=0.1", "scheduler=constant", "train.steps=1", "train.grad_clip=0",
+                             "train.grad_accum=2"])
+    torch.manual_seed(0)
+    model = SharedInFirstMicroBatch()
+    engine = framework.initialize(model, _mse, cfg)
+    gen = torch.Generator().manual_seed(1)
+    micros = []
+    for _ in range(2):
+        x = torch.randn(4, 6, generator=gen)
+        micros.append((x, x.sum(1, keepdim=True).sin()))
+    with pytest.raises(TrainingError, match=r"'shared\.(weight|bias)' received a second gradient"):
+        engine.train_step(engine.state, Batch(tuple(micros)))
+    assert model.calls == 1   # refused in the first micro batch's backward, before the sync one ran
+
+
 class SharedTwiceZero3(SharedTwice):
-    reentrant = True
     share = True
 
     def __init__(self):

@@ -203,6 +203,7 @@ def test_dict_batch_ids_and_labels_dtypes_through_the_engine():
 
     from framework import DataError
 
+    torch.manual_seed(0)
     raw = dict(CONFIGS["gpt2"])
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
     x = torch.randint(0, 96, (2, 9))
