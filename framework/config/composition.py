@@ -67,7 +67,7 @@ def search_order(config_dir: str | None, config_name: str,
     for o in overrides:
         key, (_, eq, value) = plainconf.override_key(o), o.partition("=")
         if key == "hydra.searchpath" and o[0] != "~" and value.startswith("[") and value.endswith("]"):
-            paths += [x.strip() for x in value[1:-1].split(",") if x.strip()]
+            paths += [x.strip() for x in plainconf._split(value[1:-1]) if x.strip()]   # (quotes kept whole)
         elif (key in CONFIG_DIR and eq) or (rest and rest[-1] in CONFIG_DIR):   # (Hydra's own read keeps a ~)
             rest.append(f"{key}={given}" if eq else str(given))
         else:

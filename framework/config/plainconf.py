@@ -164,24 +164,33 @@ def load_yaml(path: Path) -> dict:
 
 
 def check_aliases(primary: str, overrides: list[str]) -> None:
-    """Refuse an alias bomb (``load_yaml``'s line) in the YAML of the folders Hydra will search, but conf/ (the
-    package's own): each ``*.yaml`` of the primary folder and the ``file://`` entries of ``hydra.searchpath=[...]``
-    overrides, and of their group folders. Read here, first: Hydra's own read would expand it for ever."""
+    """Refuse an alias bomb (``load_yaml``'s line) in the YAML of the folders Hydra will search but conf/ (the
+    package's own): each ``*.yaml`` of the primary folder, of the ``file://`` entries of ``hydra.searchpath=[...]``
+    overrides, and of their group folders and the folders below them, read first (Hydra's would expand it for ever)."""
     from framework.core.paths import conf_dir
 
-    given = [s.strip() for o in overrides if override_key(o) == "hydra.searchpath"
-             for s in o.partition("=")[2].strip("[]").split(",")]
+    given = [x for o in overrides if override_key(o) == "hydra.searchpath" for x in _listed(o.partition("=")[2])]
     folders = {Path(f.removeprefix("file://")).resolve() for f in (primary, *given) if "://" not in f or
                f.startswith("file://")} - {conf_dir().resolve()}
-    for path in (p for f in sorted(folders) for d in (f, *(f / g for g in GROUPS)) for p in sorted(d.glob("*.yaml"))):
+    for path in (p for f in sorted(folders) for p in (*sorted(f.glob("*.yaml")),
+                 *(p for g in GROUPS for p in sorted((f / g).rglob("*.yaml"))))):
         try:
-            files.parse_yaml(path.read_text(encoding="utf-8"))
+            files.refuse_alias_bomb(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeError):   # (unreadable: Hydra's read says what is wrong, as for bad YAML below)
             continue
         except ValueError as e:
             raise ConfigError(f"config: {path}: {e}") from None
         except Exception:  # noqa: BLE001 - yaml.YAMLError, RecursionError: Hydra's read words them
             continue
+
+
+def _listed(text: str) -> list[str]:
+    """The strings of the list override value ``text`` as Hydra reads them (unquoted); none for another value."""
+    try:
+        items = value(text)
+    except ConfigError:   # (Hydra's read words it)
+        return []
+    return [x for x in items if isinstance(x, str)] if isinstance(items, list) else []
 
 
 def no_yaml(group: str, name: str) -> str:

@@ -8,6 +8,7 @@
     fd = lock(folder / "x.lock", busy, what)       # an exclusive flock, held while fd is open
     data = parse_json(path.read_bytes())           # json.loads; too deep a nesting is a ValueError too
     data = parse_yaml(path.read_text())            # yaml.safe_load; an alias bomb is a ValueError
+    refuse_alias_bomb(text)                        # that ValueError alone (a text without an anchor: unparsed)
 
 In a folder others may write to (a shared scratch disk) a planted link would make a plain ``open``
 overwrite its target: every open here refuses a link in the final component (``UnsafePathError``).
@@ -21,6 +22,7 @@ import fcntl
 import functools
 import json
 import os
+import re
 import socket
 import stat
 import sys
@@ -273,32 +275,62 @@ def parse_json(text: str | bytes, **kwargs) -> object:
 YAML_ALIAS_NODES = 10_000
 
 
-def parse_yaml(text: str) -> object:
-    """``yaml.safe_load(text)``, raising ``ValueError`` where its aliases would add more than ``YAML_ALIAS_NODES``
-    nodes when expanded (or an alias names a node that holds it): counted on the composed node graph, where each
-    alias is one shared node, in time linear in the text. Other unreadable text raises ``yaml.YAMLError``."""
+# An anchor's indicator (``&`` and a name): aliases need one to name, so a text without any expands nothing. A
+# superset of PyYAML's and libyaml's anchor names (a ``&`` inside a quoted string only costs a parse).
+_ANCHOR = re.compile(r"&[^\s,\[\]{}]")
+
+
+def refuse_alias_bomb(text: str) -> None:
+    """Raise ``ValueError`` where the aliases of YAML ``text`` would add more than ``YAML_ALIAS_NODES`` nodes when
+    expanded (or an alias names a node that holds it): counted over the parser's events, each anchored node's size
+    kept, in time linear in the text; a text without an anchor is not parsed. Other unreadable text may raise
+    ``yaml.YAMLError``."""
+    if not _ANCHOR.search(text):
+        return
     import yaml   # (PyYAML: a core dependency; imported where a config file is read)
 
-    loader = yaml.SafeLoader   # (safe_load's: the values and messages it gives, unchanged)
-    sizes: dict[int, int] = {}   # a node's id -> the nodes it expands to, itself included
-    open_: set[int] = set()
-    stack = [(root, False)] if (root := yaml.compose(text, Loader=loader)) is not None else []
-    while stack:
-        node, done = stack.pop()
-        kids = (node.value if isinstance(node, yaml.SequenceNode) else
-                [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
-        if done:
-            open_.discard(id(node))
-            sizes[id(node)] = 1 + sum(sizes[id(k)] for k in kids)
-        elif id(node) in open_:
-            raise ValueError("an alias names a node that holds it, which expands for ever; write the values out")
-        elif id(node) not in sizes:
-            open_.add(id(node))
-            stack += [(node, True), *((k, False) for k in kids)]
-    if root is not None and (added := sizes[id(root)] - len(sizes)) > YAML_ALIAS_NODES:
+    try:   # (libyaml's parser where PyYAML was built with it: the pure-Python one takes seconds a megabyte)
+        added = _alias_nodes(yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
+    except yaml.YAMLError:   # (libyaml's nesting limit and wording differ: PyYAML's own parser has the last word)
+        added = _alias_nodes(yaml.parse(text, Loader=yaml.SafeLoader))
+    if added > YAML_ALIAS_NODES:
         raise ValueError(f"its aliases expand to {added:.3g} more nodes (over {YAML_ALIAS_NODES:,}: an alias bomb?); "
                          f"write the repeated values out or nest fewer aliases")
-    return yaml.load(text, Loader=loader)
+
+
+def _alias_nodes(events: Iterable) -> int:
+    """The nodes the aliases of a YAML event stream add when expanded (an undefined alias adds none: the reader
+    refuses it)."""
+    import yaml
+
+    anchors: dict[str, list] = {}   # an anchor -> its node's [nodes it expands to (itself included), closed]
+    stack, distinct = [[0, False]], 0   # the open collections' nodes, below them the whole stream's
+    for e in events:
+        if isinstance(e, yaml.AliasEvent) and (node := anchors.get(e.anchor)) is not None:
+            if not node[1]:
+                raise ValueError("an alias names a node that holds it, which expands for ever; write the values out")
+            stack[-1][0] += node[0]
+        elif isinstance(e, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
+            distinct, node = distinct + 1, [1, isinstance(e, yaml.ScalarEvent)]
+            if e.anchor is not None:   # (a name given twice: the reader refuses it)
+                anchors[e.anchor] = node
+            if node[1]:
+                stack[-1][0] += 1
+            else:
+                stack.append(node)
+        elif isinstance(e, yaml.CollectionEndEvent):
+            node = stack.pop()
+            node[1], stack[-1][0] = True, stack[-1][0] + node[0]
+    return stack[0][0] - distinct
+
+
+def parse_yaml(text: str) -> object:
+    """``yaml.safe_load(text)``, raising ``ValueError`` for an alias bomb (``refuse_alias_bomb``). Other unreadable
+    text raises ``yaml.YAMLError``."""
+    import yaml
+
+    refuse_alias_bomb(text)
+    return yaml.load(text, Loader=yaml.SafeLoader)   # (safe_load's: the values and messages it gives, unchanged)
 
 
 def probe_writable(folder: os.PathLike | str) -> None:

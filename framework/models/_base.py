@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from framework.core.errors import DataError
 from framework.core.registry import Component
 
 
@@ -50,7 +51,16 @@ def name_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
 
 
+# The targets' dtypes cast to int64 for the loss: signed integers, each holding -100 (ignored); a float, bool or
+# unsigned y would be truncated or wrap, so it is refused
+TARGET_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
 def next_token_loss(logits: Tensor, y: Tensor) -> Tensor:
     """Mean cross-entropy of logits [B, T, vocab] against targets [B, T], in fp32 (as both models train)."""
+    if y.dtype not in TARGET_DTYPES:   # (metadata: no host sync)
+        names = ", ".join(str(d).removeprefix("torch.") for d in TARGET_DTYPES)
+        raise DataError(f"next_token_loss: targets y of dtype {y.dtype}; y must be token ids of a signed integer "
+                        f"dtype ({names}; cast them with .long())")
     # (int64 targets on the logits' device: cross-entropy takes no other integer dtype; a no-op for the data's)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1).to(logits.device, torch.long))

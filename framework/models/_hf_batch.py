@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from framework.core.errors import DataError
-from framework.models._base import next_token_loss
+from framework.models._base import TARGET_DTYPES, next_token_loss
 
 BATCH_KEYS = ("input_ids", "labels", "attention_mask")
 IGNORE_INDEX = -100   # transformers' label of a token left out of the loss (padding, a prompt)
 ID_DTYPES = (torch.int32, torch.int64)   # what an embedding takes
 # labels are cast to int64 for the loss; each of these holds IGNORE_INDEX (an unsigned or bool one cannot)
-LABEL_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+LABEL_DTYPES = TARGET_DTYPES
 
 
 def _refuse(why: str) -> DataError:

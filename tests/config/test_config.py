@@ -236,6 +236,10 @@ def test_a_config_dir_file_of_a_conf_name_is_used_with_a_note_or_refused_where_c
     delete = f"~hydra.searchpath=[file://{tmp_path / 't'}]"
     assert search_order(str(tmp_path / "o"), "other", [delete]) == (
         str(tmp_path / "o"), [delete], [f"hydra.searchpath=[file://{conf_dir()}]"])
+    # a quoted entry (a comma and a space in it) reaches Hydra as given
+    quoted = f"'file://{tmp_path}/a, b',\"file://{tmp_path / 't'}\""
+    assert search_order(str(tmp_path / "o"), "other", [f"hydra.searchpath=[{quoted}]"])[2] == [
+        f"hydra.searchpath=[file://{conf_dir()},{quoted}]"]
 
 
 def test_a_bad_model_file_is_named(tmp_path):
@@ -581,6 +585,54 @@ def test_a_yaml_alias_bomb_is_one_line_before_hydra_expands_it(tmp_path):
     assert parse_yaml(_alias_bomb(3))["a2"][9][9][9] == "x"
     with pytest.raises(ValueError, match="^an alias names a node that holds it"):
         parse_yaml("a: &x [1, *x]")
+
+
+def test_the_alias_bomb_check_reads_quoted_search_paths_and_nested_group_folders(tmp_path):
+    """A quoted hydra.searchpath entry (Hydra's grammar takes one) and a group file below a group folder
+    (optimizer=sub/x) are checked as an unquoted entry and a group folder's own file are."""
+    from framework.config.plainconf import check_aliases
+    from framework.core.paths import conf_dir
+
+    (tmp_path / "optimizer" / "sub").mkdir(parents=True)
+    bomb = tmp_path / "optimizer" / "sub" / "x.yaml"
+    bomb.write_text(_alias_bomb(5))
+    for entry in (f"file://{tmp_path}", f"'file://{tmp_path}'", f'"file://{tmp_path}"', f"file://{tmp_path}/"):
+        with pytest.raises(ConfigError, match=f"^config: {bomb}: its aliases expand to 1.23e"):
+            check_aliases(str(conf_dir()), [f"hydra.searchpath=[file:///nowhere,{entry}]"])
+    bomb.rename(tmp_path / "optimizer" / "sgd.yaml")
+    with pytest.raises(ConfigError, match=f"^config: {tmp_path / 'optimizer' / 'sgd.yaml'}: its aliases expand"):
+        compose([f"hydra.searchpath=['file://{tmp_path}']", "optimizer=sgd"])
+
+
+def test_the_alias_bomb_check_parses_only_files_with_an_anchor(tmp_path, monkeypatch):
+    """Every YAML file of the search path's folders is checked on each compose, used or not: one without an anchor
+    (no alias can name anything) is not parsed, and one with an anchor by libyaml's parser where PyYAML has it (the
+    pure-Python one takes seconds a megabyte); a YAML error in it is left to Hydra's read, as before."""
+    import yaml
+
+    from framework.config.plainconf import check_aliases
+    from framework.core.files import parse_yaml
+    from framework.core.paths import conf_dir
+
+    parsed = []
+
+    def parse(text, Loader):   # noqa: N803 - yaml.parse's own name
+        parsed.append((text.partition(":")[0], Loader))
+        return real(text, Loader=Loader)
+
+    real = yaml.parse
+    monkeypatch.setattr(yaml, "parse", parse)
+    monkeypatch.setattr(yaml, "compose", None)   # (the node graph: slower, and not needed to count)
+    (tmp_path / "results.yaml").write_text("".join(f"run{i}: {{loss: {i}, tag: 'a & b'}}\n" for i in range(3000)))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.yaml").write_text("quoted: 'R&D'\n")   # (a false positive: parsed, refuses nothing)
+    (tmp_path / "model" / "bad.yaml").write_text("anchored: &a [1\n")
+    check_aliases(str(conf_dir()), [f"hydra.searchpath=[file://{tmp_path}]"])
+    fast = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    assert [p for p in parsed if p[0] != "anchored"] == [("quoted", fast)]
+    assert ("anchored", yaml.SafeLoader) in parsed or fast is yaml.SafeLoader   # (libyaml's error: PyYAML's word)
+    with pytest.raises(ValueError, match="^its aliases expand to 1.23e"):   # deeper than libyaml's nesting limit
+        parse_yaml(_alias_bomb(5) + "deep: " + "[" * 1100 + "]" * 1100 + "\n")
 
 
 def test_a_yaml_value_nested_too_deeply_is_one_line(tmp_path):

@@ -246,3 +246,21 @@ def test_generate_refuses_bad_sampling_settings(kwargs, needle):
     model = GPT(tiny()).eval()
     with pytest.raises(ValueError, match=needle):
         model.generate(torch.zeros(1, 2, dtype=torch.long), 2, **kwargs)
+
+
+def test_next_token_loss_casts_signed_integer_targets_and_refuses_others():
+    """int8/int16/int32 targets train as int64 ones do; float, bool and unsigned ones (a cast would truncate 0.9
+    to 0, or wrap) are one line naming the dtype, read from metadata alone (no host sync)."""
+    from framework.core.errors import DataError
+    from framework.models._base import next_token_loss
+
+    logits, y = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
+    for dtype in (torch.int8, torch.int16, torch.int32):
+        assert torch.equal(next_token_loss(logits, y.to(dtype)), next_token_loss(logits, y))
+    for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.uint8):
+        with pytest.raises(DataError) as e:
+            next_token_loss(logits, y.to(dtype))
+        assert f"targets y of dtype {dtype}; y must be token ids of a signed integer dtype" in str(e.value)
+        assert ".long()" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(DataError, match="targets y of dtype torch.float32"):   # a model's loss: a tuple batch
+        gpt_loss(GPT(tiny(vocab_size=7)), (y, y.float()))
