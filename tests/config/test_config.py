@@ -606,6 +606,19 @@ def test_the_alias_bomb_check_reads_quoted_search_paths_and_nested_group_folders
         compose([f"hydra.searchpath=['file://{tmp_path}']", "optimizer=sgd"])
 
 
+def test_the_alias_bomb_check_reads_a_group_folder_of_the_users_own(tmp_path):
+    """A group folder no component registers (Hydra's ``+experiment=big`` pattern) is searched by Hydra alike: its
+    files are checked too, not expanded for ever."""
+    (tmp_path / "experiment").mkdir()
+    bomb = tmp_path / "experiment" / "big.yaml"
+    bomb.write_text("# @package _global_\n" + _alias_bomb(8))
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - train\n  - _self_\n")
+    with pytest.raises(ConfigError, match=f"^config: {re.escape(str(bomb))}: its aliases expand to 1\\.23e\\+08 "):
+        compose(["+experiment=big"], config_dir=str(tmp_path), config_name="mine")
+    bomb.write_text("# @package _global_\nseed: 7\n")
+    assert compose(["+experiment=big"], config_dir=str(tmp_path), config_name="mine").seed == 7
+
+
 def test_the_alias_bomb_check_parses_only_files_with_an_anchor(tmp_path, monkeypatch):
     """Every YAML file of the search path's folders is checked on each compose, used or not: one without an anchor
     (no alias can name anything) is not parsed, and one with an anchor by libyaml's parser where PyYAML has it (the
