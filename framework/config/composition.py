@@ -72,7 +72,14 @@ def search_order(config_dir: str | None, config_name: str,
             rest.append(f"{key}={given}" if eq else str(given))
         else:
             rest.append(o)
-    return str(primary), rest, [f"hydra.searchpath=[{','.join(dict.fromkeys([f'file://{other}', *paths]))}]"]
+    entries = dict.fromkeys([_quoted(f"file://{other}"), *paths])
+    return str(primary), rest, [f"hydra.searchpath=[{','.join(entries)}]"]
+
+
+def _quoted(text: str) -> str:
+    """``text`` as a quoted value of Hydra's override grammar (a comma in a folder's name would split it unquoted):
+    a quote escaped, and the backslashes before a quote or the closing one doubled (others are read as written)."""
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), text) + "'"
 
 
 def search_notes(cfg: Any, choices: Mapping[str, str]) -> tuple[str, ...]:
@@ -113,8 +120,9 @@ def app_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()   # (its search path's hydra.searchpath part is an override: given again)
-    return _hydra_compose(hc.job.config_name, [*overrides, *([f"hydra.searchpath=[{','.join(hc.searchpath)}]"]
-                                                            if hc.searchpath else [])])
+    entries = ",".join(map(_quoted, hc.searchpath))
+    return _hydra_compose(hc.job.config_name,
+                          [*overrides, *([f"hydra.searchpath=[{entries}]"] if hc.searchpath else [])])
 
 
 def parse_overrides(overrides: list[str]) -> list:

@@ -619,6 +619,15 @@ def test_the_alias_bomb_check_reads_a_group_folder_of_the_users_own(tmp_path):
     assert compose(["+experiment=big"], config_dir=str(tmp_path), config_name="mine").seed == 7
 
 
+def test_a_config_dir_whose_name_holds_a_comma_or_a_quote_is_searched_whole(tmp_path):
+    """The --config-dir folder goes into hydra.searchpath quoted: a comma in its name does not split it in two."""
+    for name in ("a,b", "it's"):
+        cd = tmp_path / name
+        (cd / "experiment").mkdir(parents=True)
+        (cd / "experiment" / "x.yaml").write_text("# @package _global_\nseed: 7\n")
+        assert compose(["+experiment=x"], config_dir=str(cd)).seed == 7
+
+
 def test_the_alias_bomb_check_parses_only_files_with_an_anchor(tmp_path, monkeypatch):
     """Every YAML file of the search path's folders is checked on each compose, used or not: one without an anchor
     (no alias can name anything) is not parsed, and one with an anchor by libyaml's parser where PyYAML has it (the
