@@ -566,10 +566,10 @@ def _alias_bomb(levels: int) -> str:
 def test_a_yaml_alias_bomb_is_one_line_before_hydra_expands_it(tmp_path):
     """Hydra's read (OmegaConf) would expand it for ever: the search path's folders are read first, conf/ aside."""
     from framework.config.plainconf import load_yaml
-    from framework.core.files import parse_yaml
+    from framework.core.files import YAML_ALIAS_NODES, parse_yaml
 
     (tmp_path / "bomb.yaml").write_text("defaults:\n  - train\n  - _self_\n" + _alias_bomb(5))
-    says = (r"its aliases expand to 1\.\d+e\+05 more nodes \(over 10,000: an alias bomb\?\); "
+    says = (rf"its aliases expand to 1\.\d+e\+05 more nodes \(over {YAML_ALIAS_NODES:,}: an alias bomb\?\); "
             r"write the repeated values out")
     with pytest.raises(ConfigError, match=f"^config: {re.escape(str(tmp_path / 'bomb.yaml'))}: {says}"):
         compose([], config_dir=str(tmp_path), config_name="bomb")
@@ -584,6 +584,9 @@ def test_a_yaml_alias_bomb_is_one_line_before_hydra_expands_it(tmp_path):
     assert parse_yaml("a: &x {b: 1}\nc: *x\ne: {<<: *x, f: 2}\n") == {
         "a": {"b": 1}, "c": {"b": 1}, "e": {"b": 1, "f": 2}}
     assert parse_yaml(_alias_bomb(3))["a2"][9][9][9] == "x"
+    base = "b: &b {" + ", ".join(f"k{i}: {i}" for i in range(100)) + "}\n"   # a plain use of merge keys: 2.03e4
+    merged = parse_yaml(base + "".join(f"e{j}: {{<<: *b, z: {j}}}\n" for j in range(101)))
+    assert len(merged) == 102 and merged["e100"]["k99"] == 99 and merged["e100"]["z"] == 100
     with pytest.raises(ValueError, match="^an alias names a node that holds it"):
         parse_yaml("a: &x [1, *x]")
 
