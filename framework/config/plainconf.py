@@ -173,8 +173,7 @@ def check_aliases(primary: str, overrides: list[str]) -> None:
     given = [x for o in overrides if override_key(o) == "hydra.searchpath" for x in _listed(o.partition("=")[2])]
     folders = {Path(f.removeprefix("file://")).resolve() for f in (primary, *given) if "://" not in f or
                f.startswith("file://")} - {conf_dir().resolve()}
-    # (a file without an anchor costs one regex search)
-    for path in (p for f in sorted(folders) for p in sorted(f.rglob("*.yaml"))):
+    for path in (p for f in sorted(folders) for p in sorted(f.rglob("*.yaml"))):   # (no anchor: one regex search)
         try:
             files.refuse_alias_bomb(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeError):   # (unreadable: Hydra's read says what is wrong, as for bad YAML below)

@@ -236,11 +236,11 @@ def test_a_config_dir_file_of_a_conf_name_is_used_with_a_note_or_refused_where_c
 
     delete = f"~hydra.searchpath=[file://{tmp_path / 't'}]"
     assert search_order(str(tmp_path / "o"), "other", [delete]) == (
-        str(tmp_path / "o"), [delete], [f"hydra.searchpath=[file://{conf_dir()}]"])
+        str(tmp_path / "o"), [delete], [f"hydra.searchpath=['file://{conf_dir()}']"])
     # a quoted entry (a comma and a space in it) reaches Hydra as given
     quoted = f"'file://{tmp_path}/a, b',\"file://{tmp_path / 't'}\""
     assert search_order(str(tmp_path / "o"), "other", [f"hydra.searchpath=[{quoted}]"])[2] == [
-        f"hydra.searchpath=[file://{conf_dir()},{quoted}]"]
+        f"hydra.searchpath=['file://{conf_dir()}',{quoted}]"]
 
 
 def test_a_bad_model_file_is_named(tmp_path):
