@@ -49,8 +49,7 @@ def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
 CONFIG_DIR = ("--config-dir", "-cd")   # (its value: the next word, or after "=")
 
 
-def search_order(config_dir: str | None, config_name: str,
-                 overrides: list[str]) -> tuple[str, list[str], list[str]]:
+def search_order(config_dir: str | None, config_name: str, overrides: list[str]) -> tuple[str, list[str], list[str]]:
     """(the folder Hydra is initialised with, ``overrides`` less any ``hydra.searchpath``, the one override giving
     the rest of the search path), alike for the composed config and the training command's Hydra app. A
     ``--config-dir`` folder holding ``<config_name>.yaml`` comes first, then conf/ (Hydra finds the primary config
@@ -63,7 +62,8 @@ def search_order(config_dir: str | None, config_name: str,
     if not given.is_dir():
         raise ConfigError(f"config: --config-dir {config_dir} is not a folder")
     primary, other = (given, conf_dir()) if (given / f"{config_name}.yaml").is_file() else (conf_dir(), given)
-    paths, rest = [], []
+    # (quoted, as Hydra's grammar reads it: a comma in the name would split it; a ' escaped, \ doubled before one)
+    paths, rest = ["'file://" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + "\\'" * bool(m[2]), str(other)) + "'"], []
     for o in overrides:
         key, (_, eq, value) = plainconf.override_key(o), o.partition("=")
         if key == "hydra.searchpath" and o[0] != "~" and value.startswith("[") and value.endswith("]"):
@@ -72,7 +72,7 @@ def search_order(config_dir: str | None, config_name: str,
             rest.append(f"{key}={given}" if eq else str(given))
         else:
             rest.append(o)
-    return str(primary), rest, [f"hydra.searchpath=[{','.join(dict.fromkeys([f'file://{other}', *paths]))}]"]
+    return str(primary), rest, [f"hydra.searchpath=[{','.join(dict.fromkeys(paths))}]"]
 
 
 def search_notes(cfg: Any, choices: Mapping[str, str]) -> tuple[str, ...]:
@@ -361,8 +361,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
                                        **{k: v for k, v in resolved.sources.items() if not cli.deletes(k)}})
     notices = config.notices + tuple(t.notices(strict, resolved.inert, resolved.notes)) + search_notes(cfg, choices)
     batch_world = world if isinstance(t.batch.get("train_batch_size"), int) else None
-    return cfg, dataclasses.replace(config, ds_config=label, sources=sources, notices=notices,
-                                    batch_world=batch_world)
+    return cfg, dataclasses.replace(config, ds_config=label, sources=sources, notices=notices, batch_world=batch_world)
 
 
 def _as_given(composer: Composer, overrides: list[str],

@@ -270,9 +270,11 @@ def parse_json(text: str | bytes, **kwargs) -> object:
         raise ValueError("nested too deeply to parse") from None
 
 
-# Nodes a config file's YAML aliases may add: far past any config's, short of an alias bomb's (nested anchors that
-# each repeat the one before: ten levels of ten are 10**10 nodes), which OmegaConf would expand for ever.
-YAML_ALIAS_NODES = 10_000
+# Nodes a config file's YAML aliases may add: past a plain use of merge keys (a 100-key base merged into 101
+# entries adds 2e4), short of an alias bomb's (nested anchors that each repeat the one before: ten levels of ten are
+# 10**10 nodes), which OmegaConf would expand for ever; OmegaConf builds some 2e4 nodes a second, so the bound keeps
+# the worst accepted file to a few seconds of composing.
+YAML_ALIAS_NODES = 50_000
 
 
 # An anchor's indicator (``&`` and a name): aliases need one to name, so a text without any expands nothing. A

@@ -236,11 +236,11 @@ def test_a_config_dir_file_of_a_conf_name_is_used_with_a_note_or_refused_where_c
 
     delete = f"~hydra.searchpath=[file://{tmp_path / 't'}]"
     assert search_order(str(tmp_path / "o"), "other", [delete]) == (
-        str(tmp_path / "o"), [delete], [f"hydra.searchpath=[file://{conf_dir()}]"])
+        str(tmp_path / "o"), [delete], [f"hydra.searchpath=['file://{conf_dir()}']"])
     # a quoted entry (a comma and a space in it) reaches Hydra as given
     quoted = f"'file://{tmp_path}/a, b',\"file://{tmp_path / 't'}\""
     assert search_order(str(tmp_path / "o"), "other", [f"hydra.searchpath=[{quoted}]"])[2] == [
-        f"hydra.searchpath=[file://{conf_dir()},{quoted}]"]
+        f"hydra.searchpath=['file://{conf_dir()}',{quoted}]"]
 
 
 def test_a_bad_model_file_is_named(tmp_path):
@@ -566,10 +566,10 @@ def _alias_bomb(levels: int) -> str:
 def test_a_yaml_alias_bomb_is_one_line_before_hydra_expands_it(tmp_path):
     """Hydra's read (OmegaConf) would expand it for ever: the search path's folders are read first, conf/ aside."""
     from framework.config.plainconf import load_yaml
-    from framework.core.files import parse_yaml
+    from framework.core.files import YAML_ALIAS_NODES, parse_yaml
 
     (tmp_path / "bomb.yaml").write_text("defaults:\n  - train\n  - _self_\n" + _alias_bomb(5))
-    says = (r"its aliases expand to 1\.\d+e\+05 more nodes \(over 10,000: an alias bomb\?\); "
+    says = (rf"its aliases expand to 1\.\d+e\+05 more nodes \(over {YAML_ALIAS_NODES:,}: an alias bomb\?\); "
             r"write the repeated values out")
     with pytest.raises(ConfigError, match=f"^config: {re.escape(str(tmp_path / 'bomb.yaml'))}: {says}"):
         compose([], config_dir=str(tmp_path), config_name="bomb")
@@ -584,6 +584,9 @@ def test_a_yaml_alias_bomb_is_one_line_before_hydra_expands_it(tmp_path):
     assert parse_yaml("a: &x {b: 1}\nc: *x\ne: {<<: *x, f: 2}\n") == {
         "a": {"b": 1}, "c": {"b": 1}, "e": {"b": 1, "f": 2}}
     assert parse_yaml(_alias_bomb(3))["a2"][9][9][9] == "x"
+    base = "b: &b {" + ", ".join(f"k{i}: {i}" for i in range(100)) + "}\n"   # a plain use of merge keys: 2.03e4
+    merged = parse_yaml(base + "".join(f"e{j}: {{<<: *b, z: {j}}}\n" for j in range(101)))
+    assert len(merged) == 102 and merged["e100"]["k99"] == 99 and merged["e100"]["z"] == 100
     with pytest.raises(ValueError, match="^an alias names a node that holds it"):
         parse_yaml("a: &x [1, *x]")
 
@@ -604,6 +607,28 @@ def test_the_alias_bomb_check_reads_quoted_search_paths_and_nested_group_folders
     nested = re.escape(str(tmp_path / "optimizer" / "sgd.yaml"))
     with pytest.raises(ConfigError, match=f"^config: {nested}: its aliases expand"):
         compose([f"hydra.searchpath=['file://{tmp_path}']", "optimizer=sgd"])
+
+
+def test_the_alias_bomb_check_reads_a_group_folder_of_the_users_own(tmp_path):
+    """A group folder no component registers (Hydra's ``+experiment=big`` pattern) is searched by Hydra alike: its
+    files are checked too, not expanded for ever."""
+    (tmp_path / "experiment").mkdir()
+    bomb = tmp_path / "experiment" / "big.yaml"
+    bomb.write_text("# @package _global_\n" + _alias_bomb(8))
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - train\n  - _self_\n")
+    with pytest.raises(ConfigError, match=f"^config: {re.escape(str(bomb))}: its aliases expand to 1\\.23e\\+08 "):
+        compose(["+experiment=big"], config_dir=str(tmp_path), config_name="mine")
+    bomb.write_text("# @package _global_\nseed: 7\n")
+    assert compose(["+experiment=big"], config_dir=str(tmp_path), config_name="mine").seed == 7
+
+
+def test_a_config_dir_whose_name_holds_a_comma_or_a_quote_is_searched_whole(tmp_path):
+    """The --config-dir folder goes into hydra.searchpath quoted: a comma in its name does not split it in two."""
+    for name in ("a,b", "it's"):
+        cd = tmp_path / name
+        (cd / "experiment").mkdir(parents=True)
+        (cd / "experiment" / "x.yaml").write_text("# @package _global_\nseed: 7\n")
+        assert compose(["+experiment=x"], config_dir=str(cd)).seed == 7
 
 
 def test_the_alias_bomb_check_parses_only_files_with_an_anchor(tmp_path, monkeypatch):
