@@ -146,14 +146,14 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
     except ImportError:   # (the GPU image: no Hydra) read as the plain composer reads a preset
         return _plain_yaml_model(path, model_keys, fields)
     try:
-        files.parse_yaml(path.read_text())   # (an alias bomb refused before OmegaConf expands it)
+        files.refuse_alias_bomb(path.read_text())   # (before OmegaConf expands one)
         schema = writable(OmegaConf.structured(GPTConfig), GPTConfig)   # (the overrides go into it)
         node = OmegaConf.merge(schema, OmegaConf.load(path))
     except YAMLError as e:
         raise ConfigError(f"estimate: {path} is not YAML: {' '.join(str(e).split())}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"estimate: {path} is not a GPT model config: {_omega_error(e)}") from None
-    except ValueError as e:   # (parse_yaml's: OmegaConf's ValueErrors are caught above)
+    except ValueError as e:   # (refuse_alias_bomb's: OmegaConf's ValueErrors are caught above)
         raise ConfigError(f"estimate: {path}: {e}") from None
     for o in model_keys:
         key, _, text = o.partition("=")

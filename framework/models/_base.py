@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from framework.core.errors import DataError
 from framework.core.registry import Component
+from framework.core.utils import dtype_name
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,8 @@ TARGET_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 def next_token_loss(logits: Tensor, y: Tensor) -> Tensor:
     """Mean cross-entropy of logits [B, T, vocab] against targets [B, T], in fp32 (as both models train)."""
     if y.dtype not in TARGET_DTYPES:   # (metadata: no host sync)
-        names = ", ".join(str(d).removeprefix("torch.") for d in TARGET_DTYPES)
+        names = ", ".join(map(dtype_name, TARGET_DTYPES))
         raise DataError(f"next_token_loss: targets y of dtype {y.dtype}; y must be token ids of a signed integer "
                         f"dtype ({names}; cast them with .long())")
-    # (int64 targets on the logits' device: cross-entropy takes no other integer dtype; a no-op for the data's)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1).to(logits.device, torch.long))
+    # (int64 targets, on their own device: cross-entropy takes no other integer dtype; a no-op for the data's)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1).long())

@@ -15,13 +15,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from framework.core.errors import DataError
+from framework.core.utils import dtype_name
 from framework.models._base import TARGET_DTYPES, next_token_loss
 
 BATCH_KEYS = ("input_ids", "labels", "attention_mask")
 IGNORE_INDEX = -100   # transformers' label of a token left out of the loss (padding, a prompt)
 ID_DTYPES = (torch.int32, torch.int64)   # what an embedding takes
-# labels are cast to int64 for the loss; each of these holds IGNORE_INDEX (an unsigned or bool one cannot)
-LABEL_DTYPES = TARGET_DTYPES
 
 
 def _refuse(why: str) -> DataError:
@@ -45,9 +44,9 @@ def checked(batch: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor | None]:
             what = f"shape {list(t.shape)}" if isinstance(t, Tensor) else f"a {type(t).__name__}"
             raise _refuse(f"has {key} of {what} (input_ids: {list(getattr(ids, 'shape', []))}); each must be a "
                           f"[B, T] tensor of one shape")
-        allowed = {"input_ids": ID_DTYPES, "labels": LABEL_DTYPES}.get(key, (t.dtype,))
+        allowed = {"input_ids": ID_DTYPES, "labels": TARGET_DTYPES}.get(key, (t.dtype,))   # (labels: hold -100)
         if t.dtype not in allowed:
-            names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+            names = ", ".join(map(dtype_name, allowed))
             why = f": each holds {IGNORE_INDEX}" if key == "labels" else ""
             raise _refuse(f"has {key} of dtype {t.dtype}; {key} must be token ids of a signed integer dtype "
                           f"({names}{why}; cast them with .long())")
@@ -58,8 +57,8 @@ def shifted_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """transformers' causal LM loss (``ForCausalLMLoss``): fp32 cross-entropy of ``logits[:, t]`` against
     ``labels[:, t + 1]``, mean over the labels that are not ``IGNORE_INDEX``."""
     # (next_token_loss's cross-entropy leaves out its default ignore_index, -100: IGNORE_INDEX)
-    labels = labels.to(logits.device, torch.long)   # (before the pad: -100 fits, cross-entropy takes it)
-    return next_token_loss(logits, F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:])
+    # (next_token_loss casts the labels to int64: each signed dtype they may have holds the pad's IGNORE_INDEX)
+    return next_token_loss(logits, F.pad(labels.to(logits.device), (0, 1), value=IGNORE_INDEX)[:, 1:])
 
 
 def dict_forward(model: nn.Module, batch: Mapping[str, Any]) -> tuple[Any, Tensor]:

@@ -2,7 +2,6 @@
 whether a folder needs transformers' load-time key conversions (read from the file's index or header only)."""
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Collection, Iterable
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from framework.core import files
 from framework.core.errors import ConfigError
 from framework.core.paths import weights_file
 
@@ -74,11 +74,11 @@ def _weight_names(folder: Path) -> list[str]:
         if path is None:
             return []
         if path.name.endswith(".index.json"):
-            return list(json.loads(path.read_text())["weight_map"])
+            return list(files.parse_json(path.read_text())["weight_map"])
         if path.suffix == ".safetensors":
             with path.open("rb") as f:   # an 8-byte little-endian length, then that many bytes of JSON header
                 size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size)) if size <= path.stat().st_size else {}
+                header = files.parse_json(f.read(size)) if size <= path.stat().st_size else {}
             return [k for k in header if k != "__metadata__"]
         state = torch.load(path, map_location="meta", weights_only=True, mmap=True)
         return list(state) if isinstance(state, dict) else []

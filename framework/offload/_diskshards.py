@@ -134,8 +134,8 @@ class DiskShards(HostShards):
 
     def slots(self, largest: int) -> int:
         """Slots of the largest shard (not param_buffer_size: no pinned memory idles), as many as max_in_cpu allows.
-        param_buffer_size (DeepSpeed's offload_param.buffer_size) is only a floor here: the engine and the estimate
-        refuse one below the largest shard, as DeepSpeed's buffers could not hold it."""
+        param_buffer_size (DeepSpeed's offload_param.buffer_size) is only a floor here: the engine refuses one below
+        the largest shard, as DeepSpeed's buffers could not hold it."""
         if self.spec.param_buffer_size < largest:
             raise ConfigError(f"offload buffers too small: offload.param_buffer_size={self.spec.param_buffer_size} is "
                               f"smaller than the largest parameter shard ({largest} elements): set "
