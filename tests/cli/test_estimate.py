@@ -301,8 +301,9 @@ def _check_measured(overrides: list[str], world: int, low: float, env: dict | No
         assert abs(pred.at_setup - built) <= 0.10 * built, (rank, pred.at_setup / 2**20, built / 2**20)
         # Peak: the peak resident set over two steps, minus the same baseline; the planner's fit needs it
         # not low (5% for the noise of a shared machine). With checkpointing on the host, the heap's
-        # fragmentation varies from run to run (ddp-ckpt: 1.04-1.25x of the measured peak over 17 runs).
-        over = 0.35 if "model.activation_checkpointing=true" in overrides and world == 1 else 0.20
+        # fragmentation varies from run to run (ddp-ckpt: 1.04-1.25x of the measured peak over 17 runs; zero3-ckpt
+        # at 2 ranks: 1.07-1.22x, on a quiet machine too).
+        over = 0.35 if "model.activation_checkpointing=true" in overrides else 0.20
         assert pred.peak - peak <= over * peak and pred.peak >= low * peak, (rank, pred.peak / 2**20, peak / 2**20)
 
 
