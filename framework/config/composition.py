@@ -15,7 +15,7 @@ from framework.comm.distributed import run_world
 from framework.config import dsconfig, plainconf
 from framework.config.checks import refuse_inert, root_value, validate
 from framework.config.schema import Config, RootSchema, flat, get_key
-from framework.config.searchpath import search_notes, search_order
+from framework.config.searchpath import quoted, search_notes, search_order
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
 from framework.core.registry import GROUPS, registry
@@ -51,9 +51,9 @@ def app_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
     """Compose inside a running Hydra app (its search path and --config-name set up)."""
     from hydra.core.hydra_config import HydraConfig
 
-    hc = HydraConfig.get()   # (its search path's hydra.searchpath part is an override: given again)
-    return _hydra_compose(hc.job.config_name, [*overrides, *([f"hydra.searchpath=[{','.join(hc.searchpath)}]"]
-                                                            if hc.searchpath else [])])
+    hc = HydraConfig.get()   # (its search path's hydra.searchpath part is an override: given again, quoted)
+    searched = [f"hydra.searchpath=[{','.join(map(quoted, hc.searchpath))}]"] if hc.searchpath else []
+    return _hydra_compose(hc.job.config_name, [*overrides, *searched])
 
 
 def parse_overrides(overrides: list[str]) -> list:
