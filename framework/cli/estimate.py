@@ -355,7 +355,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         try:
             # (ours built by predict at the vocabulary training builds: the data's, not the model's own)
             pred = predict(cfg, gpus * nodes, module=module if hf else None, loss_fn=hf_lib.trace_loss if hf else None,
-                           context=context)
+                           context=context, vocab=None if hf or vocab["from"] == "model" else vocab["size"])
         except Exception as e:   # noqa: BLE001 (a Hugging Face forward on meta fails in its own ways)
             failed = e.__cause__ if isinstance(e, FrameworkError) else e   # (predict's one line on a failed trace)
             if not hf or failed is None or isinstance(failed, FrameworkError):

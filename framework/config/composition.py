@@ -15,8 +15,9 @@ from framework.comm.distributed import run_world
 from framework.config import dsconfig, plainconf
 from framework.config.checks import refuse_inert, root_value, validate
 from framework.config.schema import Config, RootSchema, flat, get_key
+from framework.config.searchpath import quoted, search_notes, search_order
 from framework.core.errors import ConfigError
-from framework.core.paths import conf_dir, user_path
+from framework.core.paths import conf_dir
 from framework.core.registry import GROUPS, registry
 from framework.core.utils import under
 
@@ -46,75 +47,13 @@ def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
     return _hydra_compose(config_name, overrides + merged, primary)
 
 
-CONFIG_DIR = ("--config-dir", "-cd")   # (its value: the next word, or after "=")
-
-
-def search_order(config_dir: str | None, config_name: str, overrides: list[str]) -> tuple[str, list[str], list[str]]:
-    """(the folder Hydra is initialised with, ``overrides`` less any ``hydra.searchpath``, the one override giving
-    the rest of the search path), alike for the composed config and the training command's Hydra app. A
-    ``--config-dir`` folder holding ``<config_name>.yaml`` comes first, then conf/ (Hydra finds the primary config
-    only in the folder it is initialised with); another comes after conf/; ``hydra.searchpath``'s folders last (Hydra
-    takes one value: the given ones are merged into it). ``overrides`` may be a whole command line (its --config-dir
-    value becomes the folder found: Hydra's own read would keep a leading ~)."""
-    if config_dir is None:
-        return str(conf_dir()), list(overrides), []
-    given = Path(user_path(config_dir)).resolve()
-    if not given.is_dir():
-        raise ConfigError(f"config: --config-dir {config_dir} is not a folder")
-    primary, other = (given, conf_dir()) if (given / f"{config_name}.yaml").is_file() else (conf_dir(), given)
-    # (quoted, as Hydra's grammar reads it: a comma in the name would split it; a ' escaped, \ doubled before one)
-    paths, rest = ["'file://" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + "\\'" * bool(m[2]), str(other)) + "'"], []
-    for o in overrides:
-        key, (_, eq, value) = plainconf.override_key(o), o.partition("=")
-        if key == "hydra.searchpath" and o[0] != "~" and value.startswith("[") and value.endswith("]"):
-            paths += [x.strip() for x in plainconf._split(value[1:-1]) if x.strip()]   # (quotes kept whole)
-        elif (key in CONFIG_DIR and eq) or (rest and rest[-1] in CONFIG_DIR):   # (Hydra's own read keeps a ~)
-            rest.append(f"{key}={given}" if eq else str(given))
-        else:
-            rest.append(o)
-    return str(primary), rest, [f"hydra.searchpath=[{','.join(dict.fromkeys(paths))}]"]
-
-
-def search_notes(cfg: Any, choices: Mapping[str, str]) -> tuple[str, ...]:
-    """The composed files (the primary config, the root configs its defaults list names, each group's choice) that
-    more than one folder of the search path holds: a --config-dir file used in place of conf/'s is a note; a file
-    hidden by an earlier folder's is refused in one line (it would be silently ignored)."""
-    if isinstance(cfg, dict):
-        return ()   # (composed without Hydra: conf/ alone)
-    from omegaconf import OmegaConf
-
-    if OmegaConf.select(cfg, "hydra.runtime.config_sources") is None:
-        return ()
-    folders = list(dict.fromkeys(Path(s.path).resolve() for s in cfg.hydra.runtime.config_sources
-                                 if s.schema == "file"))
-    conf, notes, rels = conf_dir().resolve(), [], [f"{cfg.hydra.job.config_name}.yaml"]
-    for rel in rels:   # (Hydra keeps no choice for a root config a defaults list names: `train`)
-        with contextlib.suppress(Exception):   # (Hydra read it: only a note depends on it here)
-            defaults = plainconf.load_yaml(next(f / rel for f in folders if (f / rel).is_file())).get("defaults")
-            rels += [f"{d.lstrip('/')}.yaml" for d in defaults or [] if isinstance(d, str) and d != "_self_"
-                     and f"{d.lstrip('/')}.yaml" not in rels]
-    for rel in (*rels, *(f"{g}/{n}.yaml" for g, n in choices.items())):
-        used, *hidden = [f for f in folders if (f / rel).is_file()] or [None]
-        if mine := [f for f in hidden if f != conf]:
-            raise ConfigError(
-                f"config: {mine[0] / rel} is hidden by {used / rel}, which comes first on the search path (a "
-                f"--config-dir folder comes before conf/ only where it holds the primary config, "
-                f"{cfg.hydra.job.config_name}.yaml; hydra.searchpath's folders come last); give its folder as "
-                "--config-dir with a config file of its own (defaults: [train, _self_]) named by --config-name, or "
-                "set its values as overrides")
-        if hidden:
-            notes.append(f"note: config: {used / rel} is used in place of {conf / rel} (a --config-dir folder "
-                         "holding the primary config comes before conf/)")
-    return tuple(notes)
-
-
 def app_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
     """Compose inside a running Hydra app (its search path and --config-name set up)."""
     from hydra.core.hydra_config import HydraConfig
 
-    hc = HydraConfig.get()   # (its search path's hydra.searchpath part is an override: given again)
-    return _hydra_compose(hc.job.config_name, [*overrides, *([f"hydra.searchpath=[{','.join(hc.searchpath)}]"]
-                                                            if hc.searchpath else [])])
+    hc = HydraConfig.get()   # (its search path's hydra.searchpath part is an override: given again, quoted)
+    searched = [f"hydra.searchpath=[{','.join(map(quoted, hc.searchpath))}]"] if hc.searchpath else []
+    return _hydra_compose(hc.job.config_name, [*overrides, *searched])
 
 
 def parse_overrides(overrides: list[str]) -> list:

@@ -278,13 +278,13 @@ def build_vocab(cfg, overrides: list[str]) -> tuple[int, str]:
 
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             traces: dict | None = None, loss_fn=None, context: int | None = None,
-            device: str | None = None, batch=None, rank: int = 0, policy=None) -> Prediction:
+            device: str | None = None, batch=None, rank: int = 0, policy=None, vocab: int | None = None) -> Prediction:
     """Per-rank memory of training ``cfg`` on ``world`` ranks. ``module``: a model built on meta, traced
     with ``loss_fn(module, batch)``: ``batch`` is one micro batch as ``loss_fn`` takes it (its tensors are
     moved to meta), by default token ids ``(x, x)`` of ``[train.micro_batch, context]``; ``traces``: reused
     activation traces (the planner's sweep); ``device``: trace attention only as "cpu" or "cuda" runs it
     (default: both); ``rank``: whose share (by default 0's, the largest: padding lies at the ends); ``policy``:
-    ``cfg``'s precision, if built already (the planner's sweep)."""
+    ``cfg``'s precision, if built already (the planner's sweep); ``vocab``: ``data_vocab(cfg)``, if read already."""
     world = world or cfg.dist.nproc
     if not 0 <= rank < world:   # (else read as all padding, or all real: a wrong share, silently)
         raise ConfigError(f"predict: rank {rank} is not in 0..{world - 1} (world {world}); give a rank below the world")
@@ -295,7 +295,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     notes = []
     if module is None:   # as training builds it: at the data's vocabulary (unless the model keeps its own)
         with torch.device("meta"):
-            module = model.build(cfg.model, vocab_size=(vocab := data_vocab(cfg)))
+            module = model.build(cfg.model, vocab_size=(vocab := data_vocab(cfg) if vocab is None else vocab))
         check_model_vocab(cfg, vocab)   # (training's refusal, before a prediction of a run it would not start)
         if model.vocab_size(cfg.model) is None:
             notes.append(f"model built at vocab {vocab} (from data={cfg.choices['data']}), as training builds it")

@@ -794,3 +794,23 @@ def test_one_trace_gives_the_peak_with_the_gradients_kept(ckpt):
     kept, dropped = (predict(compose(["model=gpt-nano", f"+stage={s}", "train.micro_batch=2"]), 2, traces=traces,
                              device="cpu") for s in ("zero2", "ddp"))
     assert len(traces) == 1 and kept.transient["activations"] > dropped.transient["activations"], traces
+
+
+def test_a_text_data_file_is_read_once(tmp_path, monkeypatch, capsys):
+    """data=text: the vocabulary the tables count the model at is the one the per-rank prediction builds it at,
+    from one read of the file (a large text is slow to scan)."""
+    from framework.data import text
+
+    reads = []
+
+    def scan(path):
+        reads.append(path)
+        return real(path)
+
+    real = text.scan_chars
+    monkeypatch.setattr(text, "scan_chars", scan)
+    small = tmp_path / "small.txt"
+    small.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    assert main(["model=gpt-nano", "data=text", f"data.path={small}", "--json"]) == 0, capsys.readouterr().err
+    out = json.loads(capsys.readouterr().out)
+    assert out["vocab"] == {"size": len(set(small.read_text())), "from": "data=text"} and len(reads) == 1, reads

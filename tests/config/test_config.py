@@ -631,6 +631,41 @@ def test_a_config_dir_whose_name_holds_a_comma_or_a_quote_is_searched_whole(tmp_
         assert compose(["+experiment=x"], config_dir=str(cd)).seed == 7
 
 
+def test_the_primary_configs_own_searchpath_is_kept_with_a_config_dir(tmp_path):
+    """A --config-dir primary config's own ``hydra: searchpath:`` folders are searched (the search path the
+    framework gives Hydra replaces the file's: they are merged into it, quoted: a comma in a name)."""
+    from framework.config import search_order
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "x,y" / "experiment").mkdir(parents=True)
+    (tmp_path / "x,y" / "experiment" / "x.yaml").write_text("# @package _global_\nseed: 7\n")
+    (tmp_path / "d" / "mine.yaml").write_text(
+        f"defaults: [train, _self_]\nhydra:\n  searchpath: ['file://{tmp_path / 'x,y'}']\n")
+    assert compose(["+experiment=x"], config_dir=str(tmp_path / "d"), config_name="mine").seed == 7
+    assert search_order(str(tmp_path / "d"), "mine", ["hydra.searchpath=[pkg://a]"])[2] == [
+        f"hydra.searchpath=['file://{conf_dir()}','file://{tmp_path / 'x,y'}',pkg://a]"]
+
+
+def test_a_sweep_jobs_composer_gives_the_search_path_quoted(tmp_path):
+    """Inside the running Hydra app (a job a non-basic sweeper makes), the app's search path is given again: each
+    folder quoted, so a comma in a name does not split it."""
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from framework.config import app_composer, search_order, standalone_composer
+
+    cd = tmp_path / "a,b"
+    (cd / "experiment").mkdir(parents=True)
+    (cd / "experiment" / "x.yaml").write_text("# @package _global_\nseed: 7\n")
+    cfg, _ = standalone_composer(["+experiment=x"], config_dir=str(cd))
+    with initialize_config_dir(config_dir=search_order(str(cd), "train", [])[0], version_base="1.3"):
+        HydraConfig.instance().set_config(cfg)
+        try:
+            assert app_composer(["+experiment=x"])[0].seed == 7
+        finally:
+            HydraConfig.instance().cfg = None
+
+
 def test_the_alias_bomb_check_parses_only_files_with_an_anchor(tmp_path, monkeypatch):
     """Every YAML file of the search path's folders is checked on each compose, used or not: one without an anchor
     (no alias can name anything) is not parsed, and one with an anchor by libyaml's parser where PyYAML has it (the
