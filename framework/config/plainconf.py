@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from framework.core import files
+from framework.core import files, utils
 from framework.core.errors import ConfigError
 from framework.core.registry import GROUPS, closest, closest_hint, registry
 from framework.config.schema import DEFAULT_STAGE
@@ -475,7 +475,7 @@ def kind_of(hint: Any) -> str:
 
 def wrong_type(key: str, v: Any, kind: str) -> str:
     """The line for ``v`` given to ``key`` of type ``kind`` (int, float, bool, str or list; another: its name)."""
-    got = f"'{v}'" if isinstance(v, str) else "null" if v is None else str(v).lower() if isinstance(v, bool) else v
+    got = f"'{v}'" if isinstance(v, str) else utils.yaml_spelling(v)
     fix = "" if kind != "list" or isinstance(v, Mapping) else f"; give {key}=[] for none" if v is None else \
         f"; give {key}=[{v}]"
     return f"{key} takes {TAKES.get(kind, kind)}, got {got}{fix}"
