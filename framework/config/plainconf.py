@@ -154,12 +154,12 @@ def _split(inner: str) -> list[str]:
     return [inner[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(inner)])]
 
 
-def load_yaml(path: Path) -> dict:
+def load_yaml(path: Path, tool: str = "config") -> dict:   # (tool: the command whose line it raises)
     text = path.read_text(encoding="utf-8")
     try:
         node = files.parse_yaml(text)
     except ValueError as e:   # (an alias bomb: yaml.YAMLError, not a ValueError, is the callers' to word)
-        raise ConfigError(f"config: {path}: {e}") from None
+        raise ConfigError(f"{tool}: {path}: {e}") from None
     return dict(node or {})
 
 
