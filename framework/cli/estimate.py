@@ -175,11 +175,11 @@ def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
 def _plain_yaml_model(path: Path, model_keys: list[str], fields: list[str]) -> GPTConfig:
     """``_yaml_model`` without OmegaConf: the same checks, plainconf's typing."""
     try:
-        node = load_yaml(path)
+        node = load_yaml(path, tool="estimate")
     except YAMLError as e:
         raise ConfigError(f"estimate: {path} is not YAML: {' '.join(str(e).split())}") from None
-    except ConfigError as e:
-        raise ConfigError(f"estimate: {str(e).removeprefix('config: ')}") from None
+    except ConfigError:   # (a ValueError too: load_yaml's line, in estimate's words already)
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"estimate: {path} is not a GPT model config: not a mapping of keys") from None
     for key in node:

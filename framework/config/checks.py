@@ -24,7 +24,7 @@ from framework.config.schema import (COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Confi
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
 from framework.core.registry import GROUPS, closest, closest_hint, registry
-from framework.core.utils import counted
+from framework.core.utils import counted, yaml_spelling
 
 
 # Other tools' names for our keys (lower case), which no spelling distance finds: a "did you mean" names ours.
@@ -58,7 +58,7 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
                 owners.sort(key=lambda n: type(None) not in typing.get_args(
                     typing.get_type_hints(registry(group).get(n).config).get(key)))
             if owners:
-                spelled = str(value).lower() if isinstance(value, bool) else "null" if value is None else value
+                spelled = yaml_spelling(value)
                 choose = plainconf.choice_override(group, owners[0])
                 named = ", ".join(f"{group}={n}" for n in owners[:4]) + (", ..." if len(owners) > 4 else "")
                 raise ConfigError(f"config: {group}.{key} is a key of {named}, not of {group}={option} (chosen); "

@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from framework.core import files
+from framework.core import files, utils
 from framework.core.errors import ConfigError
 from framework.core.registry import GROUPS, closest, closest_hint, registry
 from framework.config.schema import DEFAULT_STAGE
@@ -154,12 +154,12 @@ def _split(inner: str) -> list[str]:
     return [inner[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(inner)])]
 
 
-def load_yaml(path: Path) -> dict:
+def load_yaml(path: Path, tool: str = "config") -> dict:   # (tool: the command whose line it raises)
     text = path.read_text(encoding="utf-8")
     try:
         node = files.parse_yaml(text)
     except ValueError as e:   # (an alias bomb: yaml.YAMLError, not a ValueError, is the callers' to word)
-        raise ConfigError(f"config: {path}: {e}") from None
+        raise ConfigError(f"{tool}: {path}: {e}") from None
     return dict(node or {})
 
 
@@ -475,7 +475,7 @@ def kind_of(hint: Any) -> str:
 
 def wrong_type(key: str, v: Any, kind: str) -> str:
     """The line for ``v`` given to ``key`` of type ``kind`` (int, float, bool, str or list; another: its name)."""
-    got = f"'{v}'" if isinstance(v, str) else "null" if v is None else str(v).lower() if isinstance(v, bool) else v
+    got = f"'{v}'" if isinstance(v, str) else utils.yaml_spelling(v)
     fix = "" if kind != "list" or isinstance(v, Mapping) else f"; give {key}=[] for none" if v is None else \
         f"; give {key}=[{v}]"
     return f"{key} takes {TAKES.get(kind, kind)}, got {got}{fix}"

@@ -156,16 +156,12 @@ def write_atomic(path: os.PathLike | str, data: bytes | Iterable[bytes], *, shar
                         os.unlink(entry, dir_fd=dfd)
         try:
             write_new(tmp, data, dir_fd=dfd, shared=shared, durable=durable)
-        except UnsafePathError:
+            os.rename(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except UnsafePathError:   # (not ours to remove)
             raise _refused(path.parent / tmp) from None
-        except BaseException:   # (a full disk, chunks that failed): no partial temporary left behind
+        except BaseException:   # (a full disk, chunks that failed, a folder under that name): no temporary left behind
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dfd)
-            raise
-        try:
-            os.rename(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except OSError:   # e.g. a folder under that name: no full-size temporary left behind
-            os.unlink(tmp, dir_fd=dfd)
             raise
         if durable:
             os.fsync(dfd)

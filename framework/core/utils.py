@@ -84,6 +84,11 @@ def counted(n: int, word: str, plural: str | None = None) -> str:
     return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
+def yaml_spelling(value: Any) -> str:
+    """``value`` as a config file spells it (null, true/false; anything else as ``str`` gives it)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def under(key: str, roots) -> bool:
     """``key`` (dotted) is one of ``roots`` or a key below one (``dist.backend`` is under ``dist``)."""
     return any(key == r or key.startswith(f"{r}.") for r in roots)

@@ -266,8 +266,9 @@ def check(cfg: WandbConfig, stage: str, nodes: Mapping[str, Any]) -> WandbConfig
 
 def notes(cfg: WandbConfig, config) -> list[str]:
     """Under W&B's own mode disabled nothing is sent nor written: a project, entity or tags of its own do nothing."""
+    default = WandbConfig()
     stated = [f"logger.{key}" for key in ("project", "entity", "tags")
-              if getattr(cfg, key) != getattr(WandbConfig(), key) and getattr(cfg, key)]
+              if getattr(cfg, key) != getattr(default, key) and getattr(cfg, key)]
     where = f"logger.mode={cfg.mode}" if cfg.mode else "WANDB_MODE=disabled"
     verb, them = ("changes", "it") if len(stated) == 1 else ("change", "them")
     return [f"note: {' and '.join(stated)} {verb} nothing with {where} (W&B records nothing); drop {them}, or use "

@@ -59,6 +59,7 @@ def _wait(pid: int, timeout: float) -> int:
         _, status = os.waitpid(pid, 0)
     finally:
         timer.cancel()
+        timer.join()   # (gone before the next fork: a fork with a thread alive warns on 3.12, and may deadlock)
     code = os.waitstatus_to_exitcode(status)
     return 124 if code == -signal.SIGKILL else code
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -523,6 +524,16 @@ def test_hydra_deletes_as_train_takes_them(tmp_path, capsys):
     assert _plain_yaml_model(path, ["~model.dropout"], fields).dropout == 0.0
     with pytest.raises(ConfigError, match=r"The value of 'model.dropout' is 0.1 and not 0.5\.$"):
         _plain_yaml_model(path, ["~model.dropout=0.5"], fields)
+
+
+def test_an_alias_bomb_model_file_is_estimates_line(tmp_path):
+    """A model YAML file whose aliases would expand for ever is refused in estimate's own words (no config: prefix)."""
+    from framework.cli.estimate import _plain_yaml_model
+    path = tmp_path / "m.yaml"
+    path.write_text("a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 5)))
+    with pytest.raises(ConfigError, match=f"^estimate: {re.escape(str(path))}: its aliases expand to 1\\.\\d+e\\+05 "):
+        _plain_yaml_model(path, [], [f.name for f in dataclasses.fields(preset("gpt-nano"))])
 
 
 def main_text(args, capsys) -> str:

@@ -1,10 +1,14 @@
 """Config groups = registries; every YAML composes and builds; strict validation."""
 import dataclasses
 import importlib.util
+import json
 import pickle
 import re
+import signal
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -563,23 +567,41 @@ def _alias_bomb(levels: int) -> str:
         f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, levels))
 
 
+BOMB_S = 30   # (a refused bomb composes in well under a second; Hydra's read of one goes on for hours)
+
+
+def _compose_errors(*calls: tuple[list[str], dict]) -> list[str]:
+    """The ConfigError line of each ``compose(args, **kwargs)`` of ``calls`` ('composed' where none), in a child
+    process that SIGALRM ends ``BOMB_S`` s after its imports: a bomb let through to Hydra fails the test then, not
+    at pytest's timeout."""
+    code = ("import json, signal, sys\nfrom framework import ConfigError, compose\nsignal.alarm(int(sys.argv[2]))\n"
+            "for args, kwargs in json.loads(sys.argv[1]):\n    try:\n        compose(args, **kwargs)\n"
+            "        print(json.dumps('composed'))\n    except ConfigError as e:\n        print(json.dumps(str(e)))\n")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(calls), str(BOMB_S)], capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parents[2], check=False)
+    assert out.returncode != -signal.SIGALRM, f"compose ran on for {BOMB_S} s: an alias bomb got through to Hydra"
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
 def test_a_yaml_alias_bomb_is_one_line_before_hydra_expands_it(tmp_path):
     """Hydra's read (OmegaConf) would expand it for ever: the search path's folders are read first, conf/ aside."""
     from framework.config.plainconf import load_yaml
     from framework.core.files import YAML_ALIAS_NODES, parse_yaml
 
-    (tmp_path / "bomb.yaml").write_text("defaults:\n  - train\n  - _self_\n" + _alias_bomb(5))
+    (tmp_path / "top").mkdir()
+    (tmp_path / "top" / "bomb.yaml").write_text("defaults:\n  - train\n  - _self_\n" + _alias_bomb(5))
     says = (rf"its aliases expand to 1\.\d+e\+05 more nodes \(over {YAML_ALIAS_NODES:,}: an alias bomb\?\); "
             r"write the repeated values out")
-    with pytest.raises(ConfigError, match=f"^config: {re.escape(str(tmp_path / 'bomb.yaml'))}: {says}"):
-        compose([], config_dir=str(tmp_path), config_name="bomb")
-    (tmp_path / "bomb.yaml").unlink()   # in a group folder of a hydra.searchpath folder
-    (tmp_path / "optimizer").mkdir()
-    (tmp_path / "optimizer" / "sgd.yaml").write_text(_alias_bomb(5))
-    with pytest.raises(ConfigError, match=f"^config: {re.escape(str(tmp_path / 'optimizer' / 'sgd.yaml'))}: {says}"):
-        compose([f"hydra.searchpath=[file://{tmp_path}]", "optimizer=sgd"])
-    with pytest.raises(ConfigError, match=f"^config: {re.escape(str(tmp_path / 'optimizer' / 'sgd.yaml'))}: {says}"):
-        load_yaml(tmp_path / "optimizer" / "sgd.yaml")   # the composer without Hydra
+    sgd = tmp_path / "search" / "optimizer" / "sgd.yaml"   # and in a group folder of a hydra.searchpath folder
+    sgd.parent.mkdir(parents=True)
+    sgd.write_text(_alias_bomb(5))
+    top, group = _compose_errors(([], {"config_dir": str(tmp_path / "top"), "config_name": "bomb"}),
+                                 ([f"hydra.searchpath=[file://{sgd.parents[1]}]", "optimizer=sgd"], {}))
+    assert re.match(f"config: {re.escape(str(tmp_path / 'top' / 'bomb.yaml'))}: {says}", top), top
+    assert re.match(f"config: {re.escape(str(sgd))}: {says}", group), group
+    with pytest.raises(ConfigError, match=f"^config: {re.escape(str(sgd))}: {says}"):
+        load_yaml(sgd)   # the composer without Hydra
     # Aliases that add few nodes read as before; an alias inside its own anchor is refused.
     assert parse_yaml("a: &x {b: 1}\nc: *x\ne: {<<: *x, f: 2}\n") == {
         "a": {"b": 1}, "c": {"b": 1}, "e": {"b": 1, "f": 2}}
@@ -605,8 +627,8 @@ def test_the_alias_bomb_check_reads_quoted_search_paths_and_nested_group_folders
             check_aliases(str(conf_dir()), [f"hydra.searchpath=[file:///nowhere,{entry}]"])
     bomb.rename(tmp_path / "optimizer" / "sgd.yaml")
     nested = re.escape(str(tmp_path / "optimizer" / "sgd.yaml"))
-    with pytest.raises(ConfigError, match=f"^config: {nested}: its aliases expand"):
-        compose([f"hydra.searchpath=['file://{tmp_path}']", "optimizer=sgd"])
+    [said] = _compose_errors(([f"hydra.searchpath=['file://{tmp_path}']", "optimizer=sgd"], {}))
+    assert re.match(f"config: {nested}: its aliases expand", said), said
 
 
 def test_the_alias_bomb_check_reads_a_group_folder_of_the_users_own(tmp_path):
@@ -616,8 +638,8 @@ def test_the_alias_bomb_check_reads_a_group_folder_of_the_users_own(tmp_path):
     bomb = tmp_path / "experiment" / "big.yaml"
     bomb.write_text("# @package _global_\n" + _alias_bomb(8))
     (tmp_path / "mine.yaml").write_text("defaults:\n  - train\n  - _self_\n")
-    with pytest.raises(ConfigError, match=f"^config: {re.escape(str(bomb))}: its aliases expand to 1\\.23e\\+08 "):
-        compose(["+experiment=big"], config_dir=str(tmp_path), config_name="mine")
+    [said] = _compose_errors((["+experiment=big"], {"config_dir": str(tmp_path), "config_name": "mine"}))
+    assert re.match(f"config: {re.escape(str(bomb))}: its aliases expand to 1\\.23e\\+08 ", said), said
     bomb.write_text("# @package _global_\nseed: 7\n")
     assert compose(["+experiment=big"], config_dir=str(tmp_path), config_name="mine").seed == 7
 

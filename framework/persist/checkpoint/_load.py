@@ -24,7 +24,7 @@ from framework.persist.layout import (StateLayout, check_format, nonfinite_items
                                       with_saved_scalars)
 from framework.precision import PrecisionState
 from framework.persist.weights import whole_tensors
-from framework.core.utils import counted, few, under
+from framework.core.utils import counted, few, under, yaml_spelling
 
 # Model keys that may change between a save and a resume: how the same weights are computed.
 _MODEL_FREE = {"activation_checkpointing", "attn_implementation", "dropout", "pretrained"}
@@ -125,8 +125,7 @@ def changed(a: dict, b: dict, prefix: str = "", values: bool = False, notes: dic
 def _shown(value, most: int = 40) -> str:
     """``value`` as the config spells it, cut to its last ``most`` characters (a path or a list stays readable on one
     line; paths mostly differ at their end: a file's name)."""
-    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-    text = " ".join(text.split())
+    text = " ".join(yaml_spelling(value).split())
     return text if len(text) <= most else "..." + text[3 - most:]
 
 
