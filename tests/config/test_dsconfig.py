@@ -1264,3 +1264,17 @@ def test_zero3s_inert_bucket_keys_each_say_their_own_reason():
     assert "zero_optimization.allgather_bucket_size (zero3 gathers each unit's parameters in one collective)" in inert
     assert "zero_optimization.reduce_bucket_size (zero3 reduces each gather unit's gradients in one collective)" \
         in inert, inert
+
+
+@pytest.mark.parametrize("section,name", [({"bf16": {}}, "bf16"), ({"fp16": {"loss_scale_window": 7}}, "fp16")])
+def test_a_precision_section_without_enabled_is_named_as_the_file_has_it(section, name):
+    # the file has no "enabled" key: the line says so (not "fp16.enabled / bf16.enabled", keys it lacks)
+    msg = error_of(section, [f"precision={name}"])
+    assert (f'precision={name} on the command line, but {name} with no "enabled" (off by default; add "enabled": '
+            f'true) in the file means precision=fp32') in msg, msg
+    assert "fp16.enabled / bf16.enabled" not in msg
+
+
+def test_a_stated_false_enabled_is_named_by_its_key():
+    assert "but bf16.enabled in the file means precision=fp32" in error_of({"bf16": {"enabled": False}},
+                                                                          ["precision=bf16"])
