@@ -686,8 +686,8 @@ def test_a_precision_of_ones_own_without_grad_accum_dtype_is_refused_in_one_line
     with pytest.raises(framework.ConfigError) as e:
         registry("precision")
     assert str(e.value).startswith("precision 'pure' (framework.precision.pure): its config PureConfig has no field "
-                                   "grad_accum_dtype (") and "add grad_accum_dtype: str = \"fp32\" to it" in str(e.value)
-    assert "\n" not in str(e.value), str(e.value)
+                                   "grad_accum_dtype (") and "\n" not in str(e.value), str(e.value)
+    assert "add grad_accum_dtype: str = \"fp32\" to it" in str(e.value), str(e.value)
     search = own_component("precision", "pure", OWN_PRECISION.format(fields="grad_accum_dtype: str = \"fp32\""),
                            "{}\n")
     cfg = framework.compose(["precision=pure", "train.steps=2", "train.micro_batch=2", "train.eval_batches=1",
