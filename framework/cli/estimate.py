@@ -224,6 +224,13 @@ def _omega_error(e) -> str:
         str(e).splitlines()[0]
 
 
+def _count_text(n: int) -> str:
+    """A parameter count in the header's words: whole millions from 10M (DeepSpeed's estimator's), else two
+    decimals or thousands (a small model's read "0M")."""
+    return (f"{n // 10**6}M" if n >= 10**7 else f"{n / 1e6:.2f}M" if n >= 10**6 else f"{n / 1e3:.1f}K" if n >= 1000
+            else str(n))
+
+
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:
     """``own[key]`` as a whole number >= 1 (``default`` when not given)."""
     if key not in own:
@@ -296,11 +303,11 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     ours = {"sub_group_size": registry("offload").get("nvme").config.sub_group_size}
     keys = NVMeKeys(**{**ours, **given, **{k: _count(own, k) for k in NVME_KEYS if k in own}})
     out.update(params=params, largest_layer=largest, gpus_per_node=gpus, nodes=nodes)
-    layer = f", {int(largest / 1e6)}M largest layer params" if largest is not None else ""
+    layer = f", {_count_text(largest)} largest layer params" if largest is not None else ""
     if "vocab" in out:
         layer += f"; vocab {out['vocab']['size']} (from {out['vocab']['from']})"
     text = [f"Model states (params, gradients, optimizer state) for {nodes} {'nodes' if nodes > 1 else 'node'} x "
-            f"{gpus} {'GPUs' if gpus > 1 else 'GPU'} per node; model with {int(params / 1e6)}M total params{layer}."]
+            f"{gpus} {'GPUs' if gpus > 1 else 'GPU'} per node; model with {_count_text(params)} total params{layer}."]
 
     def table(key: str, title: str, rows: list) -> None:
         text.extend(["", title, format_rows(rows)])

@@ -15,7 +15,7 @@ from framework.comm.distributed import run_world
 from framework.config import dsconfig, plainconf
 from framework.config.checks import refuse_inert, root_value, validate
 from framework.config.schema import Config, RootSchema, flat, get_key
-from framework.config.searchpath import quoted, search_notes, search_order
+from framework.config.searchpath import group_file, quoted, search_notes, search_order
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
 from framework.core.registry import GROUPS, registry
@@ -222,11 +222,11 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     own = None
     if source is None:
         own, refusal = _as_given(composer, list(cli.kept), cli)
-        config = validate(*own, final=False)   # (final where it names no DeepSpeed file and deletes no key)
+        config = _validated(*own, cli, final=False)   # (final where it names no DeepSpeed file and deletes no key)
         if config.ds_config is None:
             if refusal is not None:   # (with a DeepSpeed file: where its group choices are composed too)
                 raise refusal
-            config = (validate(*(own := composer(list(cli.forced)))) if cli.kept != cli.forced
+            config = (_validated(*(own := composer(list(cli.forced))), cli) if cli.kept != cli.forced
                       else refuse_inert(config))
             return own[0], dataclasses.replace(config, sources=provenance(config, cli),
                                                notices=config.notices + search_notes(*own))
@@ -245,7 +245,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     choice_overrides = [plainconf.choice_override(g, n) for g, n in mine.items()]
     (cfg, choices), refusal = _as_given(composer, choice_overrides + list(cli.forced), cli)
     if refusal is not None:
-        validate(cfg, choices, final=False)   # (an unknown key: its line)
+        _validated(cfg, choices, cli, final=False)   # (an unknown key: its line)
         raise refusal
     label = str(source) if isinstance(source, (str, Path)) else "<dict>"
     if ds_config is not None:   # the argument, in the tree as a file named there is (ds_config_strict needs one)
@@ -261,7 +261,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         raise ConfigError(f"ds_config: {len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors))
     chosen_by = {g: t.choice_keys[g] for g in mine}   # the file's key behind each group it chose
     try:
-        base = validate(cfg, choices, final=False)   # (the file's values laid on it below)
+        base = _validated(cfg, choices, cli, final=False)   # (the file's values laid on it below)
     except ConfigError as e:   # e.g. a stage and an offload the file chose that do not go together
         raise ConfigError(_from_file(str(e), {}, chosen_by)) from None
     values = flat(base.to_dict())
@@ -324,6 +324,24 @@ def _as_given(composer: Composer, overrides: list[str],
     return composed, ConfigError(   # (by key: a sweep's job holds one value, in Python's spelling, not the given)
         f"config: {key} is a field of its config but not in its YAML file, so Hydra adds it only with +: add + "
         f"before {key} on the command line (or set it in the YAML file)")
+
+
+def _validated(cfg: Any, choices: dict[str, str], cli: "CommandLine", final: bool = True) -> Config:
+    """``validate``, its unknown key of a group naming the group's YAML file where that file sets it and the
+    command line does not (the line would read as if typed)."""
+    try:
+        return validate(cfg, choices, final=final)
+    except ConfigError as e:
+        key = re.match(r"config: unknown key '([^']+)'", str(e))
+        group, _, rest = key[1].partition(".") if key else ("", "", "")
+        if not rest or group not in choices or any(under(k, {key[1]}) or under(key[1], {k}) for k in cli.keys):
+            raise
+        path, found = group_file(cfg, group, choices[group]), False
+        with contextlib.suppress(Exception):   # (Hydra read the file: only the words depend on it)
+            found = path is not None and _in(plainconf.load_yaml(path), rest)
+        if not found:
+            raise
+        raise ConfigError(str(e).replace(key[0], f"{key[0]} in {path}", 1)) from None
 
 
 def _in(tree: Mapping, key: str) -> bool:

@@ -81,3 +81,15 @@ def search_notes(cfg: Any, choices: Mapping[str, str]) -> tuple[str, ...]:
             notes.append(f"note: config: {used / rel} is used in place of {conf / rel} (a --config-dir folder "
                          "holding the primary config comes before conf/)")
     return tuple(notes)
+
+
+def group_file(cfg: Any, group: str, name: str) -> Path | None:
+    """The YAML file the composed ``cfg`` read for ``group=name``: the first search-path folder holding it (conf/
+    alone where composed without Hydra), or None."""
+    folders = [conf_dir()]
+    if not isinstance(cfg, dict):
+        from omegaconf import OmegaConf
+
+        sources = OmegaConf.select(cfg, "hydra.runtime.config_sources")
+        folders = [Path(s.path) for s in sources or () if s.schema == "file"] or folders
+    return next((f / group / f"{name}.yaml" for f in folders if (f / group / f"{name}.yaml").is_file()), None)

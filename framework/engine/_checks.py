@@ -150,8 +150,9 @@ def check_optimizer(tx: Any, name: str, decay_mask: Sequence[bool], device: torc
         scalars = _allowed_state(state, params, name, "init")
         for grads in draw[1:]:
             before = {p: (t, t.clone()) for p, t in scalars.items() if isinstance(t, Tensor)}
-            updates, state = one.update([grads[i][lo:hi].clone() if i in grads else torch.empty(0, device=device)
-                                         for i in groups], state, params, 1e-2)
+            updates, state = _pair(one.update([grads[i][lo:hi].clone() if i in grads else
+                                               torch.empty(0, device=device) for i in groups], state, params, 1e-2),
+                                   params, name)
             # a host step per piece updates from the same state: a scalar changed in place would advance per piece
             if changed := next((p for p, (t, was) in before.items() if not torch.equal(t, was)), None):
                 raise ConfigError(f"optimizer {name!r}: its update changes the tensor at {changed!r} of the state it "
@@ -172,6 +173,19 @@ def check_optimizer(tx: Any, name: str, decay_mask: Sequence[bool], device: torc
                           f"update element depend only on the same element of grads, state and params (and scalars) "
                           f"(docs/architecture.md#where-a-new-piece-goes)")
     return tx
+
+
+def _pair(result: Any, params: Sequence[Tensor], name: str) -> tuple[list[Tensor], Any]:
+    """``update``'s ``(updates, new_state)``, or a one-line ConfigError when it returned something else (unpacked
+    as that pair, a list of updates alone would be read as updates and a state)."""
+    updates = result[0] if isinstance(result, (tuple, list)) and len(result) == 2 else None
+    if not (isinstance(updates, (list, tuple)) and len(updates) == len(params) and all(
+            isinstance(u, Tensor) and u.numel() == p.numel() for u, p in zip(updates, params))):
+        got = f"a {type(result).__name__}" + (f" of {len(result)}" if isinstance(result, (list, tuple)) else "")
+        raise ConfigError(f"optimizer {name!r}: its update returned {got}, not the pair (updates, new_state) with "
+                          f"updates one tensor per group of the group's size (applied as params += updates); return "
+                          f"(updates, state) (docs/architecture.md#where-a-new-piece-goes)")
+    return list(updates), result[1]
 
 
 def _allowed_state(state: Any, params: Sequence[Tensor], name: str, made_by: str) -> dict[str, Any]:

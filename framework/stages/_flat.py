@@ -121,7 +121,7 @@ class ModuleInit:
 
     def init_parameter(self, name: str, t: torch.Tensor) -> None:
         if isinstance(self.module, ParameterInit):
-            return self.module.init_parameter(name, t)
+            return self._filled("init_parameter", name, t, self.module.init_parameter(name, t))
         raise ConfigError(f"parameter {name!r} is on the meta device but {self.kind} has no "
                           f"init_parameter(name, tensor) method to initialise it; add that method (the training "
                           f"command always builds its model on the meta device) or, calling framework.initialize "
@@ -130,10 +130,17 @@ class ModuleInit:
     def init_buffer(self, name: str, t: torch.Tensor) -> None:
         own = getattr(self.module, "init_buffer", None)
         if callable(own):
-            return own(name, t)
+            return self._filled("init_buffer", name, t, own(name, t))
         raise ConfigError(f"buffer {name!r} of {self.kind} is on the meta device; add an init_buffer(name, tensor) "
                           f"method (the training command always builds its model on the meta device) or, calling "
                           f"framework.initialize yourself, build the model on a real device")
+
+    def _filled(self, method: str, name: str, t: torch.Tensor, returned: object) -> None:
+        # A returned tensor would be dropped and training would start from the uninitialised buffer (``t`` itself,
+        # as ``nn.init.normal_(t)`` returns, is in place and fine).
+        if returned is not None and returned is not t:
+            raise ConfigError(f"{self.kind}.{method}({name!r}, tensor) returned a {type(returned).__name__}; it "
+                              f"must fill `tensor` in place (e.g. tensor.copy_(values)) and return None")
 
 
 def initializer(module: nn.Module):

@@ -664,6 +664,15 @@ def test_a_hub_name_or_a_folder_without_config_json_is_refused_as_training_refus
                                            f"downloaded; give a local folder: a config.json or a folder holding one)\n")
 
 
+@pytest.mark.parametrize("params,largest,says", [(804_096, 65_536, "804.1K total params, 65.5K largest layer"),
+                                                  (2_500_000, 500, "2.50M total params, 500 largest layer"),
+                                                  (354_823_168, 51_511_296, "354M total params, 51M largest layer")])
+def test_the_header_counts_a_small_model_in_thousands_or_decimals_not_as_0m(capsys, params, largest, says):
+    """Whole millions (DeepSpeed's words) from 10M; below, a count that reads: gpt-nano's 804,096 was "0M"."""
+    assert main([f"params={params}", f"largest_layer={largest}"]) == 0
+    assert f"; model with {says} params." in capsys.readouterr().out
+
+
 def test_preset_counts_with_its_own_vocabulary(capsys, tmp_path, monkeypatch):
     """Without data= on the command line a preset's tables count it at its config's vocab_size (as its YAML
     states); data= (or a data.* key) counts it at the data's vocabulary. The per-rank prediction is always

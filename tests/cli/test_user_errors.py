@@ -656,6 +656,46 @@ def test_an_optimizer_of_ones_own_is_refused_in_one_line_without_lr_and_decay_1d
     assert summary["steps"] == 2 and math.isfinite(summary["val_loss"])
 
 
+OWN_PRECISION = '''
+from dataclasses import dataclass
+
+import torch
+
+from framework.core.registry import Component
+from framework.precision import Policy
+
+
+@dataclass(frozen=True, kw_only=True)
+class PureConfig:
+    {fields}
+
+
+COMPONENT = Component(config=PureConfig, build=lambda cfg: Policy("pure", torch.float32, torch.float32, torch.float32,
+                                                                  None))
+'''
+
+
+def test_a_precision_of_ones_own_without_grad_accum_dtype_is_refused_in_one_line(own_component, tmp_path):
+    """The config checks read precision.grad_accum_dtype of every precision: a config without the field is one line
+    when the registry is read (not an AttributeError in the checks); with it, it trains."""
+    from framework.cli.launch import launch
+    from framework.core.registry import registry
+    from framework.loggers import RunInfo
+
+    own_component("precision", "pure", OWN_PRECISION.format(fields="pass"), "{}\n")
+    with pytest.raises(framework.ConfigError) as e:
+        registry("precision")
+    assert str(e.value).startswith("precision 'pure' (framework.precision.pure): its config PureConfig has no field "
+                                   "grad_accum_dtype (") and "\n" not in str(e.value), str(e.value)
+    assert "add grad_accum_dtype: str = \"fp32\" to it" in str(e.value), str(e.value)
+    search = own_component("precision", "pure", OWN_PRECISION.format(fields="grad_accum_dtype: str = \"fp32\""),
+                           "{}\n")
+    cfg = framework.compose(["precision=pure", "train.steps=2", "train.micro_batch=2", "train.eval_batches=1",
+                             "logger=none", search])
+    summary = launch(cfg, RunInfo(tmp_path / "run", None, None))
+    assert summary["steps"] == 2 and math.isfinite(summary["val_loss"])
+
+
 def test_a_python_without_torch_is_one_line():
     """The likeliest first mistake, a python outside the venv: the command says how to fix it in one line and
     exits 1 (not an import traceback); ``import framework`` raises the same words for its program to handle.

@@ -204,6 +204,23 @@ def test_a_defaults_list_naming_no_option_is_the_registrys_line(tmp_path):
                             "adamw, lion, sgd (chosen in a config file's defaults list)"), str(e.value)
 
 
+def test_an_unknown_key_set_in_a_groups_yaml_file_names_that_file_and_one_typed_does_not(tmp_path):
+    """A key of a component's YAML file its config lacks read as if typed on the command line: the line names the
+    file it is in; the same key typed keeps the command line's words."""
+    (tmp_path / "scheduler").mkdir()
+    mine = tmp_path / "scheduler" / "warmup_cosine.yaml"
+    mine.write_text((conf_dir() / "scheduler" / "warmup_cosine.yaml").read_text() + "warmup: 3\n")
+    (tmp_path / "my.yaml").write_text("defaults: [train, _self_]\n")
+    typed = "unknown key 'scheduler.warmup' (did you mean 'scheduler.warmup_steps'?); valid keys under scheduler: "
+    with pytest.raises(ConfigError) as e:
+        compose(["scheduler=warmup_cosine"], config_dir=str(tmp_path), config_name="my")
+    assert str(e.value).startswith(f"config: unknown key 'scheduler.warmup' in {mine} (did you mean "
+                                   "'scheduler.warmup_steps'?); valid keys under scheduler: "), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        compose(["scheduler=warmup_cosine", "scheduler.warmup=3"])
+    assert str(e.value).startswith(f"config: {typed}"), str(e.value)
+
+
 def test_a_config_dir_file_of_a_conf_name_is_used_with_a_note_or_refused_where_conf_hides_it(tmp_path):
     """A --config-dir folder holding the primary config comes before conf/: its optimizer/adamw.yaml is used, with
     a note naming both files. One without it (and a hydra.searchpath folder) comes after conf/, which hides the

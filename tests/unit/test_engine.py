@@ -199,6 +199,40 @@ def test_zero_init_fills_a_meta_buffer_by_the_modules_init_buffer_or_names_the_f
         del _Scaled.init_buffer
 
 
+class _Returns(torch.nn.Module):   # writes its values into a new tensor and returns it instead of filling t
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.empty(4))
+
+    def init_parameter(self, name, t):
+        return torch.full(t.shape, 0.5)
+
+    def init_buffer(self, name, t):
+        return torch.nn.init.ones_(t)   # t itself, filled in place: accepted
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class _Fills(_Returns):
+    def init_parameter(self, name, t):
+        return t.fill_(0.5)   # t itself: in place, so accepted
+
+
+@pytest.mark.parametrize("overrides", [[], ["+stage=zero2"], ["+stage=zero3"]])
+def test_an_init_parameter_that_returns_its_values_instead_of_filling_the_tensor_is_refused_in_one_line(overrides):
+    with framework.zero_init():
+        module = _Returns()
+    with pytest.raises(framework.ConfigError, match=r"^_Returns.init_parameter\('lin.weight', tensor\) returned a "
+                                                    r"Tensor; it must fill `tensor` in place .* return None$"):
+        framework.initialize(module, lambda m, b: m(b).sum(), framework.compose(overrides))
+    with framework.zero_init():
+        module = _Fills()
+    with framework.initialize(module, lambda m, b: m(b).sum(), framework.compose(overrides)) as engine:
+        assert engine.eval_step(engine.state, [torch.ones(1, 4)]) == 4 * (0.5 * 4 + 0.5)
+
+
 def test_a_failed_initialize_leaves_no_hooks_and_a_zero3_module_is_refused_in_one_line():
     def loss(m, mb):
         return m(mb).square().mean()

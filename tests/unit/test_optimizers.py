@@ -406,6 +406,25 @@ def test_an_optimizer_breaking_the_contract_is_refused_at_initialize_in_one_line
     assert check_optimizer(counted, "mine", [True], torch.device("cpu")) is counted
 
 
+@pytest.mark.parametrize("update,says", [
+    (lambda g, s, p, lr: [-lr * x.sign() for x in g], "a list of {n}"),   # the updates alone
+    (lambda g, s, p, lr: ([-lr * x.sign() for x in g[:1]], s), "a tuple of 2"),   # one group's only
+    (lambda g, s, p, lr: ([x[:1] for x in g], s), "a tuple of 2"),   # not of the group's size
+    (lambda g, s, p, lr: None, "a NoneType"),
+])
+@pytest.mark.parametrize("mask", [[True, False], [True, False, True]])
+def test_an_update_that_returns_other_than_updates_and_state_is_refused_naming_the_pair(update, says, mask):
+    """``update`` returns ``(updates, new_state)``: the updates alone of two groups were unpacked as that pair and
+    refused as a state checkpoints cannot save, a misleading line."""
+    from framework.engine._checks import check_optimizer
+
+    with pytest.raises(ConfigError) as e:
+        check_optimizer(GradientTransformation(_state(_MOMENTS), update), "mine", mask, torch.device("cpu"))
+    assert str(e.value).startswith(f"optimizer 'mine': its update returned {says.format(n=len(mask))}, not the pair "
+                                   f"(updates, new_state) with updates one tensor per group of the group's size") and \
+        "\n" not in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("name", ["adam", "adamw", "sgd", "lion", "adagrad"])
 def test_the_built_in_optimizers_pass_the_contract_check(name):
     from framework.engine._checks import check_optimizer
