@@ -26,7 +26,7 @@ import torch
 from yaml import YAMLError
 
 from framework.engine.build import component
-from framework.memory.model import build_vocab, data_vocab, nvme_pools, predict, state_bytes
+from framework.memory.model import data_vocab, nvme_pools, predict, state_bytes
 from framework.models import hf as hf_lib
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
@@ -128,6 +128,19 @@ def resolve_model(value: str, overrides: list[str], context: int = hf_lib.HFConf
     with torch.device("meta"):
         module = component(cfg, "model").build(cfg.model, vocab_size=vocab)
     return module, cfg, False, {"size": vocab, "from": source}
+
+
+def build_vocab(cfg, overrides: list[str]) -> tuple[int, str]:
+    """(``vocab_size`` to count the model with in the model-state tables, its source): a model's that keeps its
+    own whatever the data's (model=hf: its config.json's); else the data's when ``overrides`` choose the data
+    (``data=`` or a ``data.`` key) or the model config states none, else the model config's own, so a preset
+    counts as its YAML states. (A per-rank prediction is always at ``data_vocab``'s, as training builds.)"""
+    if (own := component(cfg, "model").vocab_size(cfg.model)) is not None:
+        return own, "model"
+    chosen = any(override_key(o).split(".")[0] == "data" for o in overrides)
+    if chosen or getattr(cfg.model, "vocab_size", None) is None:   # (a model config stating none: as training builds)
+        return data_vocab(cfg), f"data={cfg.choices['data']}"
+    return cfg.model.vocab_size, "model"
 
 
 def _no_hf_checkpointing(override: str, value: str) -> ConfigError:

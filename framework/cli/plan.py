@@ -45,7 +45,7 @@ from framework.core.utils import counted
 from framework.memory import probe as _probe
 from framework.memory.model import data_vocab
 from framework.memory.planner import (Candidate, Hardware, Planned, candidates, compose_setups, detect,
-                                      micro_batches, plan)
+                                      micro_batches, plan, unmodelled)
 from framework.memory.tables import parse_count
 
 # Other tools' names for the rank count (estimate's gpus_per_node, torchrun's nproc, world size) and node count.
@@ -154,7 +154,8 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     cfg = compose(ranked)
     own, notes = _restrict(own, given, cfg, base, overrides)
     own, notes, pinned = _restrict_batch(own, ranked, cfg, notes)
-    notes = [*notes, *micro_batches(cfg, hw, own)[1]]   # (a bad micro_batches= is its line, before the probe)
+    # (a bad micro_batches= is its line, before the probe)
+    notes = [*notes, *micro_batches(cfg, hw, own)[1], *unmodelled(own)]
     # before the probe: a bad micro_batches=, stages=, offloads= or checkpointing=, or a key every setup refuses
     setups = compose_setups(base, candidates(cfg, hw, own))
     check_model_vocab(cfg, size := data_vocab(cfg))   # (data that is not here, or training's refusal: its line now)

@@ -298,7 +298,14 @@ def _check_values(root: RootSchema) -> None:
 def check_compatible(stage: str, offload: str, defaulted: bool = False) -> None:
     """``defaulted``: no stage was chosen, so the fix is choosing one, as +stage= (stage=zero3, after the
     table's "stage zero3", is a second error: the group has no default to override)."""
-    if offload not in COMPATIBLE.get(stage, ()):
+    table = "config.COMPATIBLE (framework/config/schema.py)"
+    if stage not in COMPATIBLE:   # (a stage of one's own, or another package's: the table is in-tree only)
+        raise ConfigError(f"config: stage {stage} has no row in {table}; add {stage!r}: (the offload tiers it "
+                          f"supports, e.g. \"none\",) there")
+    if not any(offload in o for o in COMPATIBLE.values()):
+        raise ConfigError(f"config: offload {offload} is in no row of {table}; add it to the rows of the stages "
+                          f"that support it")
+    if offload not in COMPATIBLE[stage]:
         combos = "; ".join(f"stage {s} with offload {'|'.join(o)}" for s, o in COMPATIBLE.items())
         fix = " or ".join(", ".join(f"+stage={s}" for s, o in COMPATIBLE.items() if offload in o).rsplit(", ", 1))
         raise ConfigError(f"config: offload={offload} is not supported with stage={stage}; valid: {combos}"

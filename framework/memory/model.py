@@ -20,7 +20,7 @@ from framework.core.footprint import Footprint
 from framework.core.registry import registry
 from framework.core.units import MiB
 from framework.core.utils import SQ_NORM_ROW, dtype_name, tensors_in, to_device
-from framework.config import check_model_vocab, override_key
+from framework.config import check_model_vocab
 from framework.engine.build import component
 from framework.memory.tables import count_module
 from framework.stages import bucket_buffers, make_layout, param_groups, plan_units, unit_groups, whole_memory
@@ -168,6 +168,8 @@ CUDA_FIXED_SLACK = 64 * MiB
 # the prediction was 0.91-1.15 x those peaks (offload=nvme's, with none, 1.2 x). With dropout the math path's
 # batch x heads x context^2 blocks, made again in every recomputed block, fragment it far more (below).
 RECOMPUTE_SLACK_FRACTION = 0.5
+# The stages ``predict`` models (a stage of one's own adds its case there; the planner leaves out the others).
+STAGES = ("ddp", "zero1", "zero2", "zero3")
 
 
 @dataclass
@@ -234,16 +236,18 @@ class Prediction(Footprint):
                 "resident": self.resident, "peak": self.peak, "notes": list(self.notes)}
 
 
-def _opt_bytes_per_element(cfg) -> list[int]:
-    """Bytes per fp32 master element of each optimizer-state tensor (Adam: [4, 4]), from its init on meta."""
+def _opt_bytes_per_element(cfg, master: torch.dtype) -> list[int]:
+    """Bytes per ``master``-dtype element of each optimizer-state tensor (Adam over fp32: [4, 4]), from its init
+    on meta (the engine inits it over the precision policy's master copy)."""
     tx = component(cfg, "optimizer").build(cfg.optimizer, [True])
-    probe = torch.empty(1024, dtype=torch.float32, device="meta")
+    probe = torch.empty(1024, dtype=master, device="meta")
     return [t.numel() * t.element_size() // 1024 for t in tensors_in(tx.init([probe])) if t.numel() >= 1024]
 
 
 def state_bytes(cfg) -> tuple[int, int]:
-    """(bytes of one working-precision parameter, optimizer-state bytes per fp32 master element) of ``cfg``."""
-    return component(cfg, "precision").build(cfg.precision).param_dtype.itemsize, sum(_opt_bytes_per_element(cfg))
+    """(bytes of one working-precision parameter, optimizer-state bytes per master element) of ``cfg``."""
+    policy = component(cfg, "precision").build(cfg.precision)
+    return policy.param_dtype.itemsize, sum(_opt_bytes_per_element(cfg, policy.master_dtype))
 
 
 def data_vocab(cfg, context: int | None = None) -> int:
@@ -263,19 +267,6 @@ def data_vocab(cfg, context: int | None = None) -> int:
                           f"which needs its data here: {e}{hint}") from None
 
 
-def build_vocab(cfg, overrides: list[str]) -> tuple[int, str]:
-    """(``vocab_size`` to count the model with in the model-state tables, its source): a model's that keeps its
-    own whatever the data's (model=hf: its config.json's); else the data's when ``overrides`` choose the data
-    (``data=`` or a ``data.`` key) or the model config states none, else the model config's own, so a preset
-    counts as its YAML states. (A per-rank prediction is always at ``data_vocab``'s, as training builds.)"""
-    if (own := component(cfg, "model").vocab_size(cfg.model)) is not None:
-        return own, "model"
-    chosen = any(override_key(o).split(".")[0] == "data" for o in overrides)
-    if chosen or getattr(cfg.model, "vocab_size", None) is None:   # (a model config stating none: as training builds)
-        return data_vocab(cfg), f"data={cfg.choices['data']}"
-    return cfg.model.vocab_size, "model"
-
-
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             traces: dict | None = None, loss_fn=None, context: int | None = None,
             device: str | None = None, batch=None, rank: int = 0, policy=None, vocab: int | None = None) -> Prediction:
@@ -288,6 +279,9 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     world = world or cfg.dist.nproc
     if not 0 <= rank < world:   # (else read as all padding, or all real: a wrong share, silently)
         raise ConfigError(f"predict: rank {rank} is not in 0..{world - 1} (world {world}); give a rank below the world")
+    if (stage := cfg.choices["stage"]) not in STAGES:
+        raise ConfigError(f"estimate: no memory model for stage {stage!r}; add its case (and its name to STAGES) "
+                          f"in framework/memory/model.py, its checks to tests/dist/test_footprint.py")
     model = component(cfg, "model")
     # By default the configured model's loss, as training computes it (and its checkpointing key in force).
     own_loss, loss_fn = loss_fn is None, loss_fn or model.trace_loss or model.loss
@@ -299,7 +293,6 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         check_model_vocab(cfg, vocab)   # (training's refusal, before a prediction of a run it would not start)
         if model.vocab_size(cfg.model) is None:
             notes.append(f"model built at vocab {vocab} (from data={cfg.choices['data']}), as training builds it")
-    stage = cfg.choices["stage"]
     placement = component(cfg, "offload").build(cfg.offload)   # no accelerator: it only cuts and sizes pieces
     keep_grads = False
     w, acc, red = policy.param_dtype.itemsize, policy.grad_accum_dtype.itemsize, policy.reduce_dtype.itemsize
@@ -312,7 +305,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
                       host_slack_fraction=0.0 if cfg.choices["offload"] == "nvme" else HOST_SLACK_FRACTION)
     # The longest piece the stage lets the tier cut (zero3: one per unit group already).
     chunk = ShardedStage.piece_size(cfg.stage, world) if stage in ("zero1", "zero2") else None
-    cut = (chunk, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(cfg))   # the tier's arguments
+    # The tier's arguments (the optimizer's state is made over the policy's master dtype).
+    cut = (chunk, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(cfg, policy.master_dtype))
 
     def full_grads(n: int, owned: int) -> None:
         """ddp and zero1: whole gradients, and an accumulator when it has another dtype; without one, a wider
@@ -351,10 +345,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             if not keep_grads:
                 filling = world if cfg.stage.round_robin_gradients else 1
                 pred.transient["param_grads"] = w * min(max(lay.numel for lay in layouts), (n_buf + filling) * biggest)
-    elif stage == "zero3":
+    else:   # zero3
         shards = _zero3(cfg, module, policy, world, pred, placement, cut, rank)
-    else:
-        raise ConfigError(f"estimate: no memory model for stage {stage!r}")
     placement.predict_pool(pred, shards, *cut)
     whole_memory(pred, module, policy.param_dtype)   # frozen parameters and buffers, whole on every rank
     _step_transients(pred, policy, stage, shards, placement.swap_grads(policy.grad_accum_dtype, cfg.train.grad_accum))
@@ -447,7 +439,7 @@ def nvme_pools(cfg, module: nn.Module, world: int, params: str, **keys) -> Footp
     policy = component(z3, "precision").build(z3.precision)
     placement = component(z3, "offload").build(z3.offload)
     pred = Prediction(world, 0)
-    cut = (None, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(z3))
+    cut = (None, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(z3, policy.master_dtype))
     placement.predict_pool(pred, _zero3(z3, module, policy, world, pred, placement, cut), *cut)
     return pred
 

@@ -574,3 +574,32 @@ def test_a_model_vocab_size_the_data_overrides_is_refused_as_training_refuses_it
     assert capsys.readouterr().err == ("error: model.vocab_size=10 differs from the 64 token ids of the data, which "
                                        "set the model's vocabulary; drop model.vocab_size (set data.vocab_size where the "
                                        "data source has it)\n")
+
+
+def test_a_stage_of_ones_own_needs_a_compatible_row_and_the_plan_leaves_it_out_without_a_memory_model(
+        own_component, capsys, monkeypatch):
+    """A stage of one's own (ddp's code under another name): without a row in config.COMPATIBLE its refusal names
+    that table; with one it trains, but the plan of every model leaves it out with a note (not a refusal of the
+    whole plan), and its estimate names the file its memory model goes in."""
+    from framework import ConfigError
+    from framework.config import COMPATIBLE
+    from framework.memory.model import predict
+
+    search = own_component("stage", "mystage", "from framework.stages.ddp import COMPONENT  # noqa: F401\n",
+                           "reduce_bucket_size: 6553600\noverlap_comm: true\n")
+    with pytest.raises(ConfigError) as e:
+        compose(["+stage=mystage", search])
+    assert str(e.value) == ("config: stage mystage has no row in config.COMPATIBLE (framework/config/schema.py); "
+                            "add 'mystage': (the offload tiers it supports, e.g. \"none\",) there")
+    monkeypatch.setitem(COMPATIBLE, "mystage", ("none",))
+    cfg = compose(["model=gpt-nano", "+stage=mystage", search])
+    with pytest.raises(ConfigError) as e:
+        predict(cfg, 1)
+    assert str(e.value) == ("estimate: no memory model for stage 'mystage'; add its case (and its name to STAGES) "
+                            "in framework/memory/model.py, its checks to tests/dist/test_footprint.py")
+    cli = _quiet_probe(monkeypatch)
+    assert cli.main(["model=gpt-nano", "gpu_mem=8G", "ranks=1", "micro_batches=8", "checkpointing=false",
+                     search]) == 0
+    out = capsys.readouterr().out
+    assert ("note: stage mystage left out: no memory model (add its case to predict in framework/memory/model.py)"
+            in out.splitlines() and "mystage" not in out.split("note: stage mystage")[1]), out

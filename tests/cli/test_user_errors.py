@@ -536,36 +536,6 @@ INIT = '''
 
 
 @pytest.fixture
-def own_component(tmp_path, monkeypatch):
-    """``use(group, name, code, yaml)``: a module ``name`` of ``code`` in the group's package (a folder of its own
-    added to the package's path) with conf/<group>/<name>.yaml in a folder on Hydra's search path (returned)."""
-    import importlib
-
-    from framework.core.registry import GROUPS, registry
-
-    added = []
-
-    def use(group, name, code, yaml):
-        package = importlib.import_module(GROUPS[group])
-        folder = tmp_path / f"code{len(added)}"
-        folder.mkdir()
-        (folder / f"{name}.py").write_text(code)
-        (tmp_path / "conf" / group).mkdir(parents=True, exist_ok=True)
-        (tmp_path / "conf" / group / f"{name}.yaml").write_text(yaml)
-        monkeypatch.setattr(package, "__path__", [*package.__path__[:1], str(folder)])
-        added.append((package, name))
-        sys.modules.pop(f"{package.__name__}.{name}", None)
-        registry.cache_clear()
-        return f"hydra.searchpath=[file://{tmp_path / 'conf'}]"
-
-    yield use
-    for package, name in added:
-        sys.modules.pop(f"{package.__name__}.{name}", None)
-        vars(package).pop(name, None)
-    registry.cache_clear()
-
-
-@pytest.fixture
 def own_model(own_component):
     """``use(**parts)``: a model ``tiny`` of OWN_MODEL's ``parts`` (``own_component``)."""
     def use(kind="ModelComponent", context="context: int = 8", init=INIT, loss=", loss=loss"):

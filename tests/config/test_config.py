@@ -742,3 +742,14 @@ def test_a_yaml_value_nested_too_deeply_is_one_line(tmp_path):
         compose([], config_dir=str(tmp_path), config_name="deep")
     assert str(e.value) == (f"config: a value in the YAML of {tmp_path} (deep.yaml or a file its defaults list names) "
                             f"is nested too deeply to compose; flatten it"), str(e.value)
+
+
+def test_an_offload_tier_in_no_compatible_row_is_refused_naming_the_table():
+    """A tier of one's own without its name in a row: the line says so and where the table is (not the valid
+    combinations, none of which names it)."""
+    from framework.config import check_compatible
+
+    with pytest.raises(ConfigError) as e:
+        check_compatible("zero2", "mytier")
+    assert str(e.value) == ("config: offload mytier is in no row of config.COMPATIBLE (framework/config/schema.py); "
+                            "add it to the rows of the stages that support it")
