@@ -1270,8 +1270,8 @@ def test_zero3s_inert_bucket_keys_each_say_their_own_reason():
 def test_a_precision_section_without_enabled_is_named_as_the_file_has_it(section, name):
     # the file has no "enabled" key: the line says so (not "fp16.enabled / bf16.enabled", keys it lacks)
     msg = error_of(section, [f"precision={name}"])
-    assert (f'precision={name} on the command line, but {name} with no "enabled" (off by default; add "enabled": '
-            f'true) in the file means precision=fp32') in msg, msg
+    assert (f'precision={name} on the command line, but {name} with no "enabled" (off by default) in the file '
+            'means precision=fp32') in msg, msg
     assert "fp16.enabled / bf16.enabled" not in msg
 
 

@@ -292,7 +292,7 @@ def precision(tr: Translation, top: dict) -> None:
         tr.set("_precision_auto", {n: on.get(n) for n in ("fp16", "bf16")}, "fp16.enabled / bf16.enabled")
     elif secs:   # named as the file has them: a section without "enabled" is off (DeepSpeed's default)
         tr.choose("precision", "fp32", " / ".join(
-            f"{n}.enabled" if "enabled" in sec else f'{n} with no "enabled" (off by default; add "enabled": true)'
+            f"{n}.enabled" if "enabled" in sec else f'{n} with no "enabled" (off by default)'
             for n, sec in secs.items()))
     fp16, bf16 = secs.get("fp16"), secs.get("bf16")
     if fp16 is not None:
