@@ -29,7 +29,7 @@ from framework.memory.probe import rss_now, rss_peak
 from framework.stages import param_count
 from framework.engine.state import capture_rng
 from framework.core.utils import to_device
-from framework.persist.rng import fresh_seed
+from framework.persist.rng import fresh_seed, seed_host
 from framework.persist.weights import load_weights, save_on_model_save
 
 
@@ -57,6 +57,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     if cfg.choices["offload"] == "nvme" and cfg.offload.nvme_path is None:   # swap files in the run directory
         cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))
     torch.manual_seed(cfg.seed)  # same model initialisation on every rank
+    seed_host(cfg.seed)
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
     check_model_vocab(cfg, data.vocab_size)
     if getattr(cfg.precision, "auto_cast", False) and type(data).__module__.startswith("framework.") and dist.is_main:
@@ -75,7 +76,9 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     weights = model.weights(cfg.model)
     if weights is not None:  # pretrained: each rank reads only the ranges its shards hold
         load_weights(engine, weights)
-    torch.manual_seed(fresh_seed(cfg.seed, dist.rank))  # dropout streams differ per rank, fixed per run
+    fresh = fresh_seed(cfg.seed, dist.rank)   # dropout streams differ per rank, fixed per run (a resume restores
+    torch.manual_seed(fresh)                  # the saved ones)
+    seed_host(fresh)
     state = replace(engine.state, rng=capture_rng(dist.device))
 
     t = cfg.train
@@ -85,9 +88,9 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                     dist.device)
     tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
     logger = NullLogger()
-    # The last log_every losses (a save's record) and finite ones (the summary's), bounded for a run of millions
-    # of steps
-    recent, finite, evals = deque(maxlen=t.log_every), deque(maxlen=t.log_every), []
+    # The last log_every losses (a save's record) and finite ones (the summary's), and the last val loss: bounded for
+    # a run of millions of steps
+    recent, finite, evals = deque(maxlen=t.log_every), deque(maxlen=t.log_every), deque(maxlen=1)
     ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point,   # collective
                         batch_from_config=True, data=data.identity())
     try:
@@ -244,7 +247,8 @@ def reset_peak_memory(device: torch.device) -> int:
 
 def peak_memory(device: torch.device, rss_start: int) -> dict[str, int]:
     """Peak memory since ``reset_peak_memory``: RSS (VmHWM), the RSS at the start and, on CUDA, the allocator's."""
-    out = {"peak_rss_bytes": rss_peak(), "rss_start_bytes": rss_start}
+    # (VmHWM lags the RSS: the kernel folds per-thread counters in lazily, so it can read below the start or now)
+    out = {"peak_rss_bytes": max(rss_peak(), rss_start, rss_now()), "rss_start_bytes": rss_start}
     if device.type == "cuda":
         out["peak_device_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         out["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved(device)

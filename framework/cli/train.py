@@ -394,6 +394,23 @@ def _refused(e: FrameworkError, n: int, overrides: list[str], fixed: frozenset[s
     return e if count < 2 else ConfigError(f"sweep job {n}{f' ({mine})' if mine else ''}: {e}; no job of the sweep ran")
 
 
+def check_shared_checkpoints(jobs: list[tuple[list[str], Config]], fixed: frozenset[str]) -> None:
+    """Two jobs of a sweep named alike under checkpoint.dir (a value given twice, or spelled two ways: 1e-3 and
+    0.001) would share one checkpoint folder: the later would resume the earlier's checkpoint and train nothing."""
+    seen: dict[Path, int] = {}
+    for n, (overrides, config) in enumerate(jobs if len(jobs) > 1 else ()):
+        if config.checkpoint.dir is None:   # (each job has its run folder's)
+            continue
+        task = [o for o in parse_overrides(overrides) if not o.is_hydra_override()]
+        swept = frozenset(o.key_or_group for o in task) - fixed
+        root = checkpoint_root(config, None, job_key([o.input_line for o in task], swept))
+        if (first := seen.setdefault(root, n)) != n:
+            mine = " ".join(o.input_line for o in task if o.key_or_group in swept)
+            raise ConfigError(f"sweep jobs {first} and {n} are the same job{f' ({mine})' if mine else ''}: they would "
+                              f"share the checkpoint folder {root}, and job {n} would resume job {first}'s checkpoint "
+                              "and train nothing; drop the repeated value; no job of the sweep ran")
+
+
 def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
     """The ranks (nodes x tasks_per_node) of each job of a sweep on Hydra's submitit launcher, over which a
     DeepSpeed file's batch is divided; None for another launcher or one task."""
@@ -438,6 +455,7 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
             subdir = OmegaConf.select(cfg, "hydra.output_subdir")
         for overrides, cfg, config in composed:
             check_groups_chosen(overrides, cfg, config, chosen or {})
+        check_shared_checkpoints([(overrides, config) for overrides, _, config in composed], fixed)
         home, searched, merged = search_order(primary["config_dir"], primary["config_name"], sys.argv[1:])
     except FrameworkError as e:
         sys.exit(fail(e, 2))

@@ -21,7 +21,7 @@ from framework.config import plainconf
 from framework.config.dsconfig import COMMAND_LINE
 from framework.config.schema import (COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema, get_key,
                                      reads_grad_accum_dtype, tuples)
-from framework.core.errors import ConfigError
+from framework.core.errors import ConfigError, on_every_rank
 from framework.core.paths import conf_dir
 from framework.core.registry import GROUPS, closest, closest_hint, registry
 from framework.core.utils import counted, yaml_spelling
@@ -328,8 +328,9 @@ def check_batch_world(cfg: Config, world: int) -> None:
 
 def check_model_vocab(cfg: Config, data_vocab: int) -> None:
     """A model.vocab_size stated on the command line that the data's vocabulary (which sets the model's) overrides:
-    one line, from training and the estimate alike."""
+    one line, from training and the estimate alike. Every rank has the same config and data: raised alike on each
+    (the launcher prints it once, not as a rank's exit)."""
     if cfg.sources.get("model.vocab_size") == COMMAND_LINE and cfg.model.vocab_size != data_vocab:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} differs from the {data_vocab} token ids of the "
-                          f"data, which set the model's vocabulary; drop model.vocab_size (set data.vocab_size "
-                          f"where the data source has it)")
+        raise on_every_rank(ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} differs from the {data_vocab} token ids of the data, which set "
+            "the model's vocabulary; drop model.vocab_size (set data.vocab_size where the data source has it)"))

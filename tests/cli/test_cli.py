@@ -187,6 +187,12 @@ def test_a_refused_run_removes_the_folders_made_for_it(forkrun, tmp_path):
     assert "removed" not in p.stderr, p.stderr
 
 
+def test_a_refusal_every_rank_raises_ends_with_its_line_not_a_ranks_exit(forkrun, tmp_path):
+    p = cli(forkrun, tmp_path, *SHORT, "model.vocab_size=99", "dist.nproc=2")
+    assert p.returncode == 1 and error_lines(p)[-1].startswith("error: model.vocab_size=99 differs"), p.stderr
+    assert "exited with code" not in p.stderr, p.stderr
+
+
 def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkeypatch):
     """Two runs started into the same new folder both found it empty: the refused one removes it only
     under its lock (a live run holding it keeps it), and one that never held it only if it is empty.
@@ -308,6 +314,54 @@ def test_a_resumed_runs_train_loss_is_that_of_the_run_uninterrupted(tmp_path):
     resumed = launch(cfg, RunInfo(tmp_path / "cut", None, None))
     assert resumed["steps_run"] == 2 and resumed["val_loss"] == whole["val_loss"]
     assert (resumed["train_loss"], resumed["train_loss_steps"]) == (whole["train_loss"], 4)
+
+
+def test_pythons_and_numpys_generators_come_from_the_seed_and_a_resume_restores_them(tmp_path):
+    """Python's and numpy's global generators are seeded from ``seed`` as torch's is (not left as the process, or
+    a sweep's earlier job, had them); a resumed run goes on from the saved ones: the uninterrupted run's."""
+    import random
+
+    import numpy as np
+
+    from framework import compose
+    from framework.cli.launch import launch
+    from framework.loggers import RunInfo
+
+    cfg = compose([*SHORT, "checkpoint.every=2"])
+
+    def host(run: str, step: int) -> dict:
+        saved = json.loads((tmp_path / run / "checkpoints" / f"step-{step}" / "rng-0.json").read_text())
+        return {k: saved[k] for k in ("python", "numpy")}
+    for run, draws in (("a", 1), ("b", 3)):   # another state left behind before each run
+        random.random(), np.random.random(draws)
+        launch(cfg, RunInfo(tmp_path / run, None, None))
+    assert host("a", 4) == host("b", 4) and host("a", 6) == host("b", 6)
+
+    def cut(point: str) -> None:
+        if point == "step:5":   # (step 4 saved)
+            raise RuntimeError("killed")
+    with pytest.raises(RuntimeError, match="killed"):
+        launch(cfg, RunInfo(tmp_path / "cut", None, None), on_point=cut)
+    random.seed(7), np.random.seed(7)   # (set aside by the resume)
+    launch(cfg, RunInfo(tmp_path / "cut", None, None))
+    assert host("cut", 6) == host("a", 6)
+
+
+def test_a_jobs_peak_rss_is_never_below_its_start_or_now(monkeypatch):
+    """The kernel's high-water mark lags the RSS (per-thread counters folded in lazily): the peak is at least both."""
+    from framework.cli import loop
+    from framework.memory.probe import rss_now
+
+    monkeypatch.setattr(loop, "rss_peak", lambda: 1)   # a high-water mark read before the kernel caught up
+    start = rss_now()
+    peak = loop.peak_memory(torch_cpu(), start + 4096)
+    assert peak["rss_start_bytes"] == start + 4096 and peak["peak_rss_bytes"] >= start + 4096
+    assert loop.peak_memory(torch_cpu(), 0)["peak_rss_bytes"] >= start // 2   # (now's: the process is alive)
+
+
+def torch_cpu():
+    import torch
+    return torch.device("cpu")
 
 
 def test_a_submitit_requeue_while_training_is_a_line_in_train_log(tmp_path, monkeypatch):
@@ -587,6 +641,22 @@ def test_two_jobs_of_a_sweep_never_share_a_run_folder(forkrun, tmp_path):
                                                    "sweep would share it with job 0") and "hydra.sweep.subdir" in lines[0]
     assert "resumed" not in p.stdout, p.stdout
     assert json.loads((tmp_path / "sweep" / "same" / "summary.json").read_text())["steps"] == 2   # job 0's, kept
+
+
+def test_two_jobs_of_a_sweep_sharing_a_checkpoint_folder_are_refused_before_any_runs(forkrun, tmp_path):
+    """Under checkpoint.dir a value given twice (spelled two ways) names one job folder: the later job would resume
+    the earlier's checkpoint and train nothing."""
+    p = cli(forkrun, tmp_path, "-m", "optimizer.lr=1e-3,3e-4,0.001", *SHORT, "checkpoint.every=2",
+            f"checkpoint.dir={tmp_path / 'ck'}")
+    assert p.returncode == 2 and error_lines(p) == [
+        "error: sweep jobs 0 and 2 are the same job (optimizer.lr=0.001): they would share the checkpoint folder "
+        f"{tmp_path / 'ck'}/model.context=16,model.d_model=32,model.n_head=2,model.n_layer=1,optimizer.lr=0.001, and "
+        "job 2 would resume job 0's checkpoint and train nothing; drop the repeated value; no job of the sweep ran"], \
+        p.stderr
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "ck").exists()
+    # Without checkpoint.dir each job saves in its own run folder: both train
+    p = cli(forkrun, tmp_path, "-m", "optimizer.lr=1e-3,0.001", *SHORT, "train.steps=2", "checkpoint.every=2")
+    assert p.returncode == 0 and "resumed" not in p.stdout, p.stderr
 
 
 @pytest.mark.parametrize("argv,end", [

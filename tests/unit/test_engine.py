@@ -938,6 +938,35 @@ def test_an_async_save_keeps_the_warnings_filters_the_user_adds_meanwhile(tmp_pa
     assert not [w for w in recwarn if "torch.distributed is disabled" in str(w.message)]
 
 
+def test_a_resume_after_an_async_save_reads_that_save(tmp_path, capsys):
+    """``resume`` waits for a save in flight (as ``save`` does): it reads the step just saved, not an older one or
+    none; and with none to read it keeps the state given, saying so (not "starting from step 0")."""
+    from framework.persist.checkpoint import glue
+
+    writing, go_on = threading.Event(), threading.Event()
+
+    class Slow(glue().dcp.FileSystemWriter):   # a save still writing when resume looks
+        def write_data(self, *args, **kwargs):
+            writing.set()
+            go_on.wait(30)
+            return super().write_data(*args, **kwargs)
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    cfg = tiny_config("checkpoint.async=true", "checkpoint.every=1")
+    with framework.initialize(torch.nn.Linear(3, 1), loss, tiny_config()) as engine:
+        x = torch.randn(4, 3)
+        state, _ = engine.train_step(engine.state, framework.Batch(((x, x.sum(1, keepdim=True)),)))
+        with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
+            assert ckpt.resume(state).step == 1 and ckpt.resumed_from is None
+            assert f"no checkpoint in {tmp_path / 'checkpoints'}; keeping the given state (step 1)" in \
+                capsys.readouterr().out
+            ckpt.writer = Slow
+            ckpt.save(state)
+            assert writing.wait(30)
+            threading.Timer(0.5, go_on.set).start()
+            ckpt.resume(state)
+            assert ckpt.resumed_from == tmp_path / "checkpoints" / "step-1"
+
+
 class _Checked(torch.nn.Linear):
     def forward(self, h):
         if not self.weight.numel():

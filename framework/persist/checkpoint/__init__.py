@@ -77,15 +77,18 @@ class Checkpointer:
     def resume(self, state):
         """The state loaded from the checkpoint ``checkpoint.resume`` selects, or ``state`` (saying why). Collective."""
         self._check_open("resume")
+        self.wait()   # an async save in flight: its step is the newest (else an older one, or none, is read)
         resume, every, given = self.cfg.resume, self.cfg.every, self.resume_given
         what = "checkpoint.resume=off" if resume == "off" else \
             f"looking for checkpoint.resume={resume} in {self.root} (another checkpoint.dir starts afresh)"
         folders, notes = self._choose(what, resume, every)
+        # (a loop of one's own may pass a trained state: it is kept, not step 0)
+        start = "starting from step 0" if state.step == 0 else f"keeping the given state (step {state.step})"
         for note in notes:   # never passed over silently
-            self._say(note)
+            self._say(note.replace("starting from step 0", start))
         if not folders:
             if resume == "auto" and every:
-                self._say(f"resume=auto: no checkpoint in {self.root}; starting from step 0")
+                self._say(f"resume=auto: no checkpoint in {self.root}; {start}")
             return state
         errors, spent, relisted = [], "", False   # SPENT once a read began (it may have written into the state)
         for i, folder in enumerate(folders):
