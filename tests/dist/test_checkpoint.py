@@ -945,6 +945,35 @@ def test_an_hf_model_is_compared_by_its_config_not_the_files_path(tmp_path, caps
     assert (root / f"step-{N}").is_dir()
 
 
+def test_an_export_of_an_hf_checkpoint_loads_with_from_pretrained(tmp_path, capsys):
+    """model=hf: the export writes config.json from the config the checkpoint records, so from_pretrained loads the
+    folder as it is, with the logits of the model the checkpoint holds; the model's own config.json put there first
+    is replaced by it (the dtype the export wrote), another model's is refused in one line naming what differs."""
+    from transformers import AutoModelForCausalLM
+
+    from framework.persist.export import export
+    from tests._hf import build, write_config
+    path = write_config("gpt2", tmp_path / "m")
+    cfg = _hf_train(_local(), path, tmp_path / "ck")
+    step = tmp_path / "ck" / f"step-{K}"
+    model, _ = build(cfg, meta=False)   # the model the checkpoint holds, from the config file trained with
+    model.load_state_dict(get_fp32_state_dict_from_checkpoint(step))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    first = tmp_path / "first"   # the model's config.json put there first (its dtype bfloat16): not refused
+    first.mkdir()
+    (first / "config.json").write_text(json.dumps({**json.loads(path.read_text()), "torch_dtype": "bfloat16"}))
+    for out in (tmp_path / "out", first):
+        assert out / "config.json" in export(step, out)
+        loaded = AutoModelForCausalLM.from_pretrained(out)   # (as written: fp32, not rounded to the bfloat16)
+        with torch.no_grad():
+            assert loaded.dtype == torch.float32 and torch.equal(loaded(ids).logits, model(ids).logits)
+    other = write_config("gpt2", tmp_path / "other", n_layer=3).parent
+    with pytest.raises(ConfigError, match=re.escape(f"export: {other / 'config.json'} describes another model than "
+                                                    "the checkpoint's (n_layer 3 vs 2: its vs the checkpoint's); "
+                                                    "remove it")):
+        export(step, other)
+
+
 @pytest.mark.parametrize("saved_on, run_on", [("cpu", "cuda"), ("cuda", "cpu")])
 def test_a_checkpoint_saved_on_another_kind_of_device_resumes_its_cpu_generator(tmp_path, capsys, monkeypatch,
                                                                               saved_on, run_on):
