@@ -412,6 +412,28 @@ def test_a_file_the_manifest_leaves_out_is_damage_not_read_unchecked(tmp_path):
         _train(dist, [], str(tmp_path / "b"), resume=str(folder), steps=K)
 
 
+def test_another_steps_manifest_or_folder_in_a_step_folder_is_named(tmp_path, capsys):
+    """step-4 holding step-2's manifest: the line says so first, naming both steps, before the files that then fail
+    their check (not disk damage), and names step-2 as the way out; step-2's whole folder copied into step-4 resumes
+    what it holds (step 2), and the resume line says the folder's name and its contents disagree."""
+    dist = _local()
+    _train(dist, ["checkpoint.keep_last=0"], str(tmp_path), steps=N)   # step-2, step-4
+    two, four = tmp_path / f"step-{K}", tmp_path / f"step-{N}"
+    shutil.copy(two / "manifest.json", four / "manifest.json")
+    with pytest.raises(CheckpointError) as e:
+        _train(dist, [], str(tmp_path / "b"), resume=str(four), steps=N)
+    assert str(e.value).startswith(f"checkpoint {four} is damaged: {four / 'manifest.json'} is step {K}'s, not step "
+                                   f"{N}'s (copied from another step's folder?); {four / '.metadata'} does not "
+                                   "match"), e.value
+    assert str(e.value).endswith(f"; checkpoint.resume={two} resumes the newest other committed step there"), e.value
+    shutil.rmtree(four)
+    shutil.copytree(two, four)
+    capsys.readouterr()
+    assert _train(dist, [], str(tmp_path / "c"), resume=str(four), steps=N)[2][0] == K
+    assert (f"resumed from {four} (step {K}, data position {K}; same layout); note: its name says step {N} but it "
+            f"holds step {K}'s files (copied from another step's folder?)") in capsys.readouterr().out
+
+
 def test_files_no_save_writes_are_ignored_not_damage(tmp_path, capsys):
     """An editor's swap file, .DS_Store or a user's notes in the newest step do not make resume skip it (and the
     re-save replace it); an unlisted file a save could have written still is damage."""
