@@ -7,6 +7,7 @@ bitwise (torch.equal / ==), on 2 gloo ranks, with dropout on (each rank's genera
 Resharding: the gathered masters and Adam moments after a load under another world size or
 stage are bitwise the saved ones, and the data position continues.
 """
+import hashlib
 import json
 import os
 import pickle
@@ -994,6 +995,20 @@ def test_an_export_of_an_hf_checkpoint_loads_with_from_pretrained(tmp_path, caps
                                                     "the checkpoint's (n_layer 3 vs 2: its vs the checkpoint's); "
                                                     "remove it")):
         export(step, other)
+    # Saved before checkpoints recorded the config, or a model type this transformers does not know: the weights,
+    # and a line saying how to add the config.json.
+    body = json.loads((step / "train_state.json").read_text())
+    for i, config in enumerate((None, {**body["model_config"], "model_type": "no-such-model"})):
+        data = json.dumps({**body, "model_config": config}).encode()
+        (step / "train_state.json").write_bytes(data)
+        manifest = json.loads((step / "manifest.json").read_text())
+        manifest["files"]["train_state.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        manifest.pop("manifest_sha256", None)   # (read as an older version's manifest)
+        (step / "manifest.json").write_text(json.dumps(manifest))
+        capsys.readouterr()
+        assert [p.name for p in export(step, tmp_path / f"hint{i}")] == ["model.safetensors"]
+        assert (f"for from_pretrained, copy the model's config.json into {tmp_path / f'hint{i}'}\n"
+                in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("saved_on, run_on", [("cpu", "cuda"), ("cuda", "cpu")])
