@@ -35,9 +35,9 @@ def alike_path(store_dir: str, rank: int) -> str:
     return os.path.join(store_dir, f"alike-{rank}")
 
 
-def mark_error(store_dir: str, rank: int, e: FrameworkError) -> None:
+def mark_error(store_dir: str, rank: int, e: FrameworkError) -> bool:
     """For the launcher, once every rank ended: a lost peer (named after another rank's error), or the message of an
-    error raised alike on every rank (given once)."""
+    error raised alike on every rank (given once); whether it holds such a message (the launcher gives it)."""
     lost = isinstance(e, DistributedError)
     if lost or e.every_rank:
         with contextlib.suppress(OSError, FrameworkError):   # (FrameworkError: a link in the mark's place)
@@ -45,6 +45,17 @@ def mark_error(store_dir: str, rank: int, e: FrameworkError) -> None:
                                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             with os.fdopen(fd, "w") as f:
                 f.write("" if lost else str(e))
+            return not lost
+    return False
+
+
+def marked_alike(store_dir: str, nproc: int) -> dict[int, str]:
+    """{rank: message} of the ranks that marked an error raised alike (not said by the rank itself)."""
+    texts = {}
+    for rank in range(nproc):
+        with contextlib.suppress(OSError, ValueError), open(alike_path(store_dir, rank), encoding="utf-8") as f:
+            texts[rank] = f.read()
+    return texts
 
 
 def raised_alike(store_dir: str, nproc: int) -> str | None:

@@ -5,8 +5,10 @@
     python -m framework.export outputs/.../checkpoints --to exported/ --overwrite   # replace an earlier export
 
 CHECKPOINT is a checkpoint step folder or the checkpoint directory (its newest committed step, the one a resume
-loads). An output folder holding weights or a config.json (which export does not write) is refused: choose an empty
-one, or ``--overwrite`` to replace an earlier export's files there. What the output holds, and
+loads). A Hugging Face model's checkpoint (model=hf) is exported with its config.json, from the config the checkpoint
+records, so ``from_pretrained`` loads the folder. An output folder holding weights is refused: choose an empty one, or
+``--overwrite`` to replace an earlier export's files there; so is a config.json there, unless it describes the
+checkpoint's Hugging Face model (replaced by the export's, naming the dtype written). What the output holds, and
 ``get_fp32_state_dict_from_checkpoint`` for Python: ``framework.persist.export``.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", default="5GB", help="bytes per output file: 5GB, 500MB, 2GiB, ...")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the model*.safetensors (and index) already in --to; without it a --to holding "
-                        "weights or a config.json is refused (a config.json there is kept as it is)")
+                        "weights is refused (a config.json there: see above)")
     args = p.parse_args(argv)
     try:   # SIGTERM (Slurm, timeout) unwinds as Ctrl-C does: export removes its partial files, lock and made folders
         with signals_unwind():

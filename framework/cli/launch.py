@@ -41,8 +41,8 @@ from framework.offload import remove_stale
 from framework.core.errors import (ConfigError, DistributedError, FrameworkError, on_every_rank, say,
                                    typed_line)
 from framework.loggers import RunInfo, check_records
-from framework.cli._rendezvous import (LOCK, PREFIX, hold, mark_error, peer_lost_path, raised_alike, ready_path,
-                                      remove_dead)
+from framework.cli._rendezvous import (LOCK, PREFIX, hold, mark_error, marked_alike, peer_lost_path, raised_alike,
+                                      ready_path, remove_dead)
 from framework.cli._signals import INTERRUPT, interrupted_line, signals_unwind, terminated_line
 from framework.cli.loop import train
 
@@ -270,6 +270,8 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
             raise _ended(run, FrameworkError(stalled))
         if failed and (alike := raised_alike(store_dir, cfg.dist.nproc)):   # (rank 0's train.log ends with it)
             raise FrameworkError(alike)   # once, not as rank K's exit: each rank raised it
+        for rank, text in marked_alike(store_dir, cfg.dist.nproc).items() if failed else ():   # (each its own)
+            say(error_line(rank, FrameworkError(text)))
         if failed:
             first = failed[0]
             trace = _traceback(ranks.error_files[first])
@@ -473,8 +475,8 @@ def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Call
             # Leave together: no rank closes its gloo connections while a peer still waits on one.
             dist.barrier("shutdown barrier")
     except FrameworkError as e:
-        say(error_line(rank, e))
-        mark_error(store_dir, rank, e)
+        if not mark_error(store_dir, rank, e):   # (one raised alike: the launcher's line, once)
+            say(error_line(rank, e))
         sys.exit(1)
     except KeyboardInterrupt as e:   # (torch's wrapper would exit 0, as if the rank had finished)
         say(line := interrupted_line(rank, e, launcher))

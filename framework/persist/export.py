@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
-from framework.core.errors import CheckpointError, ConfigError, FrameworkError
+from framework.core import files
+from framework.core.errors import CheckpointError, ConfigError, FrameworkError, first_line
 from framework.core.utils import few
+from framework.models.hf import without_dtype
 from framework.persist import stepfolders
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout, check_format, nonfinite_items
@@ -78,6 +80,10 @@ class Checkpoint:
         if "state_format" in body:
             check_format(body["state_format"], f"export: {d}")
         self.metadata = glue().read_metadata(d / ".metadata")
+        config = body.get("model_config")   # a Hugging Face model's resolved config (model=hf)
+        self.model_config = config if isinstance(config, dict) else None
+        model = body["config"].get("model") if isinstance(body.get("config"), dict) else None
+        self.model_name = model.get("name") if isinstance(model, dict) else None
         tied = body.get("tied")   # {alias: name} of the tied parameters, saved once
         self.tied = {a: n for a, n in tied.items() if isinstance(n, str)} if isinstance(tied, dict) else {}
         self.params, self.keys = {}, {}   # name -> its DCP key's prefix
@@ -101,8 +107,79 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     """The checkpoint's weights as consolidated safetensors (``dtype``: default as stored); the paths. ``overwrite``:
     replace an earlier export there, which stays whole if this one fails."""
     out_dir = output_dir(out_dir, dtype, "export")
-    check_output(out_dir, "export", overwrite)
-    return _reading(checkpoint, lambda ckpt: _export(ckpt, out_dir, dtype, max_shard_size))
+    # A Hugging Face model's checkpoint records its config: written as config.json (for from_pretrained), so one
+    # already there is refused only where it describes another model.
+    recorded = _recorded(checkpoint)
+    check_output(out_dir, "export", overwrite, config=recorded is not None and _same_config(out_dir, recorded))
+
+    def write(ckpt: Checkpoint) -> list[Path]:
+        return _export(ckpt, out_dir, dtype, max_shard_size) + _config(ckpt, out_dir, dtype)
+    return _reading(checkpoint, write)
+
+
+def _recorded(checkpoint) -> dict | None:
+    """The model config a ``model=hf`` checkpoint's train state records (unchecked: a damaged one is refused by
+    the read after); None for another model, or where it cannot be read."""
+    try:
+        body = stepfolders.read_json(resolve(checkpoint) / stepfolders.TRAIN_STATE, "train state")
+    except (FrameworkError, OSError, ValueError):
+        return None
+    config = body.get("model_config") if isinstance(body, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def _same_config(out_dir: Path, recorded: dict) -> bool:
+    """Whether ``out_dir`` holds no config.json or one of the model ``recorded`` describes; else ConfigError."""
+    path = out_dir / "config.json"
+    if not os.path.lexists(path):
+        return True
+    try:
+        from transformers import AutoConfig
+        theirs = without_dtype(AutoConfig.from_pretrained(str(out_dir)).to_dict())
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        theirs = f"not read as a transformers config: {first_line(e)}"
+    if theirs == recorded:
+        return True
+    if isinstance(theirs, dict):   # (the model type first: another one says it all)
+        keys = sorted((k for k in {*theirs, *recorded} if theirs.get(k) != recorded.get(k)),
+                      key=lambda k: (k != "model_type", k))
+        differ = few([f"{k} {theirs.get(k)!r} vs {recorded.get(k)!r}" for k in keys], 2, str)
+        differ += ": its vs the checkpoint's"
+    else:
+        differ = theirs
+    raise ConfigError(f"export: {path} describes another model than the checkpoint's ({differ}); remove it (the "
+                      f"export writes the checkpoint's own config.json), or choose an empty folder")
+
+
+def _config(ckpt: Checkpoint, out_dir: Path, dtype: torch.dtype | None) -> list[Path]:
+    """config.json from the model config the checkpoint records, as ``save_pretrained`` writes it (one of the same
+    model there replaced); where it records none of a Hugging Face model, a line saying how to add it."""
+    path = out_dir / "config.json"
+    if ckpt.model_config is None:
+        if ckpt.model_name == "hf":   # (saved before checkpoints recorded it)
+            print(f"note: export: {ckpt.step_dir} records no model config: for from_pretrained, copy the model's "
+                  f"config.json into {out_dir}", file=sys.stderr, flush=True)
+        return []
+    try:
+        from transformers import AutoConfig
+        config = AutoConfig.for_model(**ckpt.model_config)
+    except (ValueError, TypeError, KeyError) as e:   # e.g. a model type this transformers does not know
+        print(f"note: export: no config.json written ({first_line(e)}): for from_pretrained, copy the model's "
+              f"config.json into {out_dir}", file=sys.stderr, flush=True)
+        return []
+    # The dtype written (from_pretrained casts to the config's: a bfloat16 one would round fp32 weights); so one of
+    # the same model already there (its source's dtype, or an earlier export's) is replaced, whole.
+    config.dtype = dtype if dtype is not None else next(p.dtype for n, p in ckpt.params.items()
+                                                        if ckpt.keys[n] == "model.")
+    files.refuse_links(path)
+    part = out_dir / ".config.json.part"
+    try:
+        config.to_json_file(part, use_diff=True)
+        os.replace(part, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part)
+    return [path]
 
 
 def _export(ckpt: Checkpoint, out_dir: Path, dtype: torch.dtype | None, max_shard_size: int | str) -> list[Path]:

@@ -288,6 +288,29 @@ def step_of(folder: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
+def named_step(folder: Path) -> int:
+    """The step ``folder``'s name says (``step-<N>``, or its commit's ``step-<N>.tmp``/``.old``); -1 for another."""
+    return step_of(held_for(folder) or folder)
+
+
+def copied_manifest(folder: Path, manifest: dict) -> list[str]:
+    """The line where ``manifest`` records another step than its folder's name says (copied from another step's
+    folder: it explains why every file fails its check), else none."""
+    step, named = manifest.get("step"), named_step(folder)
+    if named < 0 or not isinstance(step, int) or step == named:
+        return []
+    return [f"{folder / MANIFEST} is step {step}'s, not step {named}'s (copied from another step's folder?)"]
+
+
+def newest_other(folder: Path) -> Path | None:
+    """The newest committed step folder beside ``folder`` (the way out of a damaged one a resume named); None."""
+    try:
+        found = scan(folder.parent, manifests=True)[0]
+    except (CheckpointError, UnsafePathError, OSError):
+        return None
+    return next((p for p, m in found if m is not None and p.resolve() != folder.resolve()), None)
+
+
 def _step_versions(folder: Path, manifest: dict | None = None) -> None:
     """NewerVersion where the step ``folder``'s manifest (unless ``manifest``, read already) or its train state was
     written by a newer version; CheckpointError/UnsafePathError/OSError where either cannot be read."""

@@ -867,6 +867,21 @@ def test_failing_rank_exits_nonzero_with_message(forkrun, tmp_path):
     assert "missing.txt" in p.stderr and "exited with code 1" in p.stderr
 
 
+def test_a_damaged_step_resumed_by_path_is_one_line_naming_the_newest_other_step(forkrun, tmp_path):
+    """Every rank refuses the damaged step alike: the launcher says it once (not once a rank and once more), with
+    the newest other committed step there as the way out (a resume by path does not fall back)."""
+    saved = cli(forkrun, tmp_path, *SHORT, "train.steps=4", "checkpoint.every=2")
+    assert saved.returncode == 0, saved.stderr
+    steps = tmp_path / "run" / "checkpoints"
+    (steps / "step-4" / "__0_0.distcp").unlink()
+    (tmp_path / "b").mkdir()
+    p = cli(forkrun, tmp_path / "b", *SHORT, "dist.nproc=2", f"checkpoint.resume={steps / 'step-4'}")
+    assert p.returncode == 1, p.stderr
+    line = (f"checkpoint {steps / 'step-4'} is damaged: {steps / 'step-4' / '__0_0.distcp'} is missing; "
+            f"checkpoint.resume={steps / 'step-2'} resumes the newest other committed step there")
+    assert p.stderr.count("is damaged") == 1 and f"error: {line}\n" in p.stderr, p.stderr
+
+
 # zero1 and zero2 at 2 local ranks from the command line are the README test's (docs/stages.md, README.md; its
 # `+stage=zero3 dist.nproc=2` is this test's zero3, tests/cli/test_readme.py COVERED); their
 # launch, records and parameter count (a plain module's: the first test here) are the same code as zero3's here,

@@ -7,6 +7,7 @@ bitwise (torch.equal / ==), on 2 gloo ranks, with dropout on (each rank's genera
 Resharding: the gathered masters and Adam moments after a load under another world size or
 stage are bitwise the saved ones, and the data position continues.
 """
+import hashlib
 import json
 import os
 import pickle
@@ -410,6 +411,28 @@ def test_a_file_the_manifest_leaves_out_is_damage_not_read_unchecked(tmp_path):
                                               f"{re.escape(str(folder / '__0_0.distcp'))} is not in "
                                               r"manifest.json \(a save lists every file it writes"):
         _train(dist, [], str(tmp_path / "b"), resume=str(folder), steps=K)
+
+
+def test_another_steps_manifest_or_folder_in_a_step_folder_is_named(tmp_path, capsys):
+    """step-4 holding step-2's manifest: the line says so first, naming both steps, before the files that then fail
+    their check (not disk damage), and names step-2 as the way out; step-2's whole folder copied into step-4 resumes
+    what it holds (step 2), and the resume line says the folder's name and its contents disagree."""
+    dist = _local()
+    _train(dist, ["checkpoint.keep_last=0"], str(tmp_path), steps=N)   # step-2, step-4
+    two, four = tmp_path / f"step-{K}", tmp_path / f"step-{N}"
+    shutil.copy(two / "manifest.json", four / "manifest.json")
+    with pytest.raises(CheckpointError) as e:
+        _train(dist, [], str(tmp_path / "b"), resume=str(four), steps=N)
+    assert str(e.value).startswith(f"checkpoint {four} is damaged: {four / 'manifest.json'} is step {K}'s, not step "
+                                   f"{N}'s (copied from another step's folder?); {four / '.metadata'} does not "
+                                   "match"), e.value
+    assert str(e.value).endswith(f"; checkpoint.resume={two} resumes the newest other committed step there"), e.value
+    shutil.rmtree(four)
+    shutil.copytree(two, four)
+    capsys.readouterr()
+    assert _train(dist, [], str(tmp_path / "c"), resume=str(four), steps=N)[2][0] == K
+    assert (f"resumed from {four} (step {K}, data position {K}; same layout); note: its name says step {N} but it "
+            f"holds step {K}'s files (copied from another step's folder?)") in capsys.readouterr().out
 
 
 def test_files_no_save_writes_are_ignored_not_damage(tmp_path, capsys):
@@ -943,6 +966,49 @@ def test_an_hf_model_is_compared_by_its_config_not_the_files_path(tmp_path, caps
     assert f"resumed from {root / 'step-2'} (step 2" in out, out
     assert re.search(r"differs in model\.config \S+->\S+, model\.context \d+->8, train", out), out
     assert (root / f"step-{N}").is_dir()
+
+
+def test_an_export_of_an_hf_checkpoint_loads_with_from_pretrained(tmp_path, capsys):
+    """model=hf: the export writes config.json from the config the checkpoint records, so from_pretrained loads the
+    folder as it is, with the logits of the model the checkpoint holds; the model's own config.json put there first
+    is replaced by it (the dtype the export wrote), another model's is refused in one line naming what differs."""
+    from transformers import AutoModelForCausalLM
+
+    from framework.persist.export import export
+    from tests._hf import build, write_config
+    path = write_config("gpt2", tmp_path / "m")
+    cfg = _hf_train(_local(), path, tmp_path / "ck")
+    step = tmp_path / "ck" / f"step-{K}"
+    model, _ = build(cfg, meta=False)   # the model the checkpoint holds, from the config file trained with
+    model.load_state_dict(get_fp32_state_dict_from_checkpoint(step))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    first = tmp_path / "first"   # the model's config.json put there first (its dtype bfloat16): not refused
+    first.mkdir()
+    (first / "config.json").write_text(json.dumps({**json.loads(path.read_text()), "torch_dtype": "bfloat16"}))
+    for out in (tmp_path / "out", first):
+        assert out / "config.json" in export(step, out)
+        loaded = AutoModelForCausalLM.from_pretrained(out)   # (as written: fp32, not rounded to the bfloat16)
+        with torch.no_grad():
+            assert loaded.dtype == torch.float32 and torch.equal(loaded(ids).logits, model(ids).logits)
+    other = write_config("gpt2", tmp_path / "other", n_layer=3).parent
+    with pytest.raises(ConfigError, match=re.escape(f"export: {other / 'config.json'} describes another model than "
+                                                    "the checkpoint's (n_layer 3 vs 2: its vs the checkpoint's); "
+                                                    "remove it")):
+        export(step, other)
+    # Saved before checkpoints recorded the config, or a model type this transformers does not know: the weights,
+    # and a line saying how to add the config.json.
+    body = json.loads((step / "train_state.json").read_text())
+    for i, config in enumerate((None, {**body["model_config"], "model_type": "no-such-model"})):
+        data = json.dumps({**body, "model_config": config}).encode()
+        (step / "train_state.json").write_bytes(data)
+        manifest = json.loads((step / "manifest.json").read_text())
+        manifest["files"]["train_state.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        manifest.pop("manifest_sha256", None)   # (read as an older version's manifest)
+        (step / "manifest.json").write_text(json.dumps(manifest))
+        capsys.readouterr()
+        assert [p.name for p in export(step, tmp_path / f"hint{i}")] == ["model.safetensors"]
+        assert (f"for from_pretrained, copy the model's config.json into {tmp_path / f'hint{i}'}\n"
+                in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("saved_on, run_on", [("cpu", "cuda"), ("cuda", "cpu")])

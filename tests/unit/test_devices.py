@@ -173,7 +173,7 @@ def test_ranks_that_all_failed_by_themselves_are_not_said_stopped(capsys, tmp_pa
     import multiprocessing
 
     from framework.cli import launch
-    from framework.cli._rendezvous import raised_alike
+    from framework.cli._rendezvous import marked_alike, raised_alike
     ctx = multiprocessing.get_context("fork")
     nan = "step 2: the loss is nan (non-finite from the micro batches of rank 1; rank 0 finite)"
     for i, (texts, alike, says) in enumerate((([nan, nan], True, nan), ([nan, nan], False, None),
@@ -186,6 +186,8 @@ def test_ranks_that_all_failed_by_themselves_are_not_said_stopped(capsys, tmp_pa
         failed, stopped, paused = launch._failed(ranks, str(store))
         assert sorted(failed) == [0, 1] and stopped == paused == []   # (in the order they exited)
         assert raised_alike(str(store), 2) == says and raised_alike(str(store), 3) is None   # (rank 2 marked none)
+        # (a rank that marked its error does not say it: the launcher says each one where they differ)
+        assert marked_alike(str(store), 3) == (dict(enumerate(texts)) if alike else {})
     assert "stopping" not in capsys.readouterr().err
 
 

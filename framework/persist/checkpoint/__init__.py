@@ -115,7 +115,9 @@ class Checkpointer:
                     relisted, folders[i + 1:] = True, again
                     continue
                 if resume != "auto" and len(folders) == 1:   # the one folder asked for: no other choice
-                    raise on_every_rank(CheckpointError(f"{e}{spent}"), e.every_rank) from None
+                    older = stepfolders.newest_other(Path(folder))   # (read alike on every rank: one line)
+                    out = f"; checkpoint.resume={older} resumes the newest other committed step there" if older else ""
+                    raise on_every_rank(CheckpointError(f"{e}{out}{spent}"), e.every_rank) from None
                 errors.append(str(e))
                 # Every rank says it, before any training: no rank goes on from a state the others refused.
                 then = (f"falling back to the previous checkpoint, {folders[i + 1]}" if i + 1 < len(folders)
@@ -144,7 +146,10 @@ class Checkpointer:
                                                             self.group.world)
             data = data_change(body.get("data_identity"), self.data)   # (another vocabulary: refused by load)
             lr = schedule_change(body["config"], self.run_cfg, state.applied_steps)
+            named = stepfolders.named_step(Path(folder))   # (another step's whole folder copied in: said)
             self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
+                      + (f"; note: its name says step {named} but it holds step {body['step']}'s files (copied "
+                         f"from another step's folder?)" if 0 <= named != body["step"] else "")
                       + (f"; config differs in {', '.join(diff)}" if diff else "")
                       + (f"; {lr}" if lr else "")
                       + (f"; {batch}" if batch else "")

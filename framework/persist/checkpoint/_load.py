@@ -204,8 +204,10 @@ def verify(folder: Path, group: Group | None = None, resume: bool = False) -> di
     ``resume`` (or an export: neither reads ``model_16bit/``): damage there is a line."""
     rank, world = (0, 1) if group is None else (group.rank, group.world)
     copy16 = f"{stepfolders.WEIGHTS16}/"
+    copied = []   # (first in the line: it explains every file's mismatch below it)
     try:
         manifest = stepfolders.read_manifest(folder)
+        copied = stepfolders.copied_manifest(folder, manifest)
         entries = manifest["files"]
         problems = [(n, p) for n in sorted(entries)[rank::world] if (p := stepfolders.check_file(folder, n, entries[n]))]
         if rank == 0:   # a file the manifest leaves out would be read unchecked
@@ -231,7 +233,8 @@ def verify(folder: Path, group: Group | None = None, resume: bool = False) -> di
         raise on_every_rank(stepfolders.NewerVersion(newer))   # (its advice: the caller's)
     unread = sorted(n for n, _ in found if resume and n.startswith(copy16))
     if bad := sorted(p for n, p in found if n not in unread):
-        raise on_every_rank(CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(bad)))   # (all found it)
+        bad = "; ".join([*copied, *bad])
+        raise on_every_rank(CheckpointError(f"checkpoint {folder} is damaged: {bad}"))   # (all found it)
     if unread and rank == 0:
         gone = [n for n in unread if not (folder / n).exists()]
         changed = [n for n in unread if n not in gone]
