@@ -685,6 +685,23 @@ def test_the_primary_configs_own_searchpath_is_kept_with_a_config_dir(tmp_path):
         f"hydra.searchpath=['file://{conf_dir()}','file://{tmp_path / 'x,y'}',pkg://a]"]
 
 
+def test_a_config_folders_file_that_is_not_yaml_is_one_line_naming_it(tmp_path):
+    """Hydra reads a searched folder's file with PyYAML, unguarded: its error (a 28-frame traceback from the
+    command) is one ConfigError line naming the file and where in it the parser stopped."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "bad.yaml").write_text("defaults: [train, _self_]\nseed: [1, 2\n")
+    (tmp_path / "mine.yaml").write_text("defaults: [train, _self_]\n")
+    (tmp_path / "experiment" / "bad.yaml").write_text("# @package _global_\nseed: {a: 1\n")
+    for name, overrides, path, at in (("bad", [], tmp_path / "bad.yaml", "line 2, column 7"),
+                                      ("mine", ["+experiment=bad"], tmp_path / "experiment" / "bad.yaml",
+                                       "line 2, column 7")):
+        with pytest.raises(ConfigError) as e:
+            compose(overrides, config_dir=str(tmp_path), config_name=name)
+        said = str(e.value)
+        assert said.startswith(f"config: {path} is not YAML: while parsing a flow ") and f"({at})" in said, said
+        assert "\n" not in said and said.endswith("; fix the file"), said
+
+
 def test_a_sweep_jobs_composer_gives_the_search_path_quoted(tmp_path):
     """Inside the running Hydra app (a job a non-basic sweeper makes), the app's search path is given again: each
     folder quoted, so a comma in a name does not split it."""
