@@ -95,6 +95,7 @@ def _unquoted(error: str, override: str, parser: Any) -> str | None:
 
 
 def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = None) -> tuple[DictConfig, dict]:
+    import yaml
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -114,10 +115,22 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
                                         or _no_option(str(e))
                                         or plainconf.merge_line(str(e), e.__cause__)   # (not the ++ form given)
                                         or " ".join(str(e).replace("override ++", "override ").split()))) from None
+    except yaml.YAMLError as e:   # (Hydra reads a searched folder's file unguarded: PyYAML's error, bare)
+        raise ConfigError(_not_yaml(e, Path(config_dir or conf_dir()) / f"{name}.yaml")) from None
     except RecursionError:   # (the YAML parser and OmegaConf recurse once per nesting level)
         raise ConfigError(f"config: a value in the YAML of {config_dir or conf_dir()} ({name}.yaml or a file its "
                           f"defaults list names) is nested too deeply to compose; flatten it") from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
+
+
+def _not_yaml(error: Any, primary: Path) -> str:
+    """PyYAML's ``error`` as one line naming the file (``primary`` where its mark names none) and the line and
+    column of each of its marks."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    path = mark.name if mark is not None and not mark.name.startswith("<") else primary
+    why = re.sub(r'\s*in "[^"]*", line (\d+), column (\d+)', r" (line \1, column \2)", str(error))
+    why = "; ".join(" ".join(line.split()) for line in why.splitlines() if line.strip())
+    return f"config: {path} is not YAML: {why}; fix the file"
 
 
 def _no_option(message: str) -> str:

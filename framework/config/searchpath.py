@@ -23,17 +23,17 @@ def search_order(config_dir: str | None, config_name: str, overrides: list[str])
     ``hydra.searchpath`` folders and the overrides' (Hydra takes one value, which replaces the file's: all are merged
     into it). ``overrides`` may be a whole command line (its --config-dir value becomes the folder found: Hydra's
     own read would keep a leading ~)."""
-    if config_dir is None:
-        return str(conf_dir()), list(overrides), []
-    given = Path(user_path(config_dir)).resolve()
-    if not given.is_dir():
-        raise ConfigError(f"config: --config-dir {config_dir} is not a folder")
-    primary, other = (given, conf_dir()) if (given / f"{config_name}.yaml").is_file() else (conf_dir(), given)
-    try:   # the primary config's own hydra.searchpath (Hydra reads it only where no override gives one)
-        mine = (plainconf.load_yaml(primary / f"{config_name}.yaml").get("hydra") or {}).get("searchpath") or []
-    except Exception:  # noqa: BLE001 - no such file, not YAML, not a mapping: Hydra's read words it
-        mine = []
-    paths, rest = [quoted(f"file://{other}"), *(quoted(str(p)) for p in mine if isinstance(mine, list))], []
+    given = primary = conf_dir()
+    if config_dir is not None:
+        given = Path(user_path(config_dir)).resolve()
+        if not given.is_dir():
+            raise ConfigError(f"config: --config-dir {config_dir} is not a folder")
+        primary = given if (given / f"{config_name}.yaml").is_file() else conf_dir()
+    mine = own_searchpath(primary / f"{config_name}.yaml")
+    if config_dir is None and not mine:
+        return str(primary), list(overrides), []
+    other = [] if config_dir is None else [conf_dir() if primary == given else given]
+    paths, rest = [*(quoted(f"file://{f}") for f in other), *map(quoted, mine)], []
     for o in overrides:
         key, (_, eq, value) = plainconf.override_key(o), o.partition("=")
         if key == "hydra.searchpath" and o[0] != "~" and value.startswith("[") and value.endswith("]"):
@@ -43,6 +43,27 @@ def search_order(config_dir: str | None, config_name: str, overrides: list[str])
         else:
             rest.append(o)
     return str(primary), rest, [f"hydra.searchpath=[{','.join(dict.fromkeys(paths))}]"]
+
+
+def own_searchpath(path: Path) -> list[str]:
+    """The ``hydra: searchpath:`` entries of the primary config ``path`` as Hydra reads them: interpolations
+    (``file://${oc.env:DATA}/conf``) resolved, and refused in one line unless a list of strings."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        node = OmegaConf.create(plainconf.load_yaml(path))
+    except Exception:  # noqa: BLE001 - no such file, not YAML, not a mapping: Hydra's read words it
+        return []
+    try:
+        entries = OmegaConf.select(node, "hydra.searchpath")
+        entries = OmegaConf.to_container(entries, resolve=True) if OmegaConf.is_config(entries) else entries
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config: {path}: hydra.searchpath: {str(e).splitlines()[0]}; fix the entry") from None
+    if entries is not None and not (isinstance(entries, list) and all(isinstance(x, str) for x in entries)):
+        raise ConfigError(f"config: {path}: hydra.searchpath must be a list of strings (as Hydra's), not "
+                          f"{entries!r}; give searchpath: [file:///a/folder, pkg://a.package]")
+    return entries or []
 
 
 def quoted(entry: str) -> str:

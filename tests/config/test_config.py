@@ -685,6 +685,71 @@ def test_the_primary_configs_own_searchpath_is_kept_with_a_config_dir(tmp_path):
         f"hydra.searchpath=['file://{conf_dir()}','file://{tmp_path / 'x,y'}',pkg://a]"]
 
 
+def test_a_config_folders_file_that_is_not_yaml_is_one_line_naming_it(tmp_path):
+    """Hydra reads a searched folder's file with PyYAML, unguarded: its error (a 28-frame traceback from the
+    command) is one ConfigError line naming the file and where in it the parser stopped."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "bad.yaml").write_text("defaults: [train, _self_]\nseed: [1, 2\n")
+    (tmp_path / "mine.yaml").write_text("defaults: [train, _self_]\n")
+    (tmp_path / "experiment" / "bad.yaml").write_text("# @package _global_\nseed: {a: 1\n")
+    for name, overrides, path, at in (("bad", [], tmp_path / "bad.yaml", "line 2, column 7"),
+                                      ("mine", ["+experiment=bad"], tmp_path / "experiment" / "bad.yaml",
+                                       "line 2, column 7")):
+        with pytest.raises(ConfigError) as e:
+            compose(overrides, config_dir=str(tmp_path), config_name=name)
+        said = str(e.value)
+        assert said.startswith(f"config: {path} is not YAML: while parsing a flow ") and f"({at})" in said, said
+        assert "\n" not in said and said.endswith("; fix the file"), said
+
+
+def test_the_primary_configs_own_searchpath_is_read_as_hydra_reads_it(tmp_path, monkeypatch):
+    """Its entries resolved (``file://${oc.env:X}``, a usual way to write one) and refused in one line unless a list
+    of strings, as Hydra's own read does."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "x" / "experiment").mkdir(parents=True)
+    (tmp_path / "x" / "experiment" / "x.yaml").write_text("# @package _global_\nseed: 7\n")
+    mine = tmp_path / "d" / "mine.yaml"
+    mine.write_text("defaults: [train, _self_]\nhydra:\n  searchpath: ['file://${oc.env:FC2_X}']\n")
+    monkeypatch.setenv("FC2_X", str(tmp_path / "x"))
+    assert compose(["+experiment=x"], config_dir=str(tmp_path / "d"), config_name="mine").seed == 7
+    monkeypatch.delenv("FC2_X")
+    with pytest.raises(ConfigError, match=f"^config: {re.escape(str(mine))}: hydra.searchpath: .*'FC2_X' not found"):
+        compose([], config_dir=str(tmp_path / "d"), config_name="mine")
+    for bad, said in (("[3]", "[3]"), ("file:///a", "'file:///a'"), ("[[a]]", "[['a']]")):
+        mine.write_text(f"defaults: [train, _self_]\nhydra:\n  searchpath: {bad}\n")
+        with pytest.raises(ConfigError, match=f"^config: {re.escape(str(mine))}: hydra.searchpath must be a list of "
+                                              f"strings \\(as Hydra's\\), not {re.escape(said)}; give searchpath: "):
+            compose([], config_dir=str(tmp_path / "d"), config_name="mine")
+
+
+def test_the_package_primary_configs_own_searchpath_is_merged_and_checked(tmp_path, monkeypatch):
+    """Without --config-dir, a conf/ primary config's own ``hydra: searchpath:`` is merged with the command line's
+    too (Hydra's own rule would drop it), and its folders are read for an alias bomb."""
+    import shutil
+
+    from framework.config import search_order
+    from framework.config.plainconf import check_aliases
+
+    conf = shutil.copytree(conf_dir(), tmp_path / "conf")
+    monkeypatch.setattr("framework.config.searchpath.conf_dir", lambda: conf)   # (a file in the package's conf/)
+    for name in ("x", "y", "other"):
+        (tmp_path / name / "experiment").mkdir(parents=True)
+    (tmp_path / "x" / "experiment" / "x.yaml").write_text("# @package _global_\nseed: 7\n")
+    (conf / "mine.yaml").write_text(f"defaults: [train, _self_]\nhydra:\n  searchpath: ['file://{tmp_path / 'x'}']\n")
+    assert compose(["+experiment=x", f"hydra.searchpath=[file://{tmp_path / 'other'}]"],
+                   config_name="mine").seed == 7
+    assert search_order(None, "mine", ["a=1", "hydra.searchpath=[pkg://a]"]) == (
+        str(conf), ["a=1"], [f"hydra.searchpath=['file://{tmp_path / 'x'}',pkg://a]"])
+    assert search_order(None, "train", ["hydra.searchpath=[pkg://a]"]) == (   # (none of its own: as given)
+        str(conf), ["hydra.searchpath=[pkg://a]"], [])
+    (conf / "bomb.yaml").write_text(f"defaults: [train, _self_]\nhydra:\n  searchpath: ['file://{tmp_path / 'y'}']\n")
+    bomb = tmp_path / "y" / "experiment" / "big.yaml"
+    bomb.write_text("# @package _global_\n" + _alias_bomb(8))
+    primary, rest, merged = search_order(None, "bomb", ["+experiment=big"])   # (what compose reads before Hydra)
+    with pytest.raises(ConfigError, match=f"^config: {re.escape(str(bomb))}: its aliases expand to 1\\.23e\\+08 "):
+        check_aliases(primary, rest + merged)
+
+
 def test_a_sweep_jobs_composer_gives_the_search_path_quoted(tmp_path):
     """Inside the running Hydra app (a job a non-basic sweeper makes), the app's search path is given again: each
     folder quoted, so a comma in a name does not split it."""
