@@ -131,6 +131,7 @@ def _recorded(checkpoint) -> dict | None:
 def _same_config(out_dir: Path, recorded: dict) -> bool:
     """Whether ``out_dir`` holds no config.json or one of the model ``recorded`` describes; else ConfigError."""
     path = out_dir / "config.json"
+    files.refuse_links(path)   # (before any weight is written: read through a link, it would be refused after)
     if not os.path.lexists(path):
         return True
     try:
@@ -172,13 +173,12 @@ def _config(ckpt: Checkpoint, out_dir: Path, dtype: torch.dtype | None) -> list[
     config.dtype = dtype if dtype is not None else next(p.dtype for n, p in ckpt.params.items()
                                                         if ckpt.keys[n] == "model.")
     files.refuse_links(path)
-    part = out_dir / ".config.json.part"
-    try:
-        config.to_json_file(part, use_diff=True)
-        os.replace(part, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(part)
+    replaced = os.path.lexists(path)
+    # (its temporary created new, never through a link; readable as save_pretrained's is)
+    files.write_atomic(path, config.to_json_string(use_diff=True).encode(), shared=True)
+    if replaced:
+        print(f"note: export: {path} (of the same model) replaced by the checkpoint's config, with the dtype "
+              "written", file=sys.stderr, flush=True)
     return [path]
 
 

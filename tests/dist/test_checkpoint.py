@@ -1011,6 +1011,35 @@ def test_an_export_of_an_hf_checkpoint_loads_with_from_pretrained(tmp_path, caps
                 in capsys.readouterr().err)
 
 
+def test_an_hf_export_writes_its_config_json_through_no_link(tmp_path, capsys):
+    """The config.json's temporary is created new, never through a link a colleague left (nothing outside the
+    folder written); a linked config.json is refused before any weight is written; one of the same model replaced
+    is said in one note line."""
+    from framework.core.errors import UnsafePathError
+    from framework.persist.export import export
+    from tests._hf import write_config
+    path = write_config("gpt2", tmp_path / "m")
+    _hf_train(_local(), path, tmp_path / "ck")
+    step = tmp_path / "ck" / f"step-{K}"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".config.json.part").symlink_to(victim)
+    capsys.readouterr()
+    export(step, out)
+    assert victim.read_text() == "precious" and not (out / "config.json").is_symlink()
+    assert "replaced" not in capsys.readouterr().err
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "config.json").symlink_to(path)
+    with pytest.raises(UnsafePathError, match=re.escape(f"{linked / 'config.json'} is a symbolic link")):
+        export(step, linked)
+    assert [p.name for p in linked.iterdir()] == ["config.json"]   # no weights published
+    export(step, out, overwrite=True)
+    assert capsys.readouterr().err.count(f"note: export: {out / 'config.json'} (of the same model) replaced") == 1
+
+
 @pytest.mark.parametrize("saved_on, run_on", [("cpu", "cuda"), ("cuda", "cpu")])
 def test_a_checkpoint_saved_on_another_kind_of_device_resumes_its_cpu_generator(tmp_path, capsys, monkeypatch,
                                                                               saved_on, run_on):
