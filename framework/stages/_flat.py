@@ -137,10 +137,18 @@ class ModuleInit:
 
     def _filled(self, method: str, name: str, t: torch.Tensor, returned: object) -> None:
         # A returned tensor would be dropped and training would start from the uninitialised buffer (``t`` itself,
-        # as ``nn.init.normal_(t)`` returns, is in place and fine).
-        if returned is not None and returned is not t:
+        # as ``nn.init.normal_(t)`` returns, is in place and fine; so is another tensor over t's own elements, as
+        # ``t.data.normal_()`` or ``t.view(-1)`` filled returns).
+        if returned is not None and returned is not t and not _same_elements(returned, t):
             raise ConfigError(f"{self.kind}.{method}({name!r}, tensor) returned a {type(returned).__name__}; it "
                               f"must fill `tensor` in place (e.g. tensor.copy_(values)) and return None")
+
+
+def _same_elements(returned: object, t: torch.Tensor) -> bool:
+    """Whether ``returned`` is a tensor over exactly ``t``'s elements (an alias or a view; no host sync)."""
+    return (isinstance(returned, torch.Tensor) and returned.dtype == t.dtype and returned.device == t.device
+            and returned.data_ptr() == t.data_ptr() and returned.numel() == t.numel()
+            and returned.is_contiguous() and t.is_contiguous())
 
 
 def initializer(module: nn.Module):

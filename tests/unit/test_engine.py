@@ -220,6 +220,16 @@ class _Fills(_Returns):
         return t.fill_(0.5)   # t itself: in place, so accepted
 
 
+class _FillsData(_Returns):
+    def init_parameter(self, name, t):
+        return t.data.fill_(0.5)   # another tensor over t's storage (HF's _init_weights idiom): t is filled
+
+
+class _FillsView(_Returns):
+    def init_parameter(self, name, t):
+        return torch.nn.init.constant_(t.view(-1), 0.5)   # a view of t, filled: t is filled
+
+
 @pytest.mark.parametrize("overrides", [[], ["+stage=zero2"], ["+stage=zero3"]])
 def test_an_init_parameter_that_returns_its_values_instead_of_filling_the_tensor_is_refused_in_one_line(overrides):
     with framework.zero_init():
@@ -227,10 +237,11 @@ def test_an_init_parameter_that_returns_its_values_instead_of_filling_the_tensor
     with pytest.raises(framework.ConfigError, match=r"^_Returns.init_parameter\('lin.weight', tensor\) returned a "
                                                     r"Tensor; it must fill `tensor` in place .* return None$"):
         framework.initialize(module, lambda m, b: m(b).sum(), framework.compose(overrides))
-    with framework.zero_init():
-        module = _Fills()
-    with framework.initialize(module, lambda m, b: m(b).sum(), framework.compose(overrides)) as engine:
-        assert engine.eval_step(engine.state, [torch.ones(1, 4)]) == 4 * (0.5 * 4 + 0.5)
+    for fills in (_Fills, _FillsData, _FillsView):
+        with framework.zero_init():
+            module = fills()
+        with framework.initialize(module, lambda m, b: m(b).sum(), framework.compose(overrides)) as engine:
+            assert engine.eval_step(engine.state, [torch.ones(1, 4)]) == 4 * (0.5 * 4 + 0.5), fills
 
 
 def test_a_failed_initialize_leaves_no_hooks_and_a_zero3_module_is_refused_in_one_line():
