@@ -396,19 +396,25 @@ def _refused(e: FrameworkError, n: int, overrides: list[str], fixed: frozenset[s
 
 def check_shared_checkpoints(jobs: list[tuple[list[str], Config]], fixed: frozenset[str]) -> None:
     """Two jobs of a sweep named alike under checkpoint.dir (a value given twice, or spelled two ways: 1e-3 and
-    0.001) would share one checkpoint folder: the later would resume the earlier's checkpoint and train nothing."""
+    0.001) would share one checkpoint folder: the later would resume the earlier's checkpoint and train nothing (or,
+    not resuming, be refused by the earlier's steps there). Jobs that save nothing share nothing written (a job
+    repeated as a nondeterminism check): they run."""
     seen: dict[Path, int] = {}
     for n, (overrides, config) in enumerate(jobs if len(jobs) > 1 else ()):
-        if config.checkpoint.dir is None:   # (each job has its run folder's)
+        if config.checkpoint.dir is None or not config.checkpoint.every:   # (their run folders', or no saves)
             continue
         task = [o for o in parse_overrides(overrides) if not o.is_hydra_override()]
         swept = frozenset(o.key_or_group for o in task) - fixed
         root = checkpoint_root(config, None, job_key([o.input_line for o in task], swept))
         if (first := seen.setdefault(root, n)) != n:
             mine = " ".join(o.input_line for o in task if o.key_or_group in swept)
+            then = (f"job {n} would resume job {first}'s checkpoint and train nothing"
+                    if config.checkpoint.resume in ("auto", "latest") else
+                    f"job {n}'s saves would overwrite job {first}'s checkpoints (so checkpoint.resume="
+                    f"{config.checkpoint.resume} refuses them)")
             raise ConfigError(f"sweep jobs {first} and {n} are the same job{f' ({mine})' if mine else ''}: they would "
-                              f"share the checkpoint folder {root}, and job {n} would resume job {first}'s checkpoint "
-                              "and train nothing; drop the repeated value; no job of the sweep ran")
+                              f"share the checkpoint folder {root}, and {then}; drop the repeated value, or set "
+                              "checkpoint.every=0 (no saves); no job of the sweep ran")
 
 
 def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
