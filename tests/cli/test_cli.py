@@ -651,12 +651,30 @@ def test_two_jobs_of_a_sweep_sharing_a_checkpoint_folder_are_refused_before_any_
     assert p.returncode == 2 and error_lines(p) == [
         "error: sweep jobs 0 and 2 are the same job (optimizer.lr=0.001): they would share the checkpoint folder "
         f"{tmp_path / 'ck'}/model.context=16,model.d_model=32,model.n_head=2,model.n_layer=1,optimizer.lr=0.001, and "
-        "job 2 would resume job 0's checkpoint and train nothing; drop the repeated value; no job of the sweep ran"], \
-        p.stderr
+        "job 2 would resume job 0's checkpoint and train nothing; drop the repeated value, or set checkpoint.every=0 "
+        "(no saves); no job of the sweep ran"], p.stderr
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "ck").exists()
     # Without checkpoint.dir each job saves in its own run folder: both train
     p = cli(forkrun, tmp_path, "-m", "optimizer.lr=1e-3,0.001", *SHORT, "train.steps=2", "checkpoint.every=2")
     assert p.returncode == 0 and "resumed" not in p.stdout, p.stderr
+
+
+def test_repeated_sweep_jobs_under_checkpoint_dir_are_refused_only_where_they_would_save_there(tmp_path):
+    """A job repeated (a nondeterminism check) that saves nothing shares nothing written: it runs; one that saves
+    under resume=off is refused in words that say so (its saves would overwrite the earlier job's)."""
+    import framework
+    from framework.cli.train import check_shared_checkpoints
+
+    def jobs(*over):
+        return [(["seed=1", *over], framework.compose(["seed=1", f"checkpoint.dir={tmp_path}", *over]))
+                for _ in range(2)]
+    check_shared_checkpoints(jobs("checkpoint.every=0"), frozenset())
+    check_shared_checkpoints(jobs("checkpoint.every=0", "checkpoint.resume=off"), frozenset())
+    with pytest.raises(framework.ConfigError, match=r"job 1's saves would overwrite job 0's checkpoints \(so "
+                                                    r"checkpoint\.resume=off refuses them\); drop the repeated"):
+        check_shared_checkpoints(jobs("checkpoint.every=2", "checkpoint.resume=off"), frozenset())
+    with pytest.raises(framework.ConfigError, match="job 1 would resume job 0's checkpoint and train nothing"):
+        check_shared_checkpoints(jobs("checkpoint.every=2"), frozenset())
 
 
 @pytest.mark.parametrize("argv,end", [
@@ -867,19 +885,25 @@ def test_failing_rank_exits_nonzero_with_message(forkrun, tmp_path):
     assert "missing.txt" in p.stderr and "exited with code 1" in p.stderr
 
 
-def test_a_damaged_step_resumed_by_path_is_one_line_naming_the_newest_other_step(forkrun, tmp_path):
+def test_a_damaged_step_resumed_by_path_is_one_line_with_a_way_out_past_every_damaged_step(forkrun, tmp_path):
     """Every rank refuses the damaged step alike: the launcher says it once (not once a rank and once more), with
-    the newest other committed step there as the way out (a resume by path does not fall back)."""
-    saved = cli(forkrun, tmp_path, *SHORT, "train.steps=4", "checkpoint.every=2")
+    a way out that falls back past every damaged step there (a resume by path does not fall back; naming the
+    newest other step would name step-6, damaged too)."""
+    saved = cli(forkrun, tmp_path, *SHORT, "checkpoint.every=2", "checkpoint.keep_last=3")
     assert saved.returncode == 0, saved.stderr
     steps = tmp_path / "run" / "checkpoints"
-    (steps / "step-4" / "__0_0.distcp").unlink()
+    for step in ("step-4", "step-6"):
+        (steps / step / "__0_0.distcp").unlink()
     (tmp_path / "b").mkdir()
     p = cli(forkrun, tmp_path / "b", *SHORT, "dist.nproc=2", f"checkpoint.resume={steps / 'step-4'}")
     assert p.returncode == 1, p.stderr
+    way = f"checkpoint.resume=latest checkpoint.dir={steps}"
     line = (f"checkpoint {steps / 'step-4'} is damaged: {steps / 'step-4' / '__0_0.distcp'} is missing; "
-            f"checkpoint.resume={steps / 'step-2'} resumes the newest other committed step there")
+            f"{way} falls back to the newest step there that verifies")
     assert p.stderr.count("is damaged") == 1 and f"error: {line}\n" in p.stderr, p.stderr
+    (tmp_path / "c").mkdir()
+    p = cli(forkrun, tmp_path / "c", *SHORT, *way.split())   # the way out, as said: step 2
+    assert p.returncode == 0 and f"resumed from {steps / 'step-2'} (step 2" in p.stdout, p.stderr[-3000:]
 
 
 # zero1 and zero2 at 2 local ranks from the command line are the README test's (docs/stages.md, README.md; its

@@ -115,8 +115,11 @@ class Checkpointer:
                     relisted, folders[i + 1:] = True, again
                     continue
                 if resume != "auto" and len(folders) == 1:   # the one folder asked for: no other choice
-                    older = stepfolders.newest_other(Path(folder))   # (read alike on every rank: one line)
-                    out = f"; checkpoint.resume={older} resumes the newest other committed step there" if older else ""
+                    # (read alike on every rank: one line). Not that step by name: it may be damaged too, and
+                    # two such lines would name each other; latest falls back past each damaged one.
+                    older = stepfolders.newest_other(Path(folder))
+                    out = (f"; checkpoint.resume=latest checkpoint.dir={Path(folder).parent} falls back to the "
+                           "newest step there that verifies" if older else "")
                     raise on_every_rank(CheckpointError(f"{e}{out}{spent}"), e.every_rank) from None
                 errors.append(str(e))
                 # Every rank says it, before any training: no rank goes on from a state the others refused.
