@@ -18,7 +18,7 @@ from framework.core.units import GiB
 from framework.memory.tables import NVMeKeys, count_module, nvme_rows, parse_count, zero2_rows, zero3_rows
 from framework.config import compose
 from framework.core.errors import ConfigError
-from framework.cli.estimate import main
+from framework.cli.estimate import _count_text, main
 from framework.models.gpt import COMPONENTS, GPT, preset
 from framework.models.hf import HFConfig
 from framework.models.hf import build as hf_build
@@ -834,3 +834,8 @@ def test_a_text_data_file_is_read_once(tmp_path, monkeypatch, capsys):
     assert main(["model=gpt-nano", "data=text", f"data.path={small}", "--json"]) == 0, capsys.readouterr().err
     out = json.loads(capsys.readouterr().out)
     assert out["vocab"] == {"size": len(set(small.read_text())), "from": "data=text"} and len(reads) == 1, reads
+
+
+def test_the_headers_parameter_count_chooses_its_unit_after_rounding():
+    assert [_count_text(n) for n in (999, 1_000, 999_949, 999_960, 10**6, 12_345_678)] == [
+        "999", "1.0K", "999.9K", "1.00M", "1.00M", "12M"]
