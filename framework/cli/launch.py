@@ -268,11 +268,8 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         if failed and stopped and len(lost) == len(failed):   # each lost a peer: the one still running is to blame
             stalled = stalled_message(stopped, sorted(lost), cfg.dist.nproc, cfg.dist.timeout_s, paused)
             raise _ended(run, FrameworkError(stalled))
-        if failed and (alike := raised_alike(store_dir, cfg.dist.nproc)):   # (rank 0's train.log ends with it)
-            raise FrameworkError(alike)   # once, not as rank K's exit: each rank raised it
-        for rank, text in marked_alike(store_dir, cfg.dist.nproc).items() if failed else ():   # (each its own)
-            say(error_line(rank, FrameworkError(text)))
         if failed:
+            report_marked(store_dir, cfg.dist.nproc)
             first = failed[0]
             trace = _traceback(ranks.error_files[first])
             if not trace:   # (a rank's FrameworkError exits 1, a bug's leaves its traceback)
@@ -289,6 +286,15 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         shutil.rmtree(store_dir, ignore_errors=True)
         os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
+
+
+def report_marked(store_dir: str, nproc: int) -> None:
+    """After a rank failed: the error every rank raised alike, raised once (not as rank K's exit); else each marked
+    rank's own error, a line each (a rank that marked its error does not say it)."""
+    if alike := raised_alike(store_dir, nproc):   # (rank 0's train.log ends with it)
+        raise FrameworkError(alike)
+    for rank, text in marked_alike(store_dir, nproc).items():
+        say(error_line(rank, FrameworkError(text)))
 
 
 def remove_killed_swap(folder: Path | None, codes: list[int | None]) -> None:

@@ -187,10 +187,15 @@ def test_a_refused_run_removes_the_folders_made_for_it(forkrun, tmp_path):
     assert "removed" not in p.stderr, p.stderr
 
 
-def test_a_refusal_every_rank_raises_ends_with_its_line_not_a_ranks_exit(forkrun, tmp_path):
-    p = cli(forkrun, tmp_path, *SHORT, "model.vocab_size=99", "dist.nproc=2")
-    assert p.returncode == 1 and error_lines(p)[-1].startswith("error: model.vocab_size=99 differs"), p.stderr
-    assert "exited with code" not in p.stderr, p.stderr
+def test_a_refusal_every_rank_raises_is_marked_so():
+    """Marked every-rank, the launcher says it once as its last line, not as a rank's exit (that path, end to end:
+    test_a_damaged_step_resumed_by_path_is_one_line_naming_the_newest_other_step)."""
+    from framework import ConfigError, compose
+    from framework.config import check_model_vocab
+
+    with pytest.raises(ConfigError, match=r"^model.vocab_size=99 differs from the 65 token ids") as e:
+        check_model_vocab(compose([*SHORT, "model.vocab_size=99"]), 65)
+    assert getattr(e.value, "every_rank", False) is True
 
 
 def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkeypatch):
@@ -332,18 +337,23 @@ def test_pythons_and_numpys_generators_come_from_the_seed_and_a_resume_restores_
     def host(run: str, step: int) -> dict:
         saved = json.loads((tmp_path / run / "checkpoints" / f"step-{step}" / "rng-0.json").read_text())
         return {k: saved[k] for k in ("python", "numpy")}
+
+    def draw(point: str) -> None:   # a plugin drawing from both each step: a resume must go on from its draws
+        if point.startswith("step:"):
+            random.random(), np.random.random()
     for run, draws in (("a", 1), ("b", 3)):   # another state left behind before each run
         random.random(), np.random.random(draws)
-        launch(cfg, RunInfo(tmp_path / run, None, None))
+        launch(cfg, RunInfo(tmp_path / run, None, None), on_point=draw)
     assert host("a", 4) == host("b", 4) and host("a", 6) == host("b", 6)
 
     def cut(point: str) -> None:
+        draw(point)
         if point == "step:5":   # (step 4 saved)
             raise RuntimeError("killed")
     with pytest.raises(RuntimeError, match="killed"):
         launch(cfg, RunInfo(tmp_path / "cut", None, None), on_point=cut)
     random.seed(7), np.random.seed(7)   # (set aside by the resume)
-    launch(cfg, RunInfo(tmp_path / "cut", None, None))
+    launch(cfg, RunInfo(tmp_path / "cut", None, None), on_point=draw)
     assert host("cut", 6) == host("a", 6)
 
 

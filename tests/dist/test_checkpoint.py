@@ -924,6 +924,7 @@ def test_a_resume_lists_no_difference_in_where_files_lie():
 
 def _hf_train(dist, path, root, *over, steps=K):
     """Train a tiny HF GPT-2 (its config.json at ``path``) to ``steps``, resuming from ``root`` first (auto)."""
+    pytest.importorskip("transformers")   # (the optional hf extra)
     from framework.engine.build import component
     from tests._hf import build, hf_cfg
     cfg = hf_cfg(path, f"train.steps={steps}", f"checkpoint.dir={root}", f"checkpoint.every={K}",
@@ -972,12 +973,12 @@ def test_an_export_of_an_hf_checkpoint_loads_with_from_pretrained(tmp_path, caps
     """model=hf: the export writes config.json from the config the checkpoint records, so from_pretrained loads the
     folder as it is, with the logits of the model the checkpoint holds; the model's own config.json put there first
     is replaced by it (the dtype the export wrote), another model's is refused in one line naming what differs."""
-    from transformers import AutoModelForCausalLM
-
+    from_pretrained = pytest.importorskip("transformers").AutoModelForCausalLM.from_pretrained
     from framework.persist.export import export
     from tests._hf import build, write_config
     path = write_config("gpt2", tmp_path / "m")
-    cfg = _hf_train(_local(), path, tmp_path / "ck")
+    # logits compared exactly: both models' attention the same kernel (eager), whatever transformers' default
+    cfg = _hf_train(_local(), path, tmp_path / "ck", "model.attn_implementation=eager")
     step = tmp_path / "ck" / f"step-{K}"
     model, _ = build(cfg, meta=False)   # the model the checkpoint holds, from the config file trained with
     model.load_state_dict(get_fp32_state_dict_from_checkpoint(step))
@@ -987,7 +988,7 @@ def test_an_export_of_an_hf_checkpoint_loads_with_from_pretrained(tmp_path, caps
     (first / "config.json").write_text(json.dumps({**json.loads(path.read_text()), "torch_dtype": "bfloat16"}))
     for out in (tmp_path / "out", first):
         assert out / "config.json" in export(step, out)
-        loaded = AutoModelForCausalLM.from_pretrained(out)   # (as written: fp32, not rounded to the bfloat16)
+        loaded = from_pretrained(out, attn_implementation="eager")   # (as written: fp32, not rounded to the bfloat16)
         with torch.no_grad():
             assert loaded.dtype == torch.float32 and torch.equal(loaded(ids).logits, model(ids).logits)
     other = write_config("gpt2", tmp_path / "other", n_layer=3).parent

@@ -169,30 +169,14 @@ COMPONENT = Component(config=PureConfig, build=lambda cfg: Policy(
 '''
 
 
-def test_prediction_reads_the_policys_master_dtype(tmp_path, monkeypatch):
+def test_prediction_reads_the_policys_master_dtype(own_component, tmp_path):
     """A precision of one's own with a bf16 master: its optimizer state is bf16 too (made over the master), and
     the prediction counts it so, not as fp32."""
-    import sys
-
-    import framework.precision
     from framework.comm.distributed import connect
-    from framework.core.registry import registry
 
-    (tmp_path / "code").mkdir()
-    (tmp_path / "code" / "purebf16.py").write_text(PURE_BF16)
-    (tmp_path / "conf" / "precision").mkdir(parents=True)
-    (tmp_path / "conf" / "precision" / "purebf16.yaml").write_text("grad_accum_dtype: fp32\n")
-    monkeypatch.setattr(framework.precision, "__path__", [*framework.precision.__path__, str(tmp_path / "code")])
-    registry.cache_clear()
-    search = f"hydra.searchpath=[file://{tmp_path / 'conf'}]"
-    try:
-        cases = [(s, *o, "precision=purebf16", search) for s, o in
-                 (("+stage=ddp", ()), ("+stage=zero2", ()), ("+stage=zero2", ("offload=cpu",)),
-                  ("+stage=zero3", ()))]
-        results = _footprints(connect("gloo"), cases, str(tmp_path))
-        _check(results)
-        assert all(sum(held[0]["optimizer_state"]) for _, held, _ in results)   # (the cases hold some)
-    finally:
-        monkeypatch.undo()
-        sys.modules.pop("framework.precision.purebf16", None)
-        registry.cache_clear()
+    search = own_component("precision", "purebf16", PURE_BF16, "grad_accum_dtype: fp32\n")
+    cases = [(s, *o, "precision=purebf16", search) for s, o in
+             (("+stage=ddp", ()), ("+stage=zero2", ()), ("+stage=zero2", ("offload=cpu",)), ("+stage=zero3", ()))]
+    results = _footprints(connect("gloo"), cases, str(tmp_path))
+    _check(results)
+    assert all(sum(held[0]["optimizer_state"]) for _, held, _ in results)   # (the cases hold some)

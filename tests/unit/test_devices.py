@@ -2,13 +2,14 @@
 for a rank that a signal (NCCL's watchdog: SIGABRT) ended. GPU counts are simulated."""
 import contextlib
 import os
+import re
 import signal
 import time
 
 import pytest
 import torch
 
-from framework import ConfigError
+from framework import ConfigError, FrameworkError
 from framework.comm import distributed as d
 from framework.cli.launch import cap_threads, exit_message
 
@@ -169,7 +170,8 @@ def _raised(store_dir: str, rank: int, text: str, alike: bool) -> None:   # (a r
 def test_ranks_that_all_failed_by_themselves_are_not_said_stopped(capsys, tmp_path):
     """Every rank ended with its own error (a non-finite loss raised on every rank): none is signalled, and the
     launcher's line must not say the others were stopped. The error all raised alike is the launcher's last line,
-    once, not "rank 1 of 2 exited with code 1" blaming whichever exited first; not where a rank's own differs."""
+    once, not "rank 1 of 2 exited with code 1" blaming whichever exited first; where a rank's own differs, the
+    launcher says each rank's (the ranks do not)."""
     import multiprocessing
 
     from framework.cli import launch
@@ -188,7 +190,12 @@ def test_ranks_that_all_failed_by_themselves_are_not_said_stopped(capsys, tmp_pa
         assert raised_alike(str(store), 2) == says and raised_alike(str(store), 3) is None   # (rank 2 marked none)
         # (a rank that marked its error does not say it: the launcher says each one where they differ)
         assert marked_alike(str(store), 3) == (dict(enumerate(texts)) if alike else {})
-    assert "stopping" not in capsys.readouterr().err
+        assert "stopping" not in capsys.readouterr().err
+        with pytest.raises(FrameworkError, match=f"^{re.escape(nan)}$") if says else contextlib.nullcontext():
+            launch.report_marked(str(store), 2)
+        err = capsys.readouterr().err
+        assert [line for line in err.splitlines() if line.startswith("error:")] == \
+            ([f"error: rank {r}: {text}" for r, text in enumerate(texts)] if alike and not says else [])
 
 
 def _lost_a_peer(marker: str) -> None:   # (a rank whose collective timed out: a DistributedError's marker)

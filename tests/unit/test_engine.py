@@ -230,6 +230,11 @@ class _FillsView(_Returns):
         return torch.nn.init.constant_(t.view(-1), 0.5)   # a view of t, filled: t is filled
 
 
+class _FillsReturnsBuffer(_Fills):
+    def init_buffer(self, name, t):
+        return torch.ones(4)   # a new tensor: refused as init_parameter's is
+
+
 @pytest.mark.parametrize("overrides", [[], ["+stage=zero2"], ["+stage=zero3"]])
 def test_an_init_parameter_that_returns_its_values_instead_of_filling_the_tensor_is_refused_in_one_line(overrides):
     with framework.zero_init():
@@ -242,6 +247,11 @@ def test_an_init_parameter_that_returns_its_values_instead_of_filling_the_tensor
             module = fills()
         with framework.initialize(module, lambda m, b: m(b).sum(), framework.compose(overrides)) as engine:
             assert engine.eval_step(engine.state, [torch.ones(1, 4)]) == 4 * (0.5 * 4 + 0.5), fills
+    with framework.zero_init():
+        module = _FillsReturnsBuffer()
+    with pytest.raises(framework.ConfigError, match=r"^_FillsReturnsBuffer.init_buffer\('scale', tensor\) returned a "
+                                                    r"Tensor; it must fill `tensor` in place .* return None$"):
+        framework.initialize(module, lambda m, b: m(b).sum(), framework.compose(overrides))
 
 
 def test_a_failed_initialize_leaves_no_hooks_and_a_zero3_module_is_refused_in_one_line():
@@ -973,8 +983,16 @@ def test_a_resume_after_an_async_save_reads_that_save(tmp_path, capsys):
             ckpt.writer = Slow
             ckpt.save(state)
             assert writing.wait(30)
-            threading.Timer(0.5, go_on.set).start()
-            ckpt.resume(state)
+            real_wait = ckpt.wait
+
+            def waiting():   # the writer goes on only once resume waits: without the wait it is still blocked
+                go_on.set()
+                real_wait()
+            ckpt.wait = waiting
+            try:
+                ckpt.resume(state)
+            finally:
+                go_on.set()
             assert ckpt.resumed_from == tmp_path / "checkpoints" / "step-1"
 
 
