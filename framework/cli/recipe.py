@@ -39,7 +39,7 @@ from framework.config.plainconf import parse as plain_parse
 from framework.config.schema import get_key
 from framework.data import resolve_path
 from framework.data.text import prepare_chars
-from framework.data.tokens import meta_path, read_meta
+from framework.data.tokens import check_tokens, meta_path, read_meta
 
 RECIPES_DIR = REPO_ROOT / "recipes"
 ACTIONS = ("run", "prepare", "check")
@@ -74,6 +74,8 @@ class Recipe:
 def find(name: str) -> Recipe:
     """A recipe by name (``recipes/<name>``) or by folder path."""
     d = next((d for d in (Path(user_path(name)), RECIPES_DIR / name) if (d / "recipe.yaml").is_file()), None)
+    if d is None and (other := _not_a_recipe(name)):
+        raise RecipeError(other)
     if d is None:
         raise RecipeError(f"no recipe '{name}'{closest_hint(name, available())}; available: {', '.join(available()) or 'none'} "
                           f"(or give a folder with recipe.yaml, config.yaml and expected.json)")
@@ -110,6 +112,22 @@ def find(name: str) -> Recipe:
     if not isinstance(expected, dict):
         raise RecipeError(f"{d / 'expected.json'} is not a JSON object (full, quick, ...) but a {type(expected).__name__}")
     return Recipe(name=d.name, dir=d.resolve(), spec=spec, expected=expected)
+
+
+def _not_a_recipe(name: str) -> str | None:
+    """What a folder of recipes/ without recipe.yaml is (its README's title) and how it runs: a script or a config."""
+    d = RECIPES_DIR / name
+    if not name or not (d / "README.md").is_file() or d.resolve().parent != RECIPES_DIR.resolve():
+        return None
+    title = d.joinpath("README.md").read_text(errors="replace").partition("\n")[0].lstrip("# ").partition(": ")[2]
+    if (d / f"{name}.py").is_file():
+        what, how = "a script", f"python {d / f'{name}.py'}"
+    elif (d / "config.yaml").is_file():
+        what, how = "a config", f"python -m framework.train --config-dir {d} --config-name config"
+    else:
+        what, how = "a folder", "its README's commands"
+    return (f"recipes/{name} is not a recipe framework.recipe runs (it has no recipe.yaml) but {what}"
+            f"{f' ({title.strip()})' if title.strip() else ''}: run it with {how}; see {d / 'README.md'}")
 
 
 def available() -> list[str]:
@@ -191,8 +209,9 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
         # (on the CPU its full run would go on for hours and then fail the GPU's expected numbers)
         raise RecipeError(f"recipe {recipe.name} needs a CUDA GPU (its recipe.yaml: requires: cuda) and torch sees "
                           f"none here; run it on a machine with one, or its CPU twin with --quick")
-    # A second run into a folder holding a run's results would resume or overwrite its jobs: refused.
-    if out.is_dir() and (any(out.glob(JOB_DIRS)) or (out / "checks.json").exists()):
+    # A second run into a folder holding a run's results would resume or overwrite its jobs: refused. One whose
+    # run stopped before its first job made a folder (checks.json's start record alone) holds none: reused.
+    if out.is_dir() and (any(out.glob(JOB_DIRS)) or ((out / "checks.json").exists() and not _started(out))):
         raise RecipeError(f"--out {out} already holds a recipe's results (run*-job* folders or checks.json); "
                           f"pass a new folder with --out, or re-check it with `check {out}`")
     # The recipe places its jobs (hydra.sweep.dir={out}, subdir run<i>-job<n>, which finish reads).
@@ -225,6 +244,15 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
     return finish(recipe, out, quick=quick, elapsed_s=time.perf_counter() - t0, stream=stream)
 
 
+def _started(out: Path) -> bool:
+    """``out``'s checks.json is the record a run writes as its first job starts (no verdict yet)."""
+    try:
+        record = json.loads((out / "checks.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "passed" in record and record["passed"] is None
+
+
 def _check_data(recipe: Recipe, runs: list[list[str]]) -> None:
     """Every job's data file is there and was built (its ``<stem>.meta.json``) from the text expected.json's ``data``
     names: one from another text would train for nothing, then fail."""
@@ -238,6 +266,7 @@ def _check_data(recipe: Recipe, runs: list[list[str]]) -> None:
             path = resolve_path(cfg.data.path)
         except DataError as e:
             raise DataError(f"{e}; build it with {hint}" if recipe.spec.get("prepare") else str(e)) from None
+        check_tokens(path)   # (the run's own test of the file against its metadata, before any job starts)
         meta_file, meta = read_meta(path)
         off = [k for k in ("source_sha256", "train_tokens", "val_tokens")
                if k in want and meta.get(k, want[k]) != want[k]]
@@ -266,6 +295,16 @@ def _config_fill(recipe: Recipe, run0: list[str]) -> dict:
                               f"config, not one value; name a key with one value, e.g. {{cfg.train.micro_batch}}")
         fill[key] = json.dumps(value) if isinstance(value, (bool, type(None))) else str(value)
     return fill
+
+
+def _check_folder(recipe: Recipe, out: Path) -> None:
+    """``check DIR``'s folder is a recipe run's --out holding at least one job folder."""
+    if not out.is_dir():
+        raise RecipeError(f"check DIR: {out} is not a folder; pass a recipe run's --out folder "
+                          f"(e.g. outputs/recipes/{recipe.name}/<time>)")
+    if not any(out.glob(JOB_DIRS)) and _started(out):
+        raise RecipeError(f"check DIR: {out} holds no job folder ({JOB_DIRS}): its run stopped before its first "
+                          f"job started (its run*.log say why); run the recipe again with --out {out}")
 
 
 def _checked_section(recipe: Recipe, out: Path, quick: bool | None) -> tuple[bool | None, float | None]:
@@ -381,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RecipeError(f"check takes one folder (check DIR), not also {' '.join(args[1:])}; overrides "
                                   f"belong to a run, and each folder is checked on its own")
             out = Path(args[0])
+            _check_folder(recipe, out)
             quick, took = _checked_section(recipe, out, a.quick)
             verdict = finish(recipe, out, quick=quick, elapsed_s=took)
         else:

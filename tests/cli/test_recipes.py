@@ -788,3 +788,40 @@ def test_before_and_after_commands_take_the_jobs_config(tmp_path):
         with pytest.raises(recipes.RecipeError, match=why):
             recipes._config_fill(bad, run0)
     assert recipes._fill("${hydra.job.num}-{out}", {"out": "o", "hydra.job.num": "x"}) == "${hydra.job.num}-o"
+
+
+@needs_matplotlib
+def test_a_run_refused_before_its_first_job_leaves_its_out_reusable(tmp_path, capsys, monkeypatch):
+    """A run whose first job is refused before it makes its folder leaves only the start record: `check DIR`
+    says so, and a rerun into the same --out is not refused as holding results."""
+    def refused(cmd, log, stream):
+        raise recipes.RecipeError(f"a run failed (exit 2); its log: {log}")
+    monkeypatch.setattr(recipes, "_run_logged", refused)
+    out = tmp_path / "refused"
+    for _ in range(2):
+        _one_line_error(capsys, ["zero_equivalence", "--quick", "--out", str(out)], "a run failed")
+    _one_line_error(capsys, ["zero_equivalence", "check", str(out)], f"{out} holds no job folder")
+    assert json.loads((out / "checks.json").read_text())["passed"] is None
+
+
+@needs_matplotlib
+def test_run_refuses_a_token_file_unlike_its_metadata_before_any_job(shakespeare_tokens, tmp_path, capsys):
+    """A token file cut short after prepare is refused (as a run refuses it) before the output folder is made."""
+    for f in ("tokens.bin", "tokens.meta.json"):
+        shutil.copy(shakespeare_tokens.parent / f, tmp_path / f)
+    os.truncate(tmp_path / "tokens.bin", 1000)
+    out = tmp_path / "out"
+    _one_line_error(capsys, ["shakespeare_char_cpu", "--quick", "--out", str(out),
+                             f"data.path={tmp_path / 'tokens.bin'}"], "is not the token file")
+    assert not out.exists()
+
+
+def test_check_of_a_missing_folder_names_a_recipe_out(tmp_path, capsys):
+    _one_line_error(capsys, ["zero_equivalence", "check", str(tmp_path / "none")],
+                    f"check DIR: {tmp_path / 'none'} is not a folder; pass a recipe run's --out folder")
+
+
+@pytest.mark.parametrize("name, how", [("capacity", "capacity.py"), ("cluster", "--config-dir")])
+def test_a_folder_of_recipes_without_recipe_yaml_says_how_it_runs(name, how, capsys):
+    err = _one_line_error(capsys, [name], f"recipes/{name} is not a recipe framework.recipe runs")
+    assert how in err and f"{name}/README.md" in err, err
