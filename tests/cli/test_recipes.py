@@ -405,6 +405,8 @@ def test_capacity_quick(model, tmp_path):
                           "--nvme", str(tmp_path / "nvme"), "--steps", "5", "--out", str(out), "optimizer.lr=3e-3"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+    # its parameters are gathered from disk (none stays gathered after the first step)
+    assert "every trainable parameter stays gathered" not in run.stderr, run.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["losses"][-1] < r["losses"][0], r["losses"]
     held = r["held_out_losses"]   # before the first step and after each (lr 3e-3 overshoots it later)
