@@ -818,3 +818,17 @@ def test_an_offload_tier_in_no_compatible_row_is_refused_naming_the_table():
         check_compatible("zero2", "mytier")
     assert str(e.value) == ("config: offload mytier is in no row of config.COMPATIBLE (framework/config/schema.py); "
                             "add it to the rows of the stages that support it")
+
+
+@pytest.mark.parametrize("path", ["/a/b-1.x", "/x/c,k", "/x/c k", "/x/it's", "/x/$HOME", '/x/a"b', "/x/~z\\"])
+def test_a_pasted_override_reads_back_as_the_path_in_the_shell_and_in_hydra(path):
+    """An override a message names for pasting: one shell word, and Hydra's value is the path as given."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from framework.config.searchpath import pasted
+    words = shlex.split(pasted("checkpoint.resume", path))
+    assert len(words) == 1, words
+    assert OverridesParser.create().parse_override(words[0]).value() == path
+    assert (pasted("checkpoint.resume", path) == f"checkpoint.resume={path}") == (path == "/a/b-1.x")
