@@ -152,11 +152,11 @@ def _same_elements(returned: object, t: torch.Tensor) -> bool:
             and returned.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
             and returned.storage_offset() == t.storage_offset()):
         return False
-    step = 1   # dense and non-overlapping in some order of its dimensions: strides 1, size, size*size2, ...
-    for stride, size in sorted((st, sz) for st, sz in zip(returned.stride(), returned.shape) if sz > 1):
+    step = 1   # dense and non-overlapping in some order of its dimensions: strides 1, n1, n1*n2, ...
+    for stride, n in sorted((st, n) for st, n in zip(returned.stride(), returned.shape) if n > 1):
         if stride != step:
             return False
-        step *= size
+        step *= n
     return True
 
 

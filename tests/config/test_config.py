@@ -702,6 +702,17 @@ def test_a_config_folders_file_that_is_not_yaml_is_one_line_naming_it(tmp_path):
         assert "\n" not in said and said.endswith("; fix the file"), said
 
 
+def test_a_searched_folders_file_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    """Hydra reads each file as UTF-8 and its error names none: the file of the search path is found and named."""
+    (tmp_path / "s" / "experiment").mkdir(parents=True)
+    (tmp_path / "s" / "experiment" / "fine.yaml").write_text("# @package _global_\nseed: 7\n")
+    (tmp_path / "s" / "experiment" / "latin.yaml").write_bytes(b"# @package _global_\nseed: 7 # caf\xe9\n")
+    with pytest.raises(ConfigError) as e:
+        compose(["+experiment=latin", f"hydra.searchpath=[file://{tmp_path / 's'}]"])
+    assert str(e.value) == (f"config: {tmp_path / 's' / 'experiment' / 'latin.yaml'} is not UTF-8 (byte 0xe9 on "
+                            "line 2); save it as UTF-8 and run again"), e.value
+
+
 def test_the_primary_configs_own_searchpath_is_read_as_hydra_reads_it(tmp_path, monkeypatch):
     """Its entries resolved (``file://${oc.env:X}``, a usual way to write one) and refused in one line unless a list
     of strings, as Hydra's own read does."""
