@@ -107,6 +107,8 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
         with (initialize_config_dir(config_dir=config_dir, version_base="1.3") if config_dir
               else contextlib.nullcontext()):
             cfg = hydra_compose(name, overrides=overrides, return_hydra_config=True)
+    except UnicodeDecodeError as e:   # (Hydra reads each file as UTF-8, and the error names no file)
+        raise ConfigError(_not_utf8(e, Path(config_dir or conf_dir()), overrides)) from None
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         # (Hydra raises a bare ValueError for a group choice that is not a name)
         primary = Path(config_dir or conf_dir()) / f"{name}.yaml"
@@ -131,6 +133,28 @@ def _not_yaml(error: Any, primary: Path) -> str:
     why = re.sub(r'\s*in "[^"]*", line (\d+), column (\d+)', r" (line \1, column \2)", str(error))
     why = "; ".join(" ".join(line.split()) for line in why.splitlines() if line.strip())
     return f"config: {path} is not YAML: {why}; fix the file"
+
+
+def _not_utf8(error: UnicodeDecodeError, primary: Path, overrides: list[str]) -> str:
+    """The YAML file of the search path (``primary``'s folder, then the overrides' ``hydra.searchpath`` file://
+    folders) that is not UTF-8, named with the line of its first such byte; one whose bytes Hydra read first."""
+    folders = [primary, *(Path(x.strip().strip("'\"")[len("file://"):]) for o in overrides
+                          if plainconf.override_key(o) == "hydra.searchpath" and o.endswith("]") and "=[" in o
+                          for x in plainconf._split(o.partition("=[")[2][:-1])
+                          if x.strip().strip("'\"").startswith("file://"))]
+    found = []
+    for f in (f for folder in dict.fromkeys(folders) for f in sorted(folder.rglob("*.yaml"))):
+        with contextlib.suppress(OSError):
+            data = f.read_bytes()
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                found.append((f, data, data.count(b"\n", 0, e.start) + 1, data[e.start]))
+    if not found:
+        return (f"config: a YAML file of {', '.join(map(str, dict.fromkeys(folders)))} is not UTF-8 ({error}); "
+                "save it as UTF-8 and run again")
+    f, _, line, byte = next((x for x in found if error.object in x[1]), found[0])
+    return f"config: {f} is not UTF-8 (byte {byte:#04x} on line {line}); save it as UTF-8 and run again"
 
 
 def _no_option(message: str) -> str:

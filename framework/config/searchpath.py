@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -69,6 +70,15 @@ def own_searchpath(path: Path) -> list[str]:
 def quoted(entry: str) -> str:
     """``entry`` as one quoted value in Hydra's grammar (a comma would split it; a ' escaped, \\ doubled before one)."""
     return "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + "\\'" * bool(m[2]), entry) + "'"
+
+
+def pasted(key: str, value: str) -> str:
+    """``key=value`` as one argument to paste in a shell: plain where Hydra and the shell read it so, else the value
+    quoted for Hydra (a comma, a space) and the whole quoted for the shell."""
+    if re.fullmatch(r"[A-Za-z0-9_./+@%-]+", value):
+        return f"{key}={value}"
+    arg = f"{key}={quoted(value)}"
+    return f'"{arg}"' if not re.search(r'["$`\\!]', value) else shlex.quote(arg)
 
 
 def search_notes(cfg: Any, choices: Mapping[str, str]) -> tuple[str, ...]:

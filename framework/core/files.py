@@ -52,7 +52,7 @@ def _refused(path: os.PathLike | str, what: str = "") -> UnsafePathError:
 def is_link(path: os.PathLike | str, dir_fd: int | None = None) -> bool:
     try:
         return stat.S_ISLNK(os.lstat(path, dir_fd=dir_fd).st_mode)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):   # (a path under a file is no link: the file is what is wrong)
         return False
 
 

@@ -173,9 +173,15 @@ def _config(ckpt: Checkpoint, out_dir: Path, dtype: torch.dtype | None) -> list[
     config.dtype = dtype if dtype is not None else next(p.dtype for n, p in ckpt.params.items()
                                                         if ckpt.keys[n] == "model.")
     files.refuse_links(path)
-    replaced = os.path.lexists(path)
+    text = config.to_json_string(use_diff=True).encode()
+    try:   # (said only where it changes: a re-export of the same checkpoint writes the same bytes)
+        replaced = path.read_bytes() != text
+    except FileNotFoundError:
+        replaced = False
+    except OSError:
+        replaced = True
     # (its temporary created new, never through a link; readable as save_pretrained's is)
-    files.write_atomic(path, config.to_json_string(use_diff=True).encode(), shared=True)
+    files.write_atomic(path, text, shared=True)
     if replaced:
         print(f"note: export: {path} (of the same model) replaced by the checkpoint's config, with the dtype "
               "written", file=sys.stderr, flush=True)

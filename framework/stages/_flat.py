@@ -145,10 +145,19 @@ class ModuleInit:
 
 
 def _same_elements(returned: object, t: torch.Tensor) -> bool:
-    """Whether ``returned`` is a tensor over exactly ``t``'s elements (an alias or a view; no host sync)."""
-    return (isinstance(returned, torch.Tensor) and returned.dtype == t.dtype and returned.device == t.device
-            and returned.data_ptr() == t.data_ptr() and returned.numel() == t.numel()
-            and returned.is_contiguous() and t.is_contiguous())
+    """Whether ``returned`` is a tensor over exactly ``t``'s elements (an alias or a view, ``t.T`` too: from t's
+    first element, each once, none outside; no host sync)."""
+    if not (isinstance(returned, torch.Tensor) and returned.dtype == t.dtype and returned.device == t.device
+            and returned.numel() == t.numel() and t.is_contiguous()
+            and returned.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+            and returned.storage_offset() == t.storage_offset()):
+        return False
+    step = 1   # dense and non-overlapping in some order of its dimensions: strides 1, n1, n1*n2, ...
+    for stride, n in sorted((st, n) for st, n in zip(returned.stride(), returned.shape) if n > 1):
+        if stride != step:
+            return False
+        step *= n
+    return True
 
 
 def initializer(module: nn.Module):

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -907,12 +908,17 @@ def test_a_damaged_step_resumed_by_path_is_one_line_with_a_way_out_past_every_da
     (tmp_path / "b").mkdir()
     p = cli(forkrun, tmp_path / "b", *SHORT, "dist.nproc=2", f"checkpoint.resume={steps / 'step-4'}")
     assert p.returncode == 1, p.stderr
-    way = f"checkpoint.resume=latest checkpoint.dir={steps}"
+    way = f"checkpoint.resume={steps}"
     line = (f"checkpoint {steps / 'step-4'} is damaged: {steps / 'step-4' / '__0_0.distcp'} is missing; "
             f"{way} falls back to the newest step there that verifies")
     assert p.stderr.count("is damaged") == 1 and f"error: {line}\n" in p.stderr, p.stderr
     (tmp_path / "c").mkdir()
-    p = cli(forkrun, tmp_path / "c", *SHORT, *way.split())   # the way out, as said: step 2
+    # The way out, as said, where the cwd also holds a newer run of the same model (latest would resume it): step 2
+    other = forkrun.run("framework.train", [*SHORT, "checkpoint.every=2", "optimizer.lr=1e-4",
+                                            f"hydra.run.dir={tmp_path / 'c' / 'outputs' / 'other'}"],
+                        cwd=tmp_path / "c", env=ENV)
+    assert other.returncode == 0, other.stderr
+    p = cli(forkrun, tmp_path / "c", *SHORT, *shlex.split(way))
     assert p.returncode == 0 and f"resumed from {steps / 'step-2'} (step 2" in p.stdout, p.stderr[-3000:]
 
 

@@ -837,5 +837,6 @@ def test_a_text_data_file_is_read_once(tmp_path, monkeypatch, capsys):
 
 
 def test_the_headers_parameter_count_chooses_its_unit_after_rounding():
-    assert [_count_text(n) for n in (999, 1_000, 999_949, 999_960, 10**6, 12_345_678)] == [
-        "999", "1.0K", "999.9K", "1.00M", "1.00M", "12M"]
+    assert [_count_text(n) for n in (999, 1_000, 999_949, 999_960, 10**6, 9_994_999, 9_995_001, 9_999_999, 10**7,
+                                     12_345_678, 19_999_999)] == [
+        "999", "1.0K", "999.9K", "1.00M", "1.00M", "9.99M", "10M", "10M", "10M", "12M", "19M"]

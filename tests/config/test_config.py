@@ -702,6 +702,17 @@ def test_a_config_folders_file_that_is_not_yaml_is_one_line_naming_it(tmp_path):
         assert "\n" not in said and said.endswith("; fix the file"), said
 
 
+def test_a_searched_folders_file_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    """Hydra reads each file as UTF-8 and its error names none: the file of the search path is found and named."""
+    (tmp_path / "s" / "experiment").mkdir(parents=True)
+    (tmp_path / "s" / "experiment" / "fine.yaml").write_text("# @package _global_\nseed: 7\n")
+    (tmp_path / "s" / "experiment" / "latin.yaml").write_bytes(b"# @package _global_\nseed: 7 # caf\xe9\n")
+    with pytest.raises(ConfigError) as e:
+        compose(["+experiment=latin", f"hydra.searchpath=[file://{tmp_path / 's'}]"])
+    assert str(e.value) == (f"config: {tmp_path / 's' / 'experiment' / 'latin.yaml'} is not UTF-8 (byte 0xe9 on "
+                            "line 2); save it as UTF-8 and run again"), e.value
+
+
 def test_the_primary_configs_own_searchpath_is_read_as_hydra_reads_it(tmp_path, monkeypatch):
     """Its entries resolved (``file://${oc.env:X}``, a usual way to write one) and refused in one line unless a list
     of strings, as Hydra's own read does."""
@@ -818,3 +829,17 @@ def test_an_offload_tier_in_no_compatible_row_is_refused_naming_the_table():
         check_compatible("zero2", "mytier")
     assert str(e.value) == ("config: offload mytier is in no row of config.COMPATIBLE (framework/config/schema.py); "
                             "add it to the rows of the stages that support it")
+
+
+@pytest.mark.parametrize("path", ["/a/b-1.x", "/x/c,k", "/x/c k", "/x/it's", "/x/$HOME", '/x/a"b', "/x/~z\\"])
+def test_a_pasted_override_reads_back_as_the_path_in_the_shell_and_in_hydra(path):
+    """An override a message names for pasting: one shell word, and Hydra's value is the path as given."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from framework.config.searchpath import pasted
+    words = shlex.split(pasted("checkpoint.resume", path))
+    assert len(words) == 1, words
+    assert OverridesParser.create().parse_override(words[0]).value() == path
+    assert (pasted("checkpoint.resume", path) == f"checkpoint.resume={path}") == (path == "/a/b-1.x")

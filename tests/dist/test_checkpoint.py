@@ -1016,7 +1016,7 @@ def test_an_hf_export_writes_its_config_json_through_no_link(tmp_path, capsys):
     """The config.json's temporary is created new, never through a link a colleague left (nothing outside the
     folder written); a linked config.json is refused before any weight is written; one of the same model replaced
     is said in one note line."""
-    from framework.core.errors import UnsafePathError
+    from framework.core.errors import FrameworkError, UnsafePathError
     from framework.persist.export import export
     from tests._hf import write_config
     path = write_config("gpt2", tmp_path / "m")
@@ -1037,8 +1037,17 @@ def test_an_hf_export_writes_its_config_json_through_no_link(tmp_path, capsys):
     with pytest.raises(UnsafePathError, match=re.escape(f"{linked / 'config.json'} is a symbolic link")):
         export(step, linked)
     assert [p.name for p in linked.iterdir()] == ["config.json"]   # no weights published
+    capsys.readouterr()
+    export(step, out, overwrite=True)   # the same checkpoint again: the same bytes, nothing said
+    assert "replaced" not in capsys.readouterr().err
+    (out / "config.json").write_text(json.dumps({**json.loads(path.read_text()), "torch_dtype": "bfloat16"}))
     export(step, out, overwrite=True)
     assert capsys.readouterr().err.count(f"note: export: {out / 'config.json'} (of the same model) replaced") == 1
+    # --to an existing file: that said (not a read of a config.json under it)
+    afile = tmp_path / "afile"
+    afile.write_text("hi")
+    with pytest.raises(FrameworkError, match=re.escape(f"export: cannot write {afile} (exists and is not a folder)")):
+        export(step, afile)
 
 
 @pytest.mark.parametrize("saved_on, run_on", [("cpu", "cuda"), ("cuda", "cpu")])

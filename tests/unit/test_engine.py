@@ -230,6 +230,21 @@ class _FillsView(_Returns):
         return torch.nn.init.constant_(t.view(-1), 0.5)   # a view of t, filled: t is filled
 
 
+class _FillsTransposed(_Returns):
+    def init_parameter(self, name, t):
+        return torch.nn.init.constant_(t.t(), 0.5)   # all of t, transposed (orthogonal_(t.T)'s idiom): t is filled
+
+
+def test_a_returned_tensor_over_other_elements_than_t_is_no_fill_of_t():
+    """Accepted: exactly t's elements, in any order of its dimensions; not a part, a repeat, a reinterpretation."""
+    from framework.stages._flat import _same_elements
+    t, nine = torch.empty(4, 3), torch.empty(9)
+    assert all(_same_elements(v, t) for v in (t.data, t.view(-1), t.t(), t.unsqueeze(0).transpose(0, 2)))
+    for other in (t.view(torch.int32), t[:1].expand(4, 3), t[::2], t[0], t.view(-1)[1:], t.clone()):
+        assert not _same_elements(other, t), other.stride()
+    assert not _same_elements(nine.as_strided((3, 3), (2, 2)), nine)   # 9 elements, its span, some twice
+
+
 class _FillsReturnsBuffer(_Fills):
     def init_buffer(self, name, t):
         return torch.ones(4)   # a new tensor: refused as init_parameter's is
@@ -242,7 +257,7 @@ def test_an_init_parameter_that_returns_its_values_instead_of_filling_the_tensor
     with pytest.raises(framework.ConfigError, match=r"^_Returns.init_parameter\('lin.weight', tensor\) returned a "
                                                     r"Tensor; it must fill `tensor` in place .* return None$"):
         framework.initialize(module, lambda m, b: m(b).sum(), framework.compose(overrides))
-    for fills in (_Fills, _FillsData, _FillsView):
+    for fills in (_Fills, _FillsData, _FillsView, _FillsTransposed):
         with framework.zero_init():
             module = fills()
         with framework.initialize(module, lambda m, b: m(b).sum(), framework.compose(overrides)) as engine:

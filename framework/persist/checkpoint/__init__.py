@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from framework.config.searchpath import pasted
 from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank, say
 from framework.core.paths import user_path
@@ -116,9 +117,10 @@ class Checkpointer:
                     continue
                 if resume != "auto" and len(folders) == 1:   # the one folder asked for: no other choice
                     # (read alike on every rank: one line). Not that step by name: it may be damaged too, and
-                    # two such lines would name each other; latest falls back past each damaged one.
+                    # two such lines would name each other. A resume of their folder falls back past each
+                    # damaged one and reads that folder only (latest would also take another run's newer step).
                     older = stepfolders.newest_other(Path(folder))
-                    out = (f"; checkpoint.resume=latest checkpoint.dir={Path(folder).parent} falls back to the "
+                    out = (f"; {pasted('checkpoint.resume', str(Path(folder).parent))} falls back to the "
                            "newest step there that verifies" if older else "")
                     raise on_every_rank(CheckpointError(f"{e}{out}{spent}"), e.every_rank) from None
                 errors.append(str(e))
