@@ -115,19 +115,18 @@ def find(name: str) -> Recipe:
 
 
 def _not_a_recipe(name: str) -> str | None:
-    """What a folder of recipes/ without recipe.yaml is (its README's title) and how it runs: a script or a config."""
-    d = RECIPES_DIR / name
-    if not name or not (d / "README.md").is_file() or d.resolve().parent != RECIPES_DIR.resolve():
+    """What a folder of recipes/ without recipe.yaml is (its README's title), pointing at its README for how it runs
+    (its commands need arguments or a launcher of their own: a command made up here would run it wrongly)."""
+    d = next((c for c in (RECIPES_DIR / name, Path(name)) if name and c.resolve().parent == RECIPES_DIR.resolve()
+              and (c / "README.md").is_file()), None)
+    if d is None:
         return None
+    d = d.resolve()
     title = d.joinpath("README.md").read_text(errors="replace").partition("\n")[0].lstrip("# ").partition(": ")[2]
-    if (d / f"{name}.py").is_file():
-        what, how = "a script", f"python {d / f'{name}.py'}"
-    elif (d / "config.yaml").is_file():
-        what, how = "a config", f"python -m framework.train --config-dir {d} --config-name config"
-    else:
-        what, how = "a folder", "its README's commands"
-    return (f"recipes/{name} is not a recipe framework.recipe runs (it has no recipe.yaml) but {what}"
-            f"{f' ({title.strip()})' if title.strip() else ''}: run it with {how}; see {d / 'README.md'}")
+    what = ("a script" if (d / f"{d.name}.py").is_file() else "a config" if (d / "config.yaml").is_file()
+            else "a folder")
+    return (f"recipes/{d.name} is not a recipe framework.recipe runs (it has no recipe.yaml) but {what}"
+            f"{f' ({title.strip()})' if title.strip() else ''}; its README says how to run it: {d / 'README.md'}")
 
 
 def available() -> list[str]:

@@ -32,7 +32,8 @@ from framework.core.errors import FrameworkError
 
 HERE = Path(__file__).resolve().parent
 # The twin's parameters are all below the default persistence threshold, so none would ever be gathered from
-# disk again: with 0 each is, as every layer of the full run is.
+# disk again: with 0 each is, as the full run's large weights are (its small ones, e.g. the 3072-wide norms, stay
+# resident under the default threshold).
 TWIN = ["stage.stage3_param_persistence_threshold=0"]
 MODELS = {   # kind -> overrides (full run, quick twin)
     "gpt": (["model.n_layer=36", "model.d_model=3072", "model.n_head=24", "model.context=64"],

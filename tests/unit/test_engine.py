@@ -243,6 +243,7 @@ def test_a_returned_tensor_over_other_elements_than_t_is_no_fill_of_t():
     for other in (t.view(torch.int32), t[:1].expand(4, 3), t[::2], t[0], t.view(-1)[1:], t.clone()):
         assert not _same_elements(other, t), other.stride()
     assert not _same_elements(nine.as_strided((3, 3), (2, 2)), nine)   # 9 elements, its span, some twice
+    assert not _same_elements(t.to_sparse(), t)   # a sparse tensor: no storage to compare (a traceback before)
 
 
 class _FillsReturnsBuffer(_Fills):
