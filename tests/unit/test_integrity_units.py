@@ -743,9 +743,9 @@ def test_a_resume_refused_after_agreed_damage_keeps_the_mark(tmp_path, monkeypat
     ckpt.cfg, ckpt.closed, ckpt.resume_given = types.SimpleNamespace(resume=given, every=1), False, \
         "latest" if resume == "latest" else given
     ckpt.group, ckpt.rank, ckpt.root, ckpt.engine, ckpt.seed, ckpt.config = _OneRank(), 0, tmp_path, None, 0, {}
-    ckpt.data = None
+    ckpt.data, ckpt._pending = None, None   # (no save in flight: resume waits for one first)
     with pytest.raises(CheckpointError, match=said) as got:
-        ckpt.resume(None)
+        ckpt.resume(types.SimpleNamespace(step=0))   # (a fresh state: its step is read for the notes)
     assert got.value.every_rank, got.value
 
 
