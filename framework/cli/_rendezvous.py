@@ -50,24 +50,20 @@ def mark_error(store_dir: str, rank: int, e: FrameworkError) -> bool:
 
 
 def marked_alike(store_dir: str, nproc: int) -> dict[int, str]:
-    """{rank: message} of the ranks that marked an error raised alike (not said by the rank itself)."""
+    """{rank: message} of the ranks that marked an error raised alike (not said by the rank itself; a rank that
+    lost its peer marks "" and said its own line: left out)."""
     texts = {}
-    for rank in range(nproc):
+    for rank in range(nproc):   # (none; cut short mid-character: left out)
         with contextlib.suppress(OSError, ValueError), open(alike_path(store_dir, rank), encoding="utf-8") as f:
             texts[rank] = f.read()
-    return texts
+    return {rank: text for rank, text in texts.items() if text}
 
 
 def raised_alike(store_dir: str, nproc: int) -> str | None:
     """The message all ``nproc`` ranks marked as their error raised alike; None unless all marked the same."""
-    texts = set()
-    for rank in range(nproc):
-        try:
-            with open(alike_path(store_dir, rank), encoding="utf-8") as f:
-                texts.add(f.read())
-        except (OSError, ValueError):   # (none; cut short mid-character)
-            return None
-    return texts.pop() if len(texts) == 1 and "" not in texts else None
+    marked = marked_alike(store_dir, nproc)
+    texts = set(marked.values())
+    return texts.pop() if len(marked) == nproc and len(texts) == 1 else None
 
 
 def hold(path: str, create: bool = False) -> int:

@@ -246,7 +246,7 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
 def _started(out: Path) -> bool:
     """``out``'s checks.json is the record a run writes as its first job starts (no verdict yet)."""
     try:
-        record = json.loads((out / "checks.json").read_text())
+        record = files.parse_json((out / "checks.json").read_bytes())
     except (OSError, ValueError):
         return False
     return isinstance(record, dict) and "passed" in record and record["passed"] is None

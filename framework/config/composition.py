@@ -138,10 +138,9 @@ def _not_yaml(error: Any, primary: Path) -> str:
 def _not_utf8(error: UnicodeDecodeError, primary: Path, overrides: list[str]) -> str:
     """The YAML file of the search path (``primary``'s folder, then the overrides' ``hydra.searchpath`` file://
     folders) that is not UTF-8, named with the line of its first such byte; one whose bytes Hydra read first."""
-    folders = [primary, *(Path(x.strip().strip("'\"")[len("file://"):]) for o in overrides
-                          if plainconf.override_key(o) == "hydra.searchpath" and o.endswith("]") and "=[" in o
-                          for x in plainconf._split(o.partition("=[")[2][:-1])
-                          if x.strip().strip("'\"").startswith("file://"))]
+    folders = [primary, *(Path(x.removeprefix("file://")) for o in overrides
+                          if plainconf.override_key(o) == "hydra.searchpath"
+                          for x in plainconf.listed(o.partition("=")[2]) if x.startswith("file://"))]
     found = []
     for f in (f for folder in dict.fromkeys(folders) for f in sorted(folder.rglob("*.yaml"))):
         with contextlib.suppress(OSError):

@@ -170,7 +170,7 @@ def check_aliases(primary: str, overrides: list[str]) -> None:
     read first (Hydra's would expand it for ever)."""
     from framework.core.paths import conf_dir
 
-    given = [x for o in overrides if override_key(o) == "hydra.searchpath" for x in _listed(o.partition("=")[2])]
+    given = [x for o in overrides if override_key(o) == "hydra.searchpath" for x in listed(o.partition("=")[2])]
     folders = {Path(f.removeprefix("file://")).resolve() for f in (primary, *given) if "://" not in f or
                f.startswith("file://")} - {conf_dir().resolve()}
     for path in (p for f in sorted(folders) for p in sorted(f.rglob("*.yaml"))):   # (no anchor: one regex search)
@@ -184,7 +184,7 @@ def check_aliases(primary: str, overrides: list[str]) -> None:
             continue
 
 
-def _listed(text: str) -> list[str]:
+def listed(text: str) -> list[str]:
     """The strings of the list override value ``text`` as Hydra reads them (unquoted); none for another value."""
     try:
         items = value(text)

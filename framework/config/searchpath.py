@@ -53,6 +53,8 @@ def own_searchpath(path: Path) -> list[str]:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
+        if "searchpath" not in path.read_text(errors="replace"):   # (none: conf/train.yaml is not parsed again
+            return []                                                # on every compose)
         node = OmegaConf.create(plainconf.load_yaml(path))
     except Exception:  # noqa: BLE001 - no such file, not YAML, not a mapping: Hydra's read words it
         return []

@@ -2,6 +2,7 @@
 the last ``val_fraction`` is held out. ``<stem>.meta.json`` beside it (``recipe prepare``'s) gives its vocabulary."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import weakref
@@ -149,10 +150,11 @@ def check_pair(path: Path, data: np.ndarray) -> dict | None:
 
 
 def check_tokens(path: Path) -> None:
-    """``check_pair`` of the file at ``path``, as a run starts (a file a run refuses for its size: left to it)."""
-    size = path.stat().st_size
-    if size and not size % 2:
-        check_pair(path, np.memmap(path, dtype="<u2", mode="r"))
+    """``check_pair`` of the file at ``path``, as a run starts (a file a run refuses for its size, or cannot read:
+    left to it, which says so in one line)."""
+    with contextlib.suppress(OSError):
+        if (size := path.stat().st_size) and not size % 2:
+            check_pair(path, np.memmap(path, dtype="<u2", mode="r"))
 
 
 _CHUNK = 1 << 24   # tokens _top_id reads at a time

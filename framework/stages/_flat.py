@@ -148,7 +148,8 @@ def _same_elements(returned: object, t: torch.Tensor) -> bool:
     """Whether ``returned`` is a tensor over exactly ``t``'s elements (an alias or a view, ``t.T`` too: from t's
     first element, each once, none outside; no host sync)."""
     if not (isinstance(returned, torch.Tensor) and returned.layout == torch.strided   # (a sparse one has no storage)
-            and returned.dtype == t.dtype and returned.device == t.device and returned.numel() == t.numel() and t.is_contiguous()
+            and returned.dtype == t.dtype and returned.device == t.device and returned.numel() == t.numel()
+            and t.is_contiguous()
             and returned.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
             and returned.storage_offset() == t.storage_offset()):
         return False

@@ -415,8 +415,9 @@ def test_a_file_the_manifest_leaves_out_is_damage_not_read_unchecked(tmp_path):
 
 def test_another_steps_manifest_or_folder_in_a_step_folder_is_named(tmp_path, capsys):
     """step-4 holding step-2's manifest: the line says so first, naming both steps, before the files that then fail
-    their check (not disk damage), and names the folder's resume (falling back to step-2) as the way out; step-2's whole folder copied into step-4 resumes
-    what it holds (step 2), and the resume line says the folder's name and its contents disagree."""
+    their check (not disk damage), and names the folder's resume (falling back to step-2) as the way out; step-2's
+    whole folder copied into step-4 resumes what it holds (step 2), and the resume line says the folder's name and its
+    contents disagree."""
     dist = _local()
     _train(dist, ["checkpoint.keep_last=0"], str(tmp_path), steps=N)   # step-2, step-4
     two, four = tmp_path / f"step-{K}", tmp_path / f"step-{N}"

@@ -487,3 +487,13 @@ def test_a_killed_ranks_swap_files_in_the_run_folder_are_removed_by_the_launcher
     remove_killed_swap(folder, [143, -signal.SIGKILL])
     assert not folder.exists()
     assert capsys.readouterr().err.startswith(f"nvme: removed 1 swap file a killed rank left in {folder}, freeing ")
+
+
+def test_a_rank_that_lost_its_peer_is_no_marked_line(tmp_path):
+    """A rank that lost its peer marks "" (it said its own line): the launcher's per-rank lines leave it out."""
+    from framework.cli._rendezvous import alike_path, marked_alike, raised_alike
+    for rank, text in enumerate(["", "step 2: the loss is nan"]):
+        with open(alike_path(str(tmp_path), rank), "w", encoding="utf-8") as f:
+            f.write(text)
+    assert marked_alike(str(tmp_path), 2) == {1: "step 2: the loss is nan"}
+    assert raised_alike(str(tmp_path), 2) is None

@@ -7,7 +7,6 @@ import math
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from types import EllipsisType
 
 import torch
 
@@ -50,11 +49,10 @@ def afresh(resume: str, folder: Path, root: Path, every: int) -> str:
 
 
 def same_run(folder: Path, saved: dict, mine: dict, resume: str, recorded=None, current: dict | None = None, *,
-             way: str, other: tuple[str, str] | None | EllipsisType = ...) -> None:
+             way: str) -> None:
     """ConfigError unless ``saved`` (``folder``'s config) has the model and optimizer of ``mine`` (another model whose
     shapes happen to fit is still refused). ``recorded``: the HF model config the train state holds, compared with
-    this model's ``current`` one where both are known. ``way``: ``afresh``'s advice. ``other``:
-    ``_other_data(saved, mine)``, where computed already."""
+    this model's ``current`` one where both are known. ``way``: ``afresh``'s advice."""
     free, whose = _MODEL_FREE, ""
     if mine["model"].get("name") == "hf":
         free = free | _HF_FREE | (_HF_RECORDED_FREE if isinstance(recorded, dict) else set())
@@ -69,7 +67,7 @@ def same_run(folder: Path, saved: dict, mine: dict, resume: str, recorded=None, 
         what = ", ".join(f"{k} {a!r} vs {b!r}" for k, a, b in diffs[:4])
         raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved by another model ({whose}{what}; saved vs "
                           f"this run); {way}")
-    other = _other_data(saved, mine) if other is ... else other
+    other = _other_data(saved, mine)   # (a few dict reads: again here, not passed down)
     if other and other[1].startswith("data="):   # (not another data.vocab_size)
         raise ConfigError(f"checkpoint.resume={resume}: {folder} was {other[0]} (its data position counts batches of "
                           f"that data, not of this run's); resume with {other[1]}, or {way}")
@@ -323,8 +321,7 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, way: str, same
         other = same and isinstance(body["config"], dict) and _other_data(body["config"], same[0])
         _fits(c, folder, body, md, layout, per, scalars, whole, way, named, other)   # names a shape that differs
         if same is not None and isinstance(body["config"], dict):
-            same_run(folder, body["config"], *same, body.get("model_config"), architecture(c.module), way=way,
-                     other=other or None)
+            same_run(folder, body["config"], *same, body.get("model_config"), architecture(c.module), way=way)
         return body, md
 
     body, md = agree_load(group, f"checkpoint check of {folder}", check)
