@@ -68,7 +68,7 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
             hint = f" (did you mean '{prefix}{match}'?)" if match else ""
             where = (f"valid keys under {group or 'the top level'}: {', '.join(valid)}" if valid
                      else f"{group}={option} has no keys")
-            raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}; {where}")
+            raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}; {where}", unknown_key=f"{prefix}{key}")
         sub = hints[name := fields[key]]
         out[name] = _check_keys(value, sub, f"{prefix}{key}.") if dataclasses.is_dataclass(sub) and \
             isinstance(value, Mapping) else plainconf.number(value, sub, f"{prefix}{key}")
@@ -161,7 +161,8 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str], *, final: bo
             # run's config (steps=5: train.steps), else (a mapping given: only) a top-level key or group close to it
             leaf = None if isinstance(raw[key], Mapping) else leaf_key(key, choices)
             hint = f" (did you mean '{leaf}'?)" if leaf else closest_hint(key, roots)
-            raise ConfigError(f"config: unknown key '{key}'{hint}; valid top-level keys: {', '.join(roots)}")
+            raise ConfigError(f"config: unknown key '{key}'{hint}; valid top-level keys: {', '.join(roots)}",
+                              unknown_key=key)
     root = _typed({k: raw[k] for k in ROOT_KEYS if k in raw}, RootSchema, "")
     chosen, nodes = {}, {}
     for group in GROUPS:
@@ -174,7 +175,8 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str], *, final: bo
         except ConfigError as e:   # (a model is any gpt*.yaml file dropped in conf/model/: the line names it)
             if group != "model" or not name.startswith("gpt") or ".yaml" in str(e):   # (not hf: its file is ours)
                 raise
-            raise ConfigError(f"{e} (model={name}: its YAML file model/{name}.yaml, or a model.* override)") from None
+            raise ConfigError(f"{e} (model={name}: its YAML file model/{name}.yaml, or a model.* override)",
+                              unknown_key=e.unknown_key) from None
         chosen[group] = name
     for prefix, node in (("", root), *((f"{group}.", node) for group, node in nodes.items())):
         _check_numbers(node, prefix)

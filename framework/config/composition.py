@@ -368,16 +368,17 @@ def _validated(cfg: Any, choices: dict[str, str], cli: "CommandLine", final: boo
     try:
         return validate(cfg, choices, final=final)
     except ConfigError as e:
-        key = re.match(r"config: unknown key '([^']+)'", str(e))
-        group, _, rest = key[1].partition(".") if key else ("", "", "")
-        if not rest or group not in choices or any(under(k, {key[1]}) or under(key[1], {k}) for k in cli.keys):
+        key = e.unknown_key
+        group, _, rest = key.partition(".") if key else ("", "", "")
+        if not rest or group not in choices or any(under(k, {key}) or under(key, {k}) for k in cli.keys):
             raise
         path, found = group_file(cfg, group, choices[group]), False
         with contextlib.suppress(Exception):   # (Hydra read the file: only the words depend on it)
             found = path is not None and _in(plainconf.load_yaml(path), rest)
         if not found:
             raise
-        raise ConfigError(str(e).replace(key[0], f"{key[0]} in {path}", 1)) from None
+        said = f"config: unknown key '{key}'"
+        raise ConfigError(str(e).replace(said, f"{said} in {path}", 1), unknown_key=key) from None
 
 
 def _in(tree: Mapping, key: str) -> bool:

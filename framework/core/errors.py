@@ -63,7 +63,12 @@ def on_every_rank(error: BaseException, every: bool = True) -> BaseException:
 
 
 class ConfigError(FrameworkError, ValueError):
-    """The configuration is invalid (unknown key, wrong type, incompatible choice)."""
+    """The configuration is invalid (unknown key, wrong type, incompatible choice). ``unknown_key``: the dotted
+    key the message calls unknown (``config: unknown key 'KEY'``), where it is one."""
+
+    def __init__(self, message: str, *, unknown_key: str | None = None):
+        super().__init__(message)
+        self.unknown_key = unknown_key
 
 
 class DataError(FrameworkError):
