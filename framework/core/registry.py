@@ -215,6 +215,18 @@ def _check_frozen(group: str, module_name: str, name: str, config: type) -> None
                           f"@dataclass(frozen=True, kw_only=True)")
 
 
+def require_fields(group: str, module_name: str, name: str, config: type, fields: tuple[tuple[str, str], ...],
+                   why: str) -> None:
+    """A package's ``check_entry``: one line where ``config`` lacks any of ``fields`` (each a name and the
+    declaration the line tells to add), saying ``why`` training reads them."""
+    have = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
+    if missing := [(f, declared) for f, declared in fields if f not in have]:
+        raise ConfigError(f"{group} {name!r} ({module_name}): its config {config.__name__} has no field "
+                          f"{' and no field '.join(f for f, _ in missing)} ({why}); add "
+                          f"{', '.join(declared for _, declared in missing)} to it (its YAML file may set "
+                          f"{'them' if len(missing) > 1 else 'it'})")
+
+
 def components_of(module, name: str) -> dict[str, Component]:
     """The entries a public module (``name``) of a registry package defines: its ``COMPONENTS``, or its
     ``COMPONENT`` under its own name. Every public module there is read as one (a helper is private: ``_name``)."""

@@ -2,9 +2,8 @@
 ``conf/model/gpt*.yaml``, by its name), ``hf.py`` registers ``hf`` (any Hugging Face causal LM from local files).
 Another model is a module here defining ``COMPONENT = ModelComponent(config=..., build=..., loss=...)``
 (``_base.py``) whose config has a ``context`` field, plus its YAML file: ``check_entry`` refuses any other."""
-import dataclasses
-
 from framework.core.errors import ConfigError
+from framework.core.registry import require_fields
 from framework.models._base import ModelComponent
 
 
@@ -25,8 +24,5 @@ def check_entry(module_name: str, name: str, component) -> None:
         raise ConfigError(f"model {name!r} ({module_name}) is a {type(component).__name__}, not a ModelComponent, "
                           f"so training has no loss for it; define it as ModelComponent(config=..., build=..., "
                           f"loss=loss_fn) (from framework.models._base import ModelComponent)")
-    if not dataclasses.is_dataclass(component.config) or \
-            "context" not in {f.name for f in dataclasses.fields(component.config)}:
-        raise ConfigError(f"model {name!r} ({module_name}): its config {component.config.__name__} has no field "
-                          f"context (the sequence length training feeds the model); add a field context: int to "
-                          f"it (its YAML file may set it)")
+    require_fields("model", module_name, name, component.config, (("context", "a field context: int"),),
+                   "the sequence length training feeds the model")

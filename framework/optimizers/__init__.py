@@ -5,9 +5,7 @@ Each public module defines a config dataclass and ``build(cfg, decay_mask)`` ret
 params, decayed only with the config's ``decay_1d``. ``update`` takes the current absolute lr:
 a config's ``lr`` is the schedule's base lr. ``check_entry`` refuses a config without those two fields.
 """
-import dataclasses
-
-from framework.core.errors import ConfigError
+from framework.core.registry import require_fields
 from framework.optimizers._subset import (group_state, init_groups, merge_groups, merge_scalars, replace_groups,
                                           step_groups)
 from framework.optimizers._transforms import GradientTransformation, apply_updates, copy_16bit, step
@@ -22,11 +20,6 @@ _REQUIRED = (("lr", "lr: float"), ("decay_1d", "decay_1d: bool = False"))
 def check_entry(module_name: str, name: str, component) -> None:
     """What training needs of an optimizer's config: ``lr``, the base lr the schedule scales, and ``decay_1d``,
     whether the 1-D params (biases, norm weights) are decayed too (the ``decay_mask`` given to ``build``)."""
-    config = component.config
-    fields = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
-    if missing := [(f, declared) for f, declared in _REQUIRED if f not in fields]:
-        raise ConfigError(f"optimizer {name!r} ({module_name}): its config {config.__name__} has no field "
-                          f"{' and no field '.join(f for f, _ in missing)} (training reads lr, the schedule's base "
-                          f"learning rate, and decay_1d, whether 1-D params are decayed too, from every optimizer's "
-                          f"config); add {', '.join(declared for _, declared in missing)} to it (its YAML file may "
-                          f"set {'them' if len(missing) > 1 else 'it'})")
+    require_fields("optimizer", module_name, name, component.config, _REQUIRED,
+                   "training reads lr, the schedule's base learning rate, and decay_1d, whether 1-D params are "
+                   "decayed too, from every optimizer's config")
