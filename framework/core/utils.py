@@ -174,6 +174,17 @@ def unwrapped(module):
     return inner if isinstance(inner, torch.nn.Module) else module
 
 
+def replace_parameter(module: torch.nn.Module, old: torch.nn.Parameter,
+                      new: torch.nn.Parameter) -> torch.nn.Parameter:
+    """Register ``new`` wherever ``old`` is registered (tied weights stay tied)."""
+    for sub in module.modules():
+        # (the slots themselves: setattr would run the registration hooks and checks of a new parameter)
+        for key, value in sub._parameters.items():
+            if value is old:
+                sub._parameters[key] = new
+    return new
+
+
 @contextlib.contextmanager
 def ignoring(message: str, category: type[Warning] = UserWarning):
     """The warnings that start with ``message`` dropped inside the block only. Not for a hot path or a block other

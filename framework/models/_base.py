@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from framework.core.errors import DataError
 from framework.core.registry import Component
-from framework.core.utils import dtype_name
+from framework.core.utils import dtype_name, replace_parameter
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,8 @@ def all_on_meta(module: nn.Module) -> nn.Module:
     memory held: the model's init then writes them like the others. Built on a real device: left as it is."""
     if not any(p.is_meta for p in module.parameters()):
         return module
-    done: dict[int, nn.Parameter] = {}
-    for sub in module.modules():
-        for key, p in list(sub._parameters.items()):
-            if p is not None and not p.is_meta and not isinstance(p, nn.UninitializedParameter):
-                if id(p) not in done:
-                    done[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                sub._parameters[key] = done[id(p)]   # (the slot: setattr would run registration hooks)
+    for p in [p for p in module.parameters() if not p.is_meta and not isinstance(p, nn.UninitializedParameter)]:
+        replace_parameter(module, p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
     return module
 
 

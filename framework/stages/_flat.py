@@ -17,7 +17,7 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.core.footprint import Footprint
 from framework.core.room import available_ram
 from framework.core.units import size
-from framework.core.utils import dtype_name
+from framework.core.utils import dtype_name, replace_parameter
 
 
 # Pad every flat buffer to a multiple of this many elements per rank: partitions start 256-byte aligned
@@ -292,16 +292,6 @@ def broadcast_buffers(module: nn.Module, dist: Dist) -> None:
             dist.broadcast(dense[id(buf)], what=f"initial values of buffer {name!r}")
         # (the slot itself: it keeps the buffer's persistence, and no registration hook runs for a swap)
         module.get_submodule(path)._buffers[key] = dense[id(buf)]
-
-
-def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
-    """Register ``new`` wherever ``old`` is registered (tied weights stay tied)."""
-    for sub in module.modules():
-        # (the slots themselves: setattr would run the registration hooks and checks of a new parameter)
-        for key, value in sub._parameters.items():
-            if value is old:
-                sub._parameters[key] = new
-    return new
 
 
 @dataclass(frozen=True)

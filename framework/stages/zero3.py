@@ -18,7 +18,7 @@ from framework.core.errors import ConfigError, FrameworkError, first_line, say, 
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.stages._flat import (bind_frozen, initial_values, initializer, make_layout, refuse_sparse_grads,
-                                    replace_parameter, unit_groups)
+                                    unit_groups)
 from framework.comm.collectives import Pending
 from framework.stages._gather import Gatherer
 from framework.stages._shards import ShardReads, ShardedParameter, Unit, UnitGroup, forward_of, read_hint, reader_of
@@ -28,7 +28,7 @@ from framework.stages._units import DEFAULT_GATHER_UNIT, all_persistent_note, pl
 from framework.offload.base import Placement
 from framework.stages.base import PartitionedStage, Setup
 from framework.core.footprint import Footprint
-from framework.core.utils import tensor_bytes
+from framework.core.utils import replace_parameter, tensor_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
