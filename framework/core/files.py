@@ -9,6 +9,7 @@
     data = parse_json(path.read_bytes())           # json.loads; too deep a nesting is a ValueError too
     data = parse_yaml(path.read_text())            # yaml.safe_load; an alias bomb is a ValueError
     refuse_alias_bomb(text)                        # that ValueError alone (a text without an anchor: unparsed)
+    config_files(folder)                           # the *.yaml below it, dot folders and __pycache__ skipped
 
 In a folder others may write to (a shared scratch disk) a planted link would make a plain ``open``
 overwrite its target: every open here refuses a link in the final component (``UnsafePathError``).
@@ -294,6 +295,17 @@ def refuse_alias_bomb(text: str) -> None:
     if added > YAML_ALIAS_NODES:
         raise ValueError(f"its aliases expand to {added:.3g} more nodes (over {YAML_ALIAS_NODES:,}: an alias bomb?); "
                          f"write the repeated values out or nest fewer aliases")
+
+
+def config_files(folder: os.PathLike | str) -> list[Path]:
+    """The ``*.yaml`` files below ``folder`` (itself included) that a config search path could name, sorted: none
+    in a dot folder (``.git``, ``.venv``: a tool's, and no name a config group takes) or ``__pycache__``, which are
+    not walked; links to folders are not followed."""
+    found = []
+    for top, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        found += [Path(top, n) for n in names if n.endswith(".yaml")]
+    return sorted(found)
 
 
 def _alias_nodes(events: Iterable) -> int:

@@ -648,6 +648,24 @@ def test_the_alias_bomb_check_reads_quoted_search_paths_and_nested_group_folders
     assert re.match(f"config: {nested}: its aliases expand", said), said
 
 
+def test_the_alias_bomb_check_skips_dot_folders(tmp_path):
+    """A dot folder (a project root's .git, .venv: thousands of files) is no group Hydra's grammar names: its YAML
+    is not read on each compose; a group folder beside it still is."""
+    from framework.config.plainconf import check_aliases
+    from framework.core.paths import conf_dir
+
+    for folder in (".git", ".venv/lib", "__pycache__"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "x.yaml").write_text(_alias_bomb(5))
+    check_aliases(str(conf_dir()), [f"hydra.searchpath=[file://{tmp_path}]"])
+    check_aliases(str(tmp_path), [])
+    (tmp_path / "optimizer").mkdir()
+    bomb = tmp_path / "optimizer" / "x.yaml"
+    bomb.write_text(_alias_bomb(5))
+    with pytest.raises(ConfigError, match=f"^config: {re.escape(str(bomb))}: its aliases expand to 1.23e"):
+        check_aliases(str(tmp_path), [])
+
+
 def test_the_alias_bomb_check_reads_a_group_folder_of_the_users_own(tmp_path):
     """A group folder no component registers (Hydra's ``+experiment=big`` pattern) is searched by Hydra alike: its
     files are checked too, not expanded for ever."""
