@@ -22,7 +22,7 @@ from framework.stages import buffer_dtypes, initializer
 @contextmanager
 def zero_init() -> Iterator[None]:
     """Models built inside this block live on the meta device until ``framework.initialize`` materialises them.
-    A parameter that is real all the same (values put there, a legacy ``torch.FloatTensor(n)``) is kept as it is."""
+    A real parameter (values put there, a legacy ``torch.FloatTensor(n)``) is kept by intent (the user's values)."""
     with torch.device("meta"):
         yield
 
