@@ -29,7 +29,7 @@ from framework.memory.probe import rss_now, rss_peak
 from framework.stages import param_count
 from framework.engine.state import capture_rng
 from framework.core.utils import to_device
-from framework.persist.rng import fresh_seed, seed_host
+from framework.persist.rng import fresh_seed, seed_all
 from framework.persist.weights import load_weights, save_on_model_save
 
 
@@ -56,8 +56,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     rss_start = reset_peak_memory(dist.device)  # this job's peak, not an earlier multirun job's
     if cfg.choices["offload"] == "nvme" and cfg.offload.nvme_path is None:   # swap files in the run directory
         cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))
-    torch.manual_seed(cfg.seed)  # same model initialisation on every rank
-    seed_host(cfg.seed)
+    seed_all(cfg.seed)  # same model initialisation on every rank
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
     check_model_vocab(cfg, data.vocab_size)
     if getattr(cfg.precision, "auto_cast", False) and type(data).__module__.startswith("framework.") and dist.is_main:
@@ -76,9 +75,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     weights = model.weights(cfg.model)
     if weights is not None:  # pretrained: each rank reads only the ranges its shards hold
         load_weights(engine, weights)
-    fresh = fresh_seed(cfg.seed, dist.rank)   # dropout streams differ per rank, fixed per run (a resume restores
-    torch.manual_seed(fresh)                  # the saved ones)
-    seed_host(fresh)
+    # dropout streams differ per rank, fixed per run (a resume restores the saved ones)
+    seed_all(fresh_seed(cfg.seed, dist.rank))
     state = replace(engine.state, rng=capture_rng(dist.device))
 
     t = cfg.train
