@@ -242,8 +242,11 @@ def _count_text(n: int) -> str:
     decimals or thousands (a small model's read "0M")."""
     # (the unit chosen after rounding: 999,960 reads 1.00M, not 1000.0K; 9,999,999 10M, not 10.00M)
     k, m = f"{n / 1e3:.1f}K", f"{n / 1e6:.2f}M"
-    return (f"{max(n // 10**6, 10)}M" if n >= 10**7 or m == "10.00M" else m if n >= 10**6 or k == "1000.0K"
-            else k if n >= 1000 else str(n))
+    if n >= 10**7 or m == "10.00M":
+        return f"{max(n // 10**6, 10)}M"
+    if n >= 10**6 or k == "1000.0K":
+        return m
+    return k if n >= 1000 else str(n)
 
 
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:

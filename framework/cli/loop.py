@@ -29,7 +29,7 @@ from framework.memory.probe import rss_now, rss_peak
 from framework.stages import param_count
 from framework.engine.state import capture_rng
 from framework.core.utils import to_device
-from framework.persist.rng import fresh_seed, seed_host
+from framework.persist.rng import fresh_seed, seed_all
 from framework.persist.weights import load_weights, save_on_model_save
 
 
@@ -56,8 +56,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     rss_start = reset_peak_memory(dist.device)  # this job's peak, not an earlier multirun job's
     if cfg.choices["offload"] == "nvme" and cfg.offload.nvme_path is None:   # swap files in the run directory
         cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))
-    torch.manual_seed(cfg.seed)  # same model initialisation on every rank
-    seed_host(cfg.seed)
+    seed_all(cfg.seed)  # same model initialisation on every rank
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
     check_model_vocab(cfg, data.vocab_size)
     if getattr(cfg.precision, "auto_cast", False) and type(data).__module__.startswith("framework.") and dist.is_main:
@@ -76,9 +75,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     weights = model.weights(cfg.model)
     if weights is not None:  # pretrained: each rank reads only the ranges its shards hold
         load_weights(engine, weights)
-    fresh = fresh_seed(cfg.seed, dist.rank)   # dropout streams differ per rank, fixed per run (a resume restores
-    torch.manual_seed(fresh)                  # the saved ones)
-    seed_host(fresh)
+    # dropout streams differ per rank, fixed per run (a resume restores the saved ones)
+    seed_all(fresh_seed(cfg.seed, dist.rank))
     state = replace(engine.state, rng=capture_rng(dist.device))
 
     t = cfg.train
@@ -88,9 +86,9 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                     dist.device)
     tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
     logger = NullLogger()
-    # The last log_every losses (a save's record) and finite ones (the summary's), and the last val loss: bounded for
-    # a run of millions of steps
-    recent, finite, evals = deque(maxlen=t.log_every), deque(maxlen=t.log_every), deque(maxlen=1)
+    # The last log_every losses (a save's record) and finite ones (the summary's): bounded for a run of millions of
+    # steps; and the last val loss
+    recent, finite, val_loss = deque(maxlen=t.log_every), deque(maxlen=t.log_every), math.nan
     ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point,   # collective
                         batch_from_config=True, data=data.identity())
     try:
@@ -138,10 +136,10 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                 t_window, window, paused = now, 0, 0.0
             if (t.eval_every and state.step % t.eval_every == 0) or state.step == t.steps:
                 t_eval = time.perf_counter()
-                evals.append(engine.eval_step(state, val))
+                val_loss = engine.eval_step(state, val)
                 took = time.perf_counter() - t_eval
                 paused, eval_s = paused + took, eval_s + took
-                logger.log({"step": state.step, "val_loss": evals[-1]})
+                logger.log({"step": state.step, "val_loss": val_loss})
             if cfg.checkpoint.every:   # (else the run's header said none are saved)
                 t_save = time.perf_counter()
                 ckpt.maybe_save(state, last=state.step == t.steps, metrics=m,
@@ -149,7 +147,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                 took = time.perf_counter() - t_save
                 paused, save_s = paused + took, save_s + took
         if state.step == first:   # resumed at train.steps: the loaded state's numbers, not NaN
-            evals.append(engine.eval_step(state, val))
+            val_loss = engine.eval_step(state, val)
         t_save = time.perf_counter()
         ckpt.wait()   # (the last save's writing)
         save_s += time.perf_counter() - t_save
@@ -158,7 +156,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             "steps": state.step,
             # The mean of the last log_every trained steps' losses; none where this process trained none
             **train_loss([*carried, *finite] if recent else [], t.log_every),
-            "val_loss": evals[-1] if evals else math.nan,
+            "val_loss": val_loss,
             # Over the training time (as each log window's); none measured where this process trained no step
             "tokens_per_s": tokens_per_step * (state.step - first) / (elapsed - eval_s - save_s)
                             if state.step > first else None,

@@ -283,14 +283,19 @@ def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
     return ",".join(sorted(o.input_line for o in _naming(overrides, swept))) or "job"
 
 
-def _checkpoint_key(config: Config, key: str, older: str) -> str:
-    """``key``, or ``older`` (all its overrides, Hydra's ``override_dirname``) where only that folder exists."""
-    new, old = checkpoint_root(config, None, key), checkpoint_root(config, None, older)
-    if config.checkpoint.dir is None or older == key or new.exists() or not old.is_dir():
-        return key
+def _job_checkpoints(config: Config, overrides: list[str], swept: frozenset[str],
+                     older: str | None = None) -> tuple[str, Path]:
+    """A sweep job's name under checkpoint.dir (``job_key``) and its checkpoint folder; ``older``'s (all its
+    overrides, Hydra's ``override_dirname``) where only that folder exists."""
+    key = job_key(overrides, swept)
+    new = checkpoint_root(config, None, key)
+    if older is None or config.checkpoint.dir is None or older == key or new.exists():
+        return key, new
+    if not (old := checkpoint_root(config, None, older)).is_dir():
+        return key, new
     print(f"checkpoint: using {old} (this job's folder named by all its overrides, those that do not name a job "
           f"included); move it to {new} to resume it under the job's current name", flush=True)
-    return older
+    return older, old
 
 
 def sweep_group(job_name: str, sweep_dir: str) -> str:
@@ -318,7 +323,7 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         swept = frozenset(o.key_or_group for o in parse_overrides(overrides)) - fixed
         run = RunInfo(Path(hc.runtime.output_dir), **(dict(
             group=sweep_group(hc.job.name, hc.sweep.dir), name=hc.job.override_dirname or f"job{hc.job.num}",
-            key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname), sweep_dir=Path(hc.sweep.dir),
+            key=_job_checkpoints(config, overrides, swept, hc.job.override_dirname)[0], sweep_dir=Path(hc.sweep.dir),
             naming=frozenset(o.key_or_group for o in _naming(overrides, swept))) if multirun else dict(group=None, name=None)))
         made, owned = made_for(run.run_dir, base), []
         # (no torchrun peers' sweepers to race: written before launch, for a job refused before owning too)
@@ -405,7 +410,7 @@ def check_shared_checkpoints(jobs: list[tuple[list[str], Config]], fixed: frozen
             continue
         task = [o for o in parse_overrides(overrides) if not o.is_hydra_override()]
         swept = frozenset(o.key_or_group for o in task) - fixed
-        root = checkpoint_root(config, None, job_key([o.input_line for o in task], swept))
+        root = _job_checkpoints(config, [o.input_line for o in task], swept)[1]
         if (first := seen.setdefault(root, n)) != n:
             mine = " ".join(o.input_line for o in task if o.key_or_group in swept)
             then = (f"job {n} would resume job {first}'s checkpoint and train nothing"

@@ -166,10 +166,14 @@ def micro_batches(cfg, hw: Hardware, own: dict[str, str]) -> tuple[list[int], li
                   f"{counted(hw.ranks, 'rank')})"] if dropped and "micro_batches" in own else []
 
 
+# The stages a search naming none tries: those ``predict`` has a memory model of (``unmodelled`` notes the rest).
+_MODELLED = tuple(s for s in COMPATIBLE if s in STAGES)
+
+
 def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
     micro = micro_batches(cfg, hw, own)[0]
     per_rank = cfg.train.micro_batch * cfg.train.grad_accum
-    stages = _choices(own, "stages", list(COMPATIBLE)) if "stages" in own else [s for s in COMPATIBLE if s in STAGES]
+    stages = _choices(own, "stages", list(COMPATIBLE)) if "stages" in own else list(_MODELLED)
     wanted = _choices(own, "offloads", sorted({o for offs in COMPATIBLE.values() for o in offs} | {"cpu+params"}))
     ckpts = [x == "true" for x in _choices(own, "checkpointing", ["false", "true"])]
     out = []
@@ -185,7 +189,7 @@ def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
 
 def unmodelled(own: dict[str, str]) -> list[str]:
     """The note for the stages a search naming none leaves out: those ``predict`` has no memory model of."""
-    left = [s for s in COMPATIBLE if s not in STAGES]
+    left = [s for s in COMPATIBLE if s not in _MODELLED]
     return [f"note: stage {', '.join(left)} left out: no memory model (add its case to predict in "
             f"framework/memory/model.py)"] if left and "stages" not in own else []
 

@@ -17,7 +17,7 @@ import torch
 from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, first_line
 from framework.core.utils import few
-from framework.models.hf import without_dtype
+from framework.models.hf import causal_lm_class, without_dtype
 from framework.persist import stepfolders
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout, check_format, nonfinite_items
@@ -139,6 +139,8 @@ def _same_config(out_dir: Path, recorded: dict) -> bool:
         theirs = without_dtype(AutoConfig.from_pretrained(str(out_dir)).to_dict())
     except (OSError, ValueError, TypeError, KeyError) as e:
         theirs = f"not read as a transformers config: {first_line(e)}"
+    else:   # (the class: an earlier export's names the one trained, the checkpoint's record may not)
+        theirs["architectures"] = recorded.get("architectures")
     if theirs == recorded:
         return True
     if isinstance(theirs, dict):   # (the model type first: another one says it all)
@@ -168,10 +170,14 @@ def _config(ckpt: Checkpoint, out_dir: Path, dtype: torch.dtype | None) -> list[
         print(f"note: export: no config.json written ({first_line(e)}): for from_pretrained, copy the model's "
               f"config.json into {out_dir}", file=sys.stderr, flush=True)
         return []
-    # The dtype written (from_pretrained casts to the config's: a bfloat16 one would round fp32 weights); so one of
-    # the same model already there (its source's dtype, or an earlier export's) is replaced, whole.
+    # As save_pretrained: the dtype written (from_pretrained casts to the config's: a bfloat16 one would round fp32
+    # weights), so one of the same model already there (its source's dtype, or an earlier export's) is replaced,
+    # whole; and model=hf's class (AutoModelForCausalLM's: pipeline and AutoModel read it), a model of one's own
+    # keeping what its config says.
     config.dtype = dtype if dtype is not None else next(p.dtype for n, p in ckpt.params.items()
                                                         if ckpt.keys[n] == "model.")
+    if ckpt.model_name == "hf" and (cls := causal_lm_class(config)) is not None:
+        config.architectures = [cls.__name__]
     files.refuse_links(path)
     text = config.to_json_string(use_diff=True).encode()
     try:   # (said only where it changes: a re-export of the same checkpoint writes the same bytes)

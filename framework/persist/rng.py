@@ -20,10 +20,11 @@ def fresh_seed(seed: int, rank: int) -> int:
     return seeded(FRESH_STREAM, seed, rank).initial_seed()
 
 
-def seed_host(seed: int) -> None:
-    """Seed python's and numpy's global generators from ``seed``, as torch's is (a checkpoint saves and restores all
+def seed_all(seed: int) -> None:
+    """Seed torch's, python's and numpy's global generators from ``seed`` (a checkpoint saves and restores all
     three): a plugin drawing from ``random`` or ``np.random`` repeats with the seed, and a sweep's job does not go on
     from what an earlier job of its process left."""
+    torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
 

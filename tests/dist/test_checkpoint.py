@@ -972,7 +972,8 @@ def test_an_hf_model_is_compared_by_its_config_not_the_files_path(tmp_path, caps
 
 
 def test_an_export_of_an_hf_checkpoint_loads_with_from_pretrained(tmp_path, capsys):
-    """model=hf: the export writes config.json from the config the checkpoint records, so from_pretrained loads the
+    """model=hf: the export writes config.json from the config the checkpoint records, as the model's own
+    save_pretrained writes it (its class in architectures, for pipeline and AutoModel), so from_pretrained loads the
     folder as it is, with the logits of the model the checkpoint holds; the model's own config.json put there first
     is replaced by it (the dtype the export wrote), another model's is refused in one line naming what differs."""
     from_pretrained = pytest.importorskip("transformers").AutoModelForCausalLM.from_pretrained
@@ -984,6 +985,8 @@ def test_an_export_of_an_hf_checkpoint_loads_with_from_pretrained(tmp_path, caps
     step = tmp_path / "ck" / f"step-{K}"
     model, _ = build(cfg, meta=False)   # the model the checkpoint holds, from the config file trained with
     model.load_state_dict(get_fp32_state_dict_from_checkpoint(step))
+    model.save_pretrained(tmp_path / "own")   # (transformers' own: what the export's config.json should be)
+    own = json.loads((tmp_path / "own" / "config.json").read_text())
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     first = tmp_path / "first"   # the model's config.json put there first (its dtype bfloat16): not refused
     first.mkdir()
@@ -993,6 +996,9 @@ def test_an_export_of_an_hf_checkpoint_loads_with_from_pretrained(tmp_path, caps
         loaded = from_pretrained(out, attn_implementation="eager")   # (as written: fp32, not rounded to the bfloat16)
         with torch.no_grad():
             assert loaded.dtype == torch.float32 and torch.equal(loaded(ids).logits, model(ids).logits)
+        assert loaded.config.architectures == [type(model).__name__] == own["architectures"]
+        assert json.loads((out / "config.json").read_text()) == own
+    export(step, first, overwrite=True)   # an earlier export there (its class named) is of the same model
     other = write_config("gpt2", tmp_path / "other", n_layer=3).parent
     with pytest.raises(ConfigError, match=re.escape(f"export: {other / 'config.json'} describes another model than "
                                                     "the checkpoint's (n_layer 3 vs 2: its vs the checkpoint's); "

@@ -40,6 +40,8 @@ __all__ = ["CHECKPOINTS", "Checkpointer", "CheckpointError", "checkpoint_root", 
 
 # A refused load may have read part of a checkpoint into the state's tensors (DCP reads in place).
 SPENT = "; the state given to resume may be partly overwritten: do not train from it"
+# What a run that resumes nothing goes on from (a given trained state is kept: ``Checkpointer.resume``).
+FROM_0 = "starting from step 0"
 
 
 class Checkpointer:
@@ -82,11 +84,11 @@ class Checkpointer:
         resume, every, given = self.cfg.resume, self.cfg.every, self.resume_given
         what = "checkpoint.resume=off" if resume == "off" else \
             f"looking for checkpoint.resume={resume} in {self.root} (another checkpoint.dir starts afresh)"
-        folders, notes = self._choose(what, resume, every)
         # (a loop of one's own may pass a trained state: it is kept, not step 0)
-        start = "starting from step 0" if state.step == 0 else f"keeping the given state (step {state.step})"
+        start = FROM_0 if state.step == 0 else f"keeping the given state (step {state.step})"
+        folders, notes = self._choose(what, resume, every, start)
         for note in notes:   # never passed over silently
-            self._say(note.replace("starting from step 0", start))
+            self._say(note)
         if not folders:
             if resume == "auto" and every:
                 self._say(f"resume=auto: no checkpoint in {self.root}; {start}")
@@ -173,9 +175,10 @@ class Checkpointer:
             return None
         return self._choose(what, resume, every)[0] or None
 
-    def _choose(self, what: str, resume: str, every: int) -> tuple[list[Path], list[str]]:
+    def _choose(self, what: str, resume: str, every: int, start: str = FROM_0) -> tuple[list[Path], list[str]]:
         """``choose``'s (folders, notes): rank 0 looks, every rank gets its answer (or its error: none left waiting)."""
-        mine = agree_load(self.group, what, lambda: choose(resume, self.root, every) if self.rank == 0 else None)
+        mine = agree_load(self.group, what, lambda: choose(resume, self.root, every, start=start) if self.rank == 0
+                          else None)
         return self.group.all_gather(mine, "resume choice")[0]
 
     def afresh(self, folder: Path) -> str:
@@ -380,9 +383,9 @@ def shared(dist, root: Path) -> None:
             f"rank 0 on host {views[0][1]} writes there{more}): put it on a shared file system"))
 
 
-def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
+def fresh_start(root: Path, every: int, resume: str = "off", start: str = FROM_0) -> str | None:
     """``checkpoint.resume=off`` (or elsewhere): a ConfigError where this run's saves would overwrite or rotate
-    committed checkpoints; else the note to print, if any."""
+    committed checkpoints; else the note to print, if any (``start``: what the run starts from)."""
     existing = _scan(root, owned=bool(every))[0]
     if not existing:
         return None
@@ -391,7 +394,7 @@ def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
         raise ConfigError(f"checkpoint.resume={resume}: {what}, which this run's saves would overwrite or rotate away"
                           + ("" if resume == "off" else " (this resume reads another folder)")
                           + "; set checkpoint.resume=auto to continue from it, or checkpoint.dir to another folder")
-    return f"resume=off: starting from step 0 although {what}; set checkpoint.resume=auto to continue from it"
+    return f"resume=off: {start} although {what}; set checkpoint.resume=auto to continue from it"
 
 
 def _scan(root: Path, owned: bool) -> tuple[list[Path], list[str]]:
@@ -413,22 +416,24 @@ def restore(root: Path) -> None:
               "looking at the committed ones only", flush=True)
 
 
-def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None,
-           values: dict | None = None) -> tuple[list[Path], list[str]]:
-    """``candidates``, or for ``off`` none and ``fresh_start``'s note (which also refuses another folder's)."""
+def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None, values: dict | None = None,
+           start: str = FROM_0) -> tuple[list[Path], list[str]]:
+    """``candidates``, or for ``off`` none and ``fresh_start``'s note (which also refuses another folder's); their
+    notes say the run goes on ``start``."""
     if resume == "off":
-        note = fresh_start(root, every)
+        note = fresh_start(root, every, start=start)
         return [], [note] if note else []
-    folders, notes = candidates(resume, root, sweep_dir, owned=root if every else None, values=values)
+    folders, notes = candidates(resume, root, sweep_dir, owned=root if every else None, values=values, start=start)
     if folders and every and folders[0].resolve().parent != root.resolve():
         fresh_start(root, every, resume)
     return folders, notes
 
 
 def candidates(resume: str, root: Path, sweep_dir: Path | None = None, owned: Path | None = None,
-               values: dict | None = None) -> tuple[list[Path], list[str]]:
+               values: dict | None = None, start: str = FROM_0) -> tuple[list[Path], list[str]]:
     """Candidate folders for ``checkpoint.resume`` (auto, latest, a step folder or a folder of them), best first,
-    and a line for each ``step-<N>`` passed over (or none found). ``owned``: the folder this run saves into."""
+    and a line for each ``step-<N>`` passed over (or none found: the run goes on ``start``). ``owned``: the folder
+    this run saves into."""
     def mine(folder: Path) -> bool:
         return owned is not None and folder.resolve() == owned.resolve()
 
@@ -439,7 +444,7 @@ def candidates(resume: str, root: Path, sweep_dir: Path | None = None, owned: Pa
         if folder is None:
             others = "" if sweep_dir is None else f" (those of the sweep's other jobs in {sweep_dir} passed over)"
             return [], [f"resume=latest: no checkpoint in {root} or in the run folders under "
-                        f"{', '.join(t + '/' for t in _RUN_TREES)}{others}; starting from step 0"]
+                        f"{', '.join(t + '/' for t in _RUN_TREES)}{others}; {start}"]
         return _scan(folder.parent, mine(folder.parent))   # that run's folder: a damaged newest one falls back
     path = Path(user_path(resume))
     if not os.path.lexists(path) and stepfolders.step_of(path) >= 0:
