@@ -151,12 +151,18 @@ def positive_fp32(value: float) -> bool:
     return bool(torch.tensor(value, dtype=torch.float32, device="cpu") > 0)
 
 
+def finite_fp32(value: float) -> bool:
+    """Whether ``value`` is finite as the fp32 optimizer state meets it: 1e39 is finite as a Python float but
+    inf there, and an update by it is inf (NaN from the next step on)."""
+    return bool(torch.tensor(value, dtype=torch.float32, device="cpu").isfinite())
+
+
 def check(name: str, cfg: Any, betas: Sequence[str] = (), nonneg: Sequence[str] = (),
           positive: Sequence[str] = (), fractions: Sequence[str] = ()) -> Any:
-    """``cfg``, or a one-line ConfigError: lr and weight_decay finite and >= 0, ``betas`` in [0, 1), ``fractions``
-    in [0, 1], ``nonneg`` >= 0, ``positive`` (an eps added to a denominator that is 0 where a gradient and its state are) > 0 in fp32,
-    the state's dtype."""
-    for keys, rule, ok in ((("lr", "weight_decay"), ">= 0", lambda v: math.isfinite(v) and v >= 0),
+    """``cfg``, or a one-line ConfigError: lr and weight_decay finite in fp32 and >= 0, ``betas`` in [0, 1),
+    ``fractions`` in [0, 1], ``nonneg`` >= 0, ``positive`` (an eps added to a denominator that is 0 where a gradient
+    and its state are) > 0 in fp32, the state's dtype."""
+    for keys, rule, ok in ((("lr", "weight_decay"), ">= 0", lambda v: finite_fp32(v) and v >= 0),
                            (betas, "in [0, 1)", lambda v: 0 <= v < 1),
                            (fractions, "in [0, 1]", lambda v: 0 <= v <= 1), (nonneg, ">= 0", lambda v: v >= 0),
                            (positive, "> 0", positive_fp32)):
@@ -164,6 +170,10 @@ def check(name: str, cfg: Any, betas: Sequence[str] = (), nonneg: Sequence[str] 
             if not ok(value := getattr(cfg, key)):
                 why = (" (an eps of 0 makes the update 0/0 = NaN wherever a gradient and its running state are 0, as in "
                        "the flat buffers' padding); give a small positive value such as 1e-8" if key in positive else "")
+                if key in ("lr", "weight_decay") and math.isfinite(value) and value > 0:   # inf in fp32
+                    raise ConfigError(f"optimizer.{key} must be finite in fp32 (the optimizer state's dtype) for "
+                                      f"{name}, got {value}, which is inf there; give a value below "
+                                      f"{torch.finfo(torch.float32).max:.4g}")
                 fp32 = ", which is 0 in fp32, the optimizer state's dtype" if key in positive and value > 0 else ""
                 raise ConfigError(f"optimizer.{key} must be {rule} for {name}, got {value}{fp32}{why}")
     return cfg

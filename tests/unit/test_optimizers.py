@@ -244,6 +244,19 @@ def test_eps_positive_as_a_float_but_0_in_fp32_is_refused(module):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("module", [adamw, adam, adagrad, sgd, lion])
+@pytest.mark.parametrize("key", ["lr", "weight_decay"])
+def test_lr_finite_as_a_float_but_inf_in_fp32_is_refused(module, key):
+    # 1e39 is a finite Python float but inf in the fp32 state: the first update would be inf, NaN after it
+    name = module.__name__.rsplit('.', 1)[1]
+    with pytest.raises(ConfigError) as info:
+        module.COMPONENT.check(dataclasses.replace(module.COMPONENT.config(), **{key: 1e39}), "ddp", {})
+    assert str(info.value) == (f"optimizer.{key} must be finite in fp32 (the optimizer state's dtype) for {name}, "
+                               f"got 1e+39, which is inf there; give a value below 3.403e+38")
+    largest = float(torch.finfo(torch.float32).max)   # the largest fp32 value is accepted
+    module.COMPONENT.check(dataclasses.replace(module.COMPONENT.config(), **{key: largest}), "ddp", {})
+
+
 @pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "lion", "adagrad"])
 def test_yaml_lists_every_field_with_its_default(name):
     component = registry("optimizer").get(name)
