@@ -20,6 +20,7 @@ from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
 from framework.core.registry import GROUPS, registry
 from framework.core.utils import under
+from framework.schedulers.warmup_lr import WarmupLRConfig, peak_notes
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -334,7 +335,11 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE if g in mine else dsconfig.YAML
                                           for g in t.choices},
                                        **{k: v for k, v in resolved.sources.items() if not cli.deletes(k)}})
-    notices = config.notices + tuple(t.notices(strict, resolved.inert, resolved.notes)) + search_notes(cfg, choices)
+    own_notes = config.notices
+    if resolved.sources.get("scheduler.warmup_max_lr") == dsconfig.DS_DEFAULT and \
+            isinstance(config.scheduler, WarmupLRConfig):   # the file's note says where that peak comes from
+        own_notes = tuple(n for n in own_notes if n not in peak_notes(config.scheduler, config))
+    notices = own_notes + tuple(t.notices(strict, resolved.inert, resolved.notes)) + search_notes(cfg, choices)
     batch_world = world if isinstance(t.batch.get("train_batch_size"), int) else None
     return cfg, dataclasses.replace(config, ds_config=label, sources=sources, notices=notices, batch_world=batch_world)
 

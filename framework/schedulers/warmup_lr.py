@@ -127,10 +127,31 @@ def long_warmup_notes(key: str, warm: int, steps: int, schedule: Callable[[int],
             f"reaches its peak"]
 
 
+def peaks_apart(warmup_max_lr: float | None, lr: float) -> bool:
+    """Whether a warm-up peaks at a ``warmup_max_lr`` other than the optimizer's ``lr``: then no update reads that
+    lr (WarmupLR and WarmupDecayLR set every update's lr from their own fields). A DeepSpeed file's stated peak
+    is checked by this too."""
+    return warmup_max_lr is not None and warmup_max_lr != lr
+
+
+def peak_notes(node, config) -> list[str]:
+    """The note for a set ``warmup_max_lr`` that makes ``optimizer.lr`` do nothing."""
+    lr = config.optimizer.lr
+    if not peaks_apart(node.warmup_max_lr, lr):
+        return []
+    return [f"note: the lr peaks at scheduler.warmup_max_lr={node.warmup_max_lr}; optimizer.lr={lr} is not used "
+            f"(set scheduler.warmup_max_lr=null to peak at optimizer.lr)"]
+
+
 def notes(build_at: Callable[..., Callable[[int], float]], node, config) -> list[str]:
     """A component's ``notes`` (bound to its ``build``: the lr it notes is its own schedule's)."""
     return long_warmup_notes("warmup_num_steps", node.warmup_num_steps, config.train.steps,
                              functools.partial(build_at, node, config.optimizer.lr))
+
+
+def lr_notes(node, config) -> list[str]:
+    """warmup_lr's ``notes``: the warm-up's, and a peak that is not optimizer.lr."""
+    return notes(build, node, config) + peak_notes(node, config)
 
 
 def cosine_notes(node, config) -> list[str]:
@@ -142,11 +163,13 @@ def cosine_notes(node, config) -> list[str]:
 
 
 def decay_notes(node, config) -> list[str]:
-    """warmup_decay_lr's ``notes``: the warm-up's, and where its lr holds at warmup_min_lr. Its gamma reaches 0 at
-    iteration ``max(total_num_steps, warm-up)``, which DeepSpeed's order applies one update later."""
+    """warmup_decay_lr's ``notes``: the warm-up's, a peak that is not optimizer.lr, and where its lr holds at
+    warmup_min_lr. Its gamma reaches 0 at iteration ``max(total_num_steps, warm-up)``, which DeepSpeed's order
+    applies one update later."""
     floor = (f"warmup_min_lr ({node.warmup_min_lr:.2e})" if node.warmup_min_lr
              else "warmup_min_lr (0: those steps change no weight)")
-    return notes(build_decay, node, config) + held_floor(node, config, floor, lambda total, warm: max(total, warm) + 1)
+    return notes(build_decay, node, config) + peak_notes(node, config) + held_floor(
+        node, config, floor, lambda total, warm: max(total, warm) + 1)
 
 
 def held_floor(node, config, floor: str, first_held: Callable[[int, int], int]) -> list[str]:
@@ -182,6 +205,6 @@ def checked_by_build(build_at: Callable[..., Callable[[int], float]]):
 
 COMPONENTS = {name: Component(config=config, build=build_at, check=checked_by_build(build_at), notes=notes_of)
               for name, config, build_at, notes_of in (
-                  ("warmup_lr", WarmupLRConfig, build, functools.partial(notes, build)),
+                  ("warmup_lr", WarmupLRConfig, build, lr_notes),
                   ("warmup_decay_lr", WarmupDecayLRConfig, build_decay, decay_notes),
                   ("warmup_cosine_lr", WarmupCosineLRConfig, build_cosine, cosine_notes))}

@@ -351,3 +351,27 @@ def test_no_resume_note_where_optimizer_lr_changed_with_train_steps():
     saved = framework.compose([*given, "train.steps=4"]).to_dict()
     assert schedule_change(saved, framework.compose([*given, "train.steps=8"]), 1) is not None
     assert schedule_change(saved, framework.compose([*given, "train.steps=8", "optimizer.lr=5e-4"]), 1) is None
+
+
+@pytest.mark.parametrize("name", ["warmup_lr", "warmup_decay_lr"])
+def test_a_warmup_max_lr_that_leaves_optimizer_lr_unused_is_noted(name):
+    """A set warmup_max_lr is the peak: optimizer.lr is read by no update, said once at start-up (a DeepSpeed
+    file's stated peak must equal the optimizer's lr; the command line's gets this note there too)."""
+    import framework
+    from framework.config import compose
+
+    def peaks(*over, **kw):
+        compose_ = framework.compose if kw else compose
+        return [n for n in compose_([f"scheduler={name}", "train.steps=20", *over], **kw).notices if "peaks" in n]
+
+    assert peaks("scheduler.warmup_max_lr=0.5", "optimizer.lr=0.001") == [
+        "note: the lr peaks at scheduler.warmup_max_lr=0.5; optimizer.lr=0.001 is not used (set "
+        "scheduler.warmup_max_lr=null to peak at optimizer.lr)"]
+    assert peaks("scheduler.warmup_max_lr=1e-3", "optimizer.lr=0.001") == []   # the same peak
+    assert peaks("optimizer.lr=0.001") == []                                    # null: the optimizer's lr
+    kind, params = {"warmup_lr": ("WarmupLR", {}),
+                    "warmup_decay_lr": ("WarmupDecayLR", {"total_num_steps": "auto"})}[name]
+    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+          "scheduler": {"type": kind, "params": {"warmup_num_steps": 10, "warmup_max_lr": "auto", **params}}}
+    assert len(peaks("scheduler.warmup_max_lr=0.01", ds_config=ds, world=1)) == 1
+    assert peaks(ds_config=ds, world=1) == []

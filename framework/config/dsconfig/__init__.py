@@ -20,7 +20,7 @@ from typing import Mapping
 from framework.core.errors import ConfigError
 from framework.core.files import parse_json
 from framework.core.paths import user_path
-from framework.config.dsconfig._keys import AUTO, COMMAND_LINE, DEFAULT, DS_FILE, YAML
+from framework.config.dsconfig._keys import AUTO, COMMAND_LINE, DEFAULT, DS_DEFAULT, DS_FILE, YAML
 from framework.config.dsconfig._resolve import RunFacts, resolve
 from framework.config.dsconfig._translate import translate
 
@@ -111,4 +111,5 @@ def _no_duplicates(where: str, pairs: list) -> dict:
     return out
 
 
-__all__ = ["AUTO", "COMMAND_LINE", "DEFAULT", "DS_FILE", "YAML", "RunFacts", "load", "resolve", "translate"]
+__all__ = ["AUTO", "COMMAND_LINE", "DEFAULT", "DS_DEFAULT", "DS_FILE", "YAML", "RunFacts", "load", "resolve",
+           "translate"]

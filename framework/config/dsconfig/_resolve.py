@@ -10,6 +10,7 @@ from framework.core.errors import ConfigError
 from framework.config.dsconfig._keys import AUTO, AUTO_FILLED, DS_DEFAULT, DS_FILE, DTYPES, SCALER_DEFAULTS
 from framework.config.dsconfig._record import Setting, Translation
 from framework.config.schema import reads_grad_accum_dtype
+from framework.schedulers.warmup_lr import peaks_apart
 
 
 @dataclass(frozen=True)
@@ -149,16 +150,17 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     s = t.settings.get("scheduler.warmup_max_lr")
     if s is not None and s.value == AUTO:
         values["scheduler.warmup_max_lr"], sources["scheduler.warmup_max_lr"] = lr, AUTO_FILLED
-    elif s is not None and s.source == DS_FILE and "scheduler.warmup_max_lr" not in run.cli_keys and s.value != lr:
+    elif s is not None and s.source == DS_FILE and "scheduler.warmup_max_lr" not in run.cli_keys and \
+            peaks_apart(s.value, lr):
         # the lr from the file's optimizer section, or else from the run's config
         fix = f"make optimizer.params.lr {s.value}" if "optimizer.lr" in t.settings and \
             "optimizer.lr" not in run.cli_keys else f"give optimizer.lr={s.value}"
         mismatches.append(f"scheduler.params.warmup_max_lr={s.value} but the optimizer's lr is {lr} (give "
                           f"\"auto\" or {fix})")
-    elif s is not None and s.source == DS_DEFAULT and s.value is not None and \
-            "scheduler.warmup_max_lr" not in run.cli_keys and s.value != lr:
+    elif s is not None and s.source == DS_DEFAULT and "scheduler.warmup_max_lr" not in run.cli_keys and \
+            peaks_apart(s.value, lr):
         # DeepSpeed's own default (WarmupDecayLR's 0.001), kept as DeepSpeed runs it; stated, the same value
-        # would be refused above, so say where the peak comes from
+        # would be refused above, so say where the peak comes from (in place of the scheduler's own note)
         notes.append(f"scheduler.params.warmup_max_lr is left out: the lr peaks at DeepSpeed's default {s.value}, "
                      f"not the optimizer's lr {lr}; give \"warmup_max_lr\": \"auto\" to peak at the optimizer's lr")
     s = t.settings.get("scheduler.total_num_steps")
