@@ -116,7 +116,9 @@ SQ_NORM_ROW = 256
 def sq_norm(tensors, device: torch.device) -> torch.Tensor:
     """Sum of squares of every element, as a float64 scalar on ``device``. No host sync.
 
-    Per tensor, never per fixed chunk, so the result does not depend on how a partition is cut into pieces.
+    Per tensor, never per fixed chunk, so the result does not depend on how a partition is cut into pieces;
+    it does on where the partitions end (their rows and per-tensor norms are rounded in fp32): zero3's
+    partitions give a norm that differs from zero1/zero2's in the last bits (about 1e-8 relative).
     On an accelerator one ``torch._foreach_norm`` covers every tensor (a dot per 65536 elements made 43k
     launches, 89 ms, for 1.4 B params). On the CPU one fp32 norm loses digits with length, so rows of
     ``SQ_NORM_ROW`` elements are reduced and their norms summed in float64: on 10 M elements rows of 256

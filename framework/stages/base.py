@@ -274,7 +274,9 @@ class PartitionedStage(BaseStage):
 
     def grad_sq_norm(self) -> torch.Tensor:
         # Over the partitions, not the pieces, so how they are cut (offload, overlap) cannot change the
-        # norm's rounding. (Swapped out: the offload target kept each partition's as it wrote it.)
+        # norm's rounding within a stage. The partitions are a stage's own: zero3 cuts them elsewhere than
+        # zero1/zero2, so its norm (and clip factor) differs from theirs in the last bits (docs/stages.md).
+        # (Swapped out: the offload target kept each partition's as it wrote it.)
         local = (self.offload.grad_sq_norm_local() if self.grad_swap
                  else sq_norm(self._partition_grads(), self.dist.device))
         # Partitions are disjoint: the global squared norm is the sum over ranks.
