@@ -9,13 +9,19 @@ from framework.core.registry import Component
 from framework.core.utils import counted
 
 
-def fmt_record(r: dict) -> str:
+def fmt_record(r: dict, scaled: bool = False) -> str:
+    """A record's console line; ``scaled`` (fp16): with the loss scale the step used."""
     if "val_loss" in r:
         return f"step {r['step']:>6} | val loss {r['val_loss']:.4f}"
     return " | ".join([f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
                        f"{r['tokens_per_s']:,.0f} tok/s",
+                       *([f"scale {_scale(r['loss_scale'])}"] if scaled and "loss_scale" in r else []),
                        *([f"skipped {r['skipped_steps']}"] if r.get("skipped_steps") else []),
                        *([f"eta {_hms(r['eta_s'])}"] if "eta_s" in r else [])])
+
+
+def _scale(s: float) -> str:
+    return f"{s:.0f}" if s >= 1 and float(s).is_integer() else f"{s:g}"   # 1048576, not 1.04858e+06
 
 
 def _hms(s: float) -> str:
@@ -31,8 +37,10 @@ class Console:
     def __init__(self, live: bool | None = None):
         self.live = sys.stdout.isatty() if live is None else live
         self._progress = self._task = None
+        self.scaled = False   # fp16: the lines show the loss scale
 
     def start(self, config: dict, total_steps: int) -> None:
+        self.scaled = (config.get("precision") or {}).get("name") == "fp16"
         if self.live:
             from rich.console import Console as RichConsole
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -47,13 +55,15 @@ class Console:
         if self._progress is not None:
             if "loss" in record:
                 status = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s"
+                if self.scaled and "loss_scale" in record:
+                    status += f" scale {_scale(record['loss_scale'])}"
                 self._progress.update(self._task, completed=record["step"], status=status)
             else:
-                self._progress.console.print(fmt_record(record))
+                self._progress.console.print(fmt_record(record, self.scaled))
             if hasattr(sys.stdout, "log_only"):   # train.log gets the records the bar shows
-                sys.stdout.log_only(fmt_record(record) + "\n")
+                sys.stdout.log_only(fmt_record(record, self.scaled) + "\n")
         else:
-            print(fmt_record(record), flush=True)
+            print(fmt_record(record, self.scaled), flush=True)
 
     def finish(self, summary: dict) -> None:
         self.close()

@@ -11,7 +11,7 @@ import torch
 
 from framework.core.errors import ConfigError, TrainingError
 from framework.core.registry import Component
-from framework.core.utils import few, map_tensors
+from framework.core.utils import counted, few, map_tensors
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,
                 raise TrainingError(
                     f"fp16 loss scale is at min_loss_scale={cfg.min_loss_scale:g} and gradients still overflow "
                     f"at step {st.cur_iter + 1} (non-finite gradients in: {shown or 'unknown'}); after "
-                    f"{st.skipped_steps} skipped steps. Lower the learning rate, use precision=bf16, or "
+                    f"{counted(st.skipped_steps, 'skipped step')}. Lower the learning rate, use precision=bf16, or "
                     f"lower precision.min_loss_scale")
             scale = max(scale / 2, cfg.min_loss_scale)
         else:

@@ -795,3 +795,23 @@ def test_a_logger_without_one_of_its_methods_is_one_line_before_training(tmp_pat
     with pytest.raises(ConfigError, match=r"^the logger Unclosable has no close method \(training calls"):
         record.start({}, 2)
     record.close()   # (the run's close: the refusal stands alone, no AttributeError after it)
+
+
+@pytest.mark.parametrize("precision,says", [("fp16", " | scale 65536 | skipped 2 | "), ("bf16", None)])
+def test_the_console_line_shows_the_loss_scale_under_fp16(capsys, precision, says):
+    """fp16: the line shows the scale the step used (a float the step returns: no extra host sync); others,
+    whose scale is always 1, do not."""
+    from framework.loggers.console import Console
+
+    console = Console(live=False)
+    console.start({"precision": {"name": precision}}, 4)
+    for scale in (65536.0, 2.0 ** 20):
+        console.log({"step": 2, "loss": 4.2, "lr": 1e-3, "tokens_per_s": 100.0, "loss_scale": scale,
+                     "skipped_steps": 2, "eta_s": 5.0})
+    console.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.startswith("step      2 | loss 4.2000 | lr 1.00e-03") for line in lines), lines
+    if says is None:
+        assert not any("scale" in line for line in lines), lines
+    else:
+        assert says in lines[0] and " | scale 1048576 | " in lines[1], lines

@@ -1,4 +1,6 @@
 """fp16 dynamic loss scaling follows DeepSpeed's rule (DynamicLossScaler) on scripted overflows."""
+import dataclasses
+
 import pytest
 
 from framework.core.errors import TrainingError
@@ -62,6 +64,10 @@ def test_min_scale_error_names_parameters():
     st = PrecisionState(cur_scale=1.0, cur_hysteresis=1)
     with pytest.raises(TrainingError, match=r"min_loss_scale=1.*h\.0\.attn\.weight"):
         next_scale(cfg, st, True, culprits=lambda: ["h.0.attn.weight"])
+    for skipped, said in ((1, "after 1 skipped step. "), (2, "after 2 skipped steps. ")):   # counted
+        with pytest.raises(TrainingError) as info:
+            next_scale(cfg, dataclasses.replace(st, skipped_steps=skipped), True)
+        assert said in str(info.value), str(info.value)
 
 
 def test_static_and_no_scaler_only_count_skips():
