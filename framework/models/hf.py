@@ -69,6 +69,11 @@ def architecture(module: nn.Module) -> dict | None:
     return without_dtype(module.config.to_dict())
 
 
+# The config key naming a model's class: model=hf builds AutoModelForCausalLM's class whatever it says (an export
+# writes that class there), so configs that differ only in it describe the same weights.
+CLASS_KEY = "architectures"
+
+
 def without_dtype(config: dict) -> dict:
     """A config dict as JSON gives it back, without the transformers version, private keys and the dtype at any
     depth: it trains in the precision's dtype, and ``build`` makes it in fp32."""

@@ -17,7 +17,7 @@ import torch
 from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, first_line
 from framework.core.utils import few
-from framework.models.hf import causal_lm_class, without_dtype
+from framework.models.hf import CLASS_KEY, causal_lm_class, without_dtype
 from framework.persist import stepfolders
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout, check_format, nonfinite_items
@@ -136,11 +136,15 @@ def _same_config(out_dir: Path, recorded: dict) -> bool:
         return True
     try:
         from transformers import AutoConfig
-        theirs = without_dtype(AutoConfig.from_pretrained(str(out_dir)).to_dict())
+        config = AutoConfig.from_pretrained(str(out_dir))
+        theirs = without_dtype(config.to_dict())
     except (OSError, ValueError, TypeError, KeyError) as e:
         theirs = f"not read as a transformers config: {first_line(e)}"
-    else:   # (the class: an earlier export's names the one trained, the checkpoint's record may not)
-        theirs["architectures"] = recorded.get("architectures")
+    else:   # (the class: an earlier export's names the one trained, the checkpoint's record may not; another
+        # head's, GPT2ForSequenceClassification's, is another model)
+        trained = [getattr(causal_lm_class(config), "__name__", None)]
+        if theirs.get(CLASS_KEY) in (None, recorded.get(CLASS_KEY), trained):
+            theirs[CLASS_KEY] = recorded.get(CLASS_KEY)
     if theirs == recorded:
         return True
     if isinstance(theirs, dict):   # (the model type first: another one says it all)

@@ -1004,6 +1004,16 @@ def test_an_export_of_an_hf_checkpoint_loads_with_from_pretrained(tmp_path, caps
                                                     "the checkpoint's (n_layer 3 vs 2: its vs the checkpoint's); "
                                                     "remove it")):
         export(step, other)
+    # Another head's config.json of the same dims is another model's too (its class is what differs); neither it
+    # nor its weights are replaced, even with --overwrite
+    for head in ("GPT2ForSequenceClassification", "GPT2ForTokenClassification"):
+        cls = write_config("gpt2", tmp_path / head, architectures=[head]).parent
+        for overwrite in (False, True):
+            with pytest.raises(ConfigError, match=re.escape(f"export: {cls / 'config.json'} describes another model "
+                                                            f"than the checkpoint's (architectures ['{head}'] vs "
+                                                            "None: its vs the checkpoint's)")):
+                export(step, cls, overwrite=overwrite)
+        assert [p.name for p in cls.iterdir()] == ["config.json"]
     # Saved before checkpoints recorded the config, or a model type this transformers does not know: the weights,
     # and a line saying how to add the config.json.
     body = json.loads((step / "train_state.json").read_text())
@@ -1018,6 +1028,21 @@ def test_an_export_of_an_hf_checkpoint_loads_with_from_pretrained(tmp_path, caps
         assert [p.name for p in export(step, tmp_path / f"hint{i}")] == ["model.safetensors"]
         assert (f"for from_pretrained, copy the model's config.json into {tmp_path / f'hint{i}'}\n"
                 in capsys.readouterr().err)
+
+
+def test_a_run_resumes_after_an_export_into_its_models_own_folder(tmp_path, capsys):
+    """The export's config.json names the model's class (architectures), the one trained from may not: a resume
+    with the same model.config is of the same model (AutoModelForCausalLM builds its class whatever it says)."""
+    from framework.persist.export import export
+    from tests._hf import write_config
+    path = write_config("gpt2", tmp_path / "m")   # without architectures, as a hand-written one
+    _hf_train(_local(), path, tmp_path / "ck")
+    export(tmp_path / "ck" / f"step-{K}", path.parent)   # config.json replaced by the export's
+    assert json.loads(path.read_text())["architectures"] == ["GPT2LMHeadModel"]
+    capsys.readouterr()
+    _hf_train(_local(), path, tmp_path / "ck", steps=N)
+    assert f"resumed from {tmp_path / 'ck' / f'step-{K}'} (step {K}" in capsys.readouterr().out
+    assert (tmp_path / "ck" / f"step-{N}").is_dir()
 
 
 def test_an_hf_export_writes_its_config_json_through_no_link(tmp_path, capsys):

@@ -14,7 +14,7 @@ from framework.config.schema import get_key
 from framework.engine.state import initial_scalars
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, UnsafePathError, on_every_rank, say
 from framework.core.registry import registry
-from framework.models.hf import architecture, without_dtype
+from framework.models.hf import CLASS_KEY, architecture, without_dtype
 from framework.loggers import RUN_ONLY
 from framework.persist import rng, stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
@@ -59,10 +59,11 @@ def same_run(folder: Path, saved: dict, mine: dict, resume: str, recorded=None, 
     diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in free][:4]
     diffs = [(f"model.{k}", get_key(saved["model"], k), get_key(mine["model"], k)) for k in diffs]
     if not diffs and isinstance(recorded, dict) and current is not None:
-        # Keys of both only: another transformers version may add a key with its default.
+        # Keys of both only (another transformers version may add a key with its default), the class aside.
         whose = "its config: "
         recorded = without_dtype(recorded)   # (as ``architecture`` gives ``current``: one recorded by an older build)
-        diffs = [(k, recorded[k], current[k]) for k in sorted(set(recorded) & set(current)) if recorded[k] != current[k]]
+        diffs = [(k, recorded[k], current[k]) for k in sorted(set(recorded) & set(current) - {CLASS_KEY})
+                 if recorded[k] != current[k]]
     if diffs:
         what = ", ".join(f"{k} {a!r} vs {b!r}" for k, a, b in diffs[:4])
         raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved by another model ({whose}{what}; saved vs "
