@@ -648,22 +648,53 @@ def test_the_alias_bomb_check_reads_quoted_search_paths_and_nested_group_folders
     assert re.match(f"config: {nested}: its aliases expand", said), said
 
 
-def test_the_alias_bomb_check_skips_dot_folders(tmp_path):
-    """A dot folder (a project root's .git, .venv: thousands of files) is no group Hydra's grammar names: its YAML
-    is not read on each compose; a group folder beside it still is."""
+def test_the_alias_bomb_check_skips_tools_folders_only(tmp_path):
+    """A tool's folder (a project root's .git, a virtual environment: thousands of files) is no config group: its
+    YAML is not read on each compose; a group folder beside it still is, and so is a dot folder a defaults list
+    names (Hydra composes it: ``.local@_global_: mine``)."""
     from framework.config.plainconf import check_aliases
     from framework.core.paths import conf_dir
 
-    for folder in (".git", ".venv/lib", "__pycache__"):
-        (tmp_path / folder).mkdir(parents=True)
-        (tmp_path / folder / "x.yaml").write_text(_alias_bomb(5))
-    check_aliases(str(conf_dir()), [f"hydra.searchpath=[file://{tmp_path}]"])
-    check_aliases(str(tmp_path), [])
-    (tmp_path / "optimizer").mkdir()
-    bomb = tmp_path / "optimizer" / "x.yaml"
+    top = tmp_path / "top"
+    (top / ".local").mkdir(parents=True)
+    (top / "exp.yaml").write_text("defaults:\n  - train\n  - .local@_global_: mine\n  - _self_\n")
+    (top / ".local" / "mine.yaml").write_text("seed: 4242\n")
+    assert compose([], config_dir=str(top), config_name="exp").seed == 4242
+    (top / ".local" / "mine.yaml").write_text(_alias_bomb(7))
+    [said] = _compose_errors(([], {"config_dir": str(top), "config_name": "exp"}))
+    assert re.match(f"config: {re.escape(str(top / '.local' / 'mine.yaml'))}: its aliases expand", said), said
+    root = tmp_path / "root"   # a project root given as the config folder
+    for folder in (".git", "env/lib", "__pycache__", ".mypy_cache", "node_modules", "outputs/1/.hydra"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "x.yaml").write_text(_alias_bomb(5))
+    (root / "env" / "pyvenv.cfg").write_text("home = /usr/bin\n")   # (a venv by any name)
+    check_aliases(str(conf_dir()), [f"hydra.searchpath=[file://{root}]"])
+    check_aliases(str(root), [])
+    (root / "optimizer").mkdir()
+    bomb = root / "optimizer" / "x.yaml"
     bomb.write_text(_alias_bomb(5))
     with pytest.raises(ConfigError, match=f"^config: {re.escape(str(bomb))}: its aliases expand to 1.23e"):
-        check_aliases(str(tmp_path), [])
+        check_aliases(str(root), [])
+
+
+def test_the_alias_bomb_check_follows_a_linked_group_folder_once(tmp_path):
+    """Hydra follows a link to a group folder: its files are checked too; a link to a folder above (a loop) is
+    walked once."""
+    from framework.config.plainconf import check_aliases
+    from framework.core.files import config_files
+
+    (tmp_path / "shared").mkdir()
+    bomb = tmp_path / "shared" / "mine.yaml"
+    bomb.write_text("# @package _global_\n" + _alias_bomb(7))
+    search = tmp_path / "search"
+    search.mkdir()
+    (search / "experiment").symlink_to(tmp_path / "shared")
+    (search / "loop").symlink_to(search)
+    assert config_files(search) == [search / "experiment" / "mine.yaml"]
+    with pytest.raises(ConfigError, match=re.escape(f"config: {search / 'experiment' / 'mine.yaml'}: its aliases")):
+        check_aliases(str(search), [])
+    [said] = _compose_errors(([f"hydra.searchpath=[file://{search}]", "+experiment=mine"], {}))
+    assert re.match(f"config: {re.escape(str(search / 'experiment' / 'mine.yaml'))}: its aliases", said), said
 
 
 def test_the_alias_bomb_check_reads_a_group_folder_of_the_users_own(tmp_path):
