@@ -1037,6 +1037,30 @@ class _Blk(torch.nn.Module):
         return self.b(self.inner(torch.relu(self.a(h))))
 
 
+def test_the_resume_off_and_latest_notes_say_what_the_run_starts_from(tmp_path, capsys):
+    """With nothing read (resume=off beside checkpoints, resume=latest finding none), the note says the run starts
+    from step 0, or keeps a trained state given (a loop of one's own): not "starting from step 0" then."""
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    with framework.initialize(torch.nn.Linear(3, 1), loss, tiny_config()) as engine:
+        x = torch.randn(4, 3)
+        state, _ = engine.train_step(engine.state, framework.Batch(((x, x.sum(1, keepdim=True)),)))
+        with contextlib.closing(Checkpointer(tiny_config("checkpoint.every=1"), engine, run_dir=tmp_path)) as ckpt:
+            ckpt.save(state)
+        ckpts, none = tmp_path / "checkpoints", tmp_path / "none"
+        for over, said in ((["checkpoint.resume=off"], "resume=off: {0} although {1} holds 1 checkpoint, newest "
+                            "step-1; set checkpoint.resume=auto to continue from it"),
+                           (["checkpoint.resume=latest", f"checkpoint.dir={none}"], "resume=latest: no checkpoint in "
+                            "{1} or in the run folders under outputs/, multirun/; {0}")):
+            for given, start in ((replace(state, step=0), "starting from step 0"),
+                                 (state, "keeping the given state (step 1)")):
+                capsys.readouterr()
+                cfg = tiny_config(*over, "checkpoint.every=0")
+                with contextlib.closing(Checkpointer(cfg, engine, run_dir=tmp_path)) as ckpt:
+                    assert ckpt.resume(given) is given
+                out = capsys.readouterr().out
+                assert f"checkpoint: {said.format(start, ckpts if 'off' in over[0] else none)}\n" in out, out
+
+
 class _Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
