@@ -207,7 +207,10 @@ def _check_build(group: str, module_name: str, name: str, component: Component) 
 
 def _check_frozen(group: str, module_name: str, name: str, config: type) -> None:
     """A component's config is a frozen dataclass: every check runs at compose time, so a field set afterwards
-    (``cfg.optimizer.lr = -3``) would train unchecked."""
+    (``cfg.optimizer.lr = -3``) would train unchecked. It is the class: a node's values make an instance of it."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        raise ConfigError(f"{group} {name!r} ({module_name}): its config is an instance of {type(config).__name__}, "
+                          f"not the class; give the class: Component(config={type(config).__name__}, ...)")
     if not (dataclasses.is_dataclass(config) and config.__dataclass_params__.frozen):
         what = "not frozen" if dataclasses.is_dataclass(config) else "not a dataclass"
         raise ConfigError(f"{group} {name!r} ({module_name}): its config {getattr(config, '__name__', config)} is "

@@ -441,6 +441,14 @@ class LooseConfig:   # (not frozen: refused when the registry is read)
 
 
 LOOSE = Component(config=LooseConfig, build=lion.build)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BareConfig:
+    lr: float = 1.0
+
+
+INSTANCE = Component(config=BareConfig(), build=lion.build)   # (an instance, not the class)
 """
 
 
@@ -491,6 +499,12 @@ def test_an_installed_packages_entry_point_adds_a_component(tmp_path, monkeypatc
                                     "composed config is checked once and cannot change after); declare it "
                                     "@dataclass(frozen=True, kw_only=True) ('ulion3' is an entry point of package "
                                     "uplug, read by every run: fix it there, or pip uninstall uplug)"), str(e.value)
+        points.write_text("[framework.optimizer]\nbare = uplug:INSTANCE\n")
+        registry.cache_clear()
+        with pytest.raises(ConfigError) as e:
+            registry("optimizer")
+        assert str(e.value).startswith("optimizer 'bare' (uplug:INSTANCE): its config is an instance of BareConfig, "
+                                       "not the class; give the class: Component(config=BareConfig, ...) ("), e.value
     finally:
         monkeypatch.undo()
         sys.modules.pop("uplug", None)
