@@ -26,7 +26,7 @@ from framework.engine.state import FORMAT as STATE_FORMAT
 from framework.models.hf import architecture
 from framework.offload import verify_map
 from framework.persist import rng, stepfolders
-from framework.persist.checkpoint._group import Group, agree_save, glue
+from framework.persist.checkpoint._group import Group, agree_save, glue, room_fixes
 from framework.core.utils import dtype_name, few, tensor_bytes
 from framework.persist.layout import StateLayout, host_copy, nonfinite_items, pieces
 from framework.persist.tensorfiles import bits_sum, read_per_device
@@ -237,9 +237,10 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
             "train.on_nonfinite=warn keeps training without saving such state"))
     if shorts:
         raise on_every_rank(CheckpointError(f"checkpoint: not saving step {step}: " + "; ".join(
-            s.describe("the checkpoint files") for s in shorts) + "; free space, lower checkpoint.keep_last or set "
-            "checkpoint.dir to a larger disk (the previous checkpoints are kept)"))
+            s.describe("the checkpoint files") for s in shorts) + f"; {room_fixes(snap['keep_last'])} (the previous "
+            "checkpoints are kept)"))
     snap["need"] = sum(c.need for _, c, _, _ in everyone)   # every rank's files: one number on every rank
+    snap["largest"] = max(c.need for _, c, _, _ in everyone)   # (DCP writes one file per rank)
     return True
 
 
@@ -298,7 +299,8 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         if recheck is not None:
             recheck()
 
-    agree_save(group, "writing the files", write_files, tmp, need=need)
+    agree_save(group, "writing the files", write_files, tmp, need=need, largest=snap["largest"],
+               keep_last=snap["keep_last"])
     # Checksums: each rank hashes every world-th file, so the reading is spread over the ranks.
     parts = agree_save(group, "checksums", lambda: {n: stepfolders.file_entry(tmp, n)
                                                     for n in stepfolders.files_of(tmp)[rank::group.world]}, tmp)
@@ -325,7 +327,7 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         print(f"checkpoint: saved {final} ({total / MiB:.1f} MiB in {time.perf_counter() - t0:.2f}s"
               + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)
 
-    agree_save(group, "commit", commit, tmp, need=need)
+    agree_save(group, "commit", commit, tmp, need=need, keep_last=snap["keep_last"])
 
 
 def unseen(tmp: Path, entries: dict[str, dict], world: int) -> None:
