@@ -271,10 +271,12 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         if snap["on_point"] is not None:
             snap["on_point"](f"save-{step}:{name}")
 
+    stuck: list[str] = []   # earlier saves' leftovers (step-N.del) the clean-up could not delete: said at the commit
+
     def make_folder():
         if rank == 0:
             files.make_dirs(root)
-            stepfolders.remove_stale(root, keep=staged16)
+            stuck.extend(stepfolders.remove_stale(root, keep=staged16))
             files.make_dir(tmp, exist_ok=False)   # refused if anything (a planted link) is there
             if staged16 is not None:   # a subfolder: in the manifest, moved and pruned with the step
                 os.replace(staged16, tmp / stepfolders.WEIGHTS16)
@@ -319,6 +321,9 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
             failed = left and f"could not delete all of {', '.join(map(str, left))}; the next save tries again"
         except (OSError, FrameworkError) as e:   # committed already: the older folders are left for the next save
             gone, failed = [], f"deleting the older checkpoints failed ({getattr(e, 'strerror', None) or e})"
+        if stuck:   # (said at every save that fails to delete them: each keeps a checkpoint's disk space)
+            again = f"still could not delete {', '.join(stuck)}: remove it by hand (the next save tries again)"
+            failed = f"{failed}; {again}" if failed else again
         if failed:
             late = f"{late}; {failed}" if late else f"{final} committed; {failed}"
         if late:
