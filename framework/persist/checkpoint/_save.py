@@ -208,6 +208,8 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
     step, group, root = snap["step"], ckpt.group, ckpt.root
     problem, claim = None, None
     try:
+        if group.rank == 0 and getattr(ckpt, "lock", None) is not None:   # (before any step folder is made)
+            ckpt.lock.check()   # still this run's folder
         claim = Claim.of(root, snap["bytes"], group.rank)
         if snap["nonfinite"]:
             recheck()
@@ -237,8 +239,8 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
             "train.on_nonfinite=warn keeps training without saving such state"))
     if shorts:
         raise on_every_rank(CheckpointError(f"checkpoint: not saving step {step}: " + "; ".join(
-            s.describe("the checkpoint files") for s in shorts) + f"; {room_fixes(snap.get('keep_last'))} (the previous "
-            "checkpoints are kept)"))
+            s.describe("the checkpoint files") for s in shorts) + f"; {room_fixes(snap.get('keep_last'))} (the "
+            "previous checkpoints are kept)"))
     snap["need"] = sum(c.need for _, c, _, _ in everyone)   # every rank's files: one number on every rank
     snap["largest"] = max(c.need for _, c, _, _ in everyone)   # (DCP writes one file per rank)
     return True
