@@ -37,8 +37,8 @@ class HeldLock:
         files.make_dirs(self.root)
         fd = files.lock(path, lambda holder: (
             f"checkpoint.dir {self.root} lost this run's {stepfolders.LOCK} (the folder removed during the run?) and "
-            f"another run{holder} saves there now: not saving into it beside that run; set checkpoint.dir to another "
-            "folder and resume from its last checkpoint there, or end the other run"), None)
+            f"another run{holder} saves there now: not saving beside it; end that run, or run this one again with "
+            "checkpoint.dir set to a folder of its own"), None)
         if self.fd is not None:
             os.close(self.fd)
         self.fd, self.held = fd, identity(fd)
