@@ -28,7 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from framework.persist import stepfolders
-from framework.persist.checkpoint import checkpoint_root, preflight, shared
+from framework.persist.checkpoint import checkpoint_root, identity, preflight, shared
 from framework.config import Config, check_batch_world
 from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import (agree, backend_notice, check_env, connect, disconnect, env_int,
@@ -60,15 +60,18 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
         raise on_every_rank(e)
     # SIGTERM unwinds the run; the run and checkpoint folders' locks are held until the run (a multirun's job) ends
     with signals_unwind(), contextlib.ExitStack() as held:
-        def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
+        def own_and_preflight(cfg: Config, run: RunInfo) -> tuple[Config, RunInfo]:
             held.callback(os.close, own_run_folder(run))
             if on_owned is not None:   # (a refusal below removes the folder it made, run.lock and all)
                 on_owned(run.run_dir)
             check_records(run.run_dir, "hydra.sweep.dir" if run.group else "hydra.run.dir")
-            cfg = preflight(cfg, run.run_dir, run.job, run.sweep_dir,
-                            own=lambda root: held.callback(os.close, own_checkpoint_dir(root)), naming=run.naming)
+            locks = []   # the checkpoint folder's lock file, which each save checks is still the folder's
+            def own(root: Path) -> None:
+                held.callback(os.close, fd := own_checkpoint_dir(root))
+                locks.append(identity(fd))
+            cfg = preflight(cfg, run.run_dir, run.job, run.sweep_dir, own=own, naming=run.naming)
             restart_notice(cfg, run)
-            return cfg
+            return cfg, replace(run, checkpoint_lock=locks[0] if locks else None)
 
         if env_int("WORLD_SIZE", 1) > 1:  # torchrun (or another launcher) made the ranks
             already = torch.distributed.is_initialized()
@@ -86,9 +89,9 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
                 _remove_stray_sweep(run.sweep_dir, Path(dirs[0]))
             run = replace(run, run_dir=Path(dirs[0]))
             # Rank 0 takes the folder, checks and resolves "latest" once; every rank stops with its error or trains it.
-            mine = agree(dist, lambda: own_and_preflight(cfg, run) if dist.is_main else None,
-                         "the checkpoint pre-flight")
-            cfg = dist.all_gather_object(mine, what="the checkpoint pre-flight")[0]
+            mine = agree(dist, lambda: dist.is_main and own_and_preflight(cfg, run), "the checkpoint pre-flight")
+            cfg = dist.all_gather_object(mine and mine[0], what="the checkpoint pre-flight")[0]
+            run = mine[1] if mine else run   # (rank 0 checks the lock at each save)
             if cfg.checkpoint.every:   # ranks on other nodes may see another folder at the same path
                 shared(dist, checkpoint_root(cfg, run.run_dir, run.job))
             try:
@@ -98,7 +101,7 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
                     log_rank_error(run, dist.rank, dist.world, e)
                 raise
         # Another model's checkpoint is refused before any rank starts; "latest" is resolved once for every rank.
-        cfg = own_and_preflight(cfg, run)
+        cfg, run = own_and_preflight(cfg, run)
         if cfg.dist.nproc == 1:
             return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s), on_point, on_ready)
         # One line for an impossible request (NCCL with more local ranks than GPUs) before any rank starts.

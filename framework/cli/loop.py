@@ -90,7 +90,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     # steps; and the last val loss
     recent, finite, val_loss = deque(maxlen=t.log_every), deque(maxlen=t.log_every), math.nan
     ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point,   # collective
-                        batch_from_config=True, data=data.identity())
+                        batch_from_config=True, data=data.identity(), lock=run.checkpoint_lock)
     try:
         state = ckpt.resume(state)
         # The summary's train loss is the mean of the last log_every steps: those before the checkpoint too

@@ -39,6 +39,8 @@ class RunInfo:
     naming: frozenset[str] = frozenset()
     # how long the other ranks wait for rank 0's logger to start (dist.timeout_s); None: no other ranks
     peers_wait_s: float | None = None
+    # the (device, inode) of the checkpoint folder's lock file the launcher holds: each save checks it is still there
+    checkpoint_lock: tuple[int, int] | None = None
 
     @property
     def job(self) -> str | None:

@@ -24,9 +24,10 @@ from framework.persist.layout import StateLayout, check_format, nonfinite_items
 from framework.persist.tensorfiles import output_dir, plan_files, save_files
 from framework.persist.weights import check_output
 
-def resolve(checkpoint) -> Path:
+def resolve(checkpoint, say: bool = True) -> Path:
     """The DCP step folder of ``checkpoint``: itself; in a folder of committed step folders the newest, as resume=auto
-    picks it (said when ``latest`` names another); else what its ``latest`` points at (a link, or a file naming it)."""
+    picks it (said when ``latest`` names another, unless not ``say``); else what its ``latest`` points at (a link, or
+    a file naming it)."""
     path, seen = Path(checkpoint), set()
     found = [] if (path / ".metadata").is_file() else stepfolders.scan(path, around=True)[0]   # (renames nothing)
     if found:
@@ -34,7 +35,7 @@ def resolve(checkpoint) -> Path:
         named = (Path(os.readlink(latest)).name if latest.is_symlink()
                  else latest.read_text().strip() if latest.is_file() else None)
         step = found[0].name.split(".")[0]   # (step-N.tmp or .old: step-N, its commit under way or interrupted)
-        if named != step:
+        if named != step and say:
             print(f"warning: export: {path} holds {step}, its newest committed checkpoint, but its latest "
                   f"names {named or 'nothing'}; exporting {found[0].name}", file=sys.stderr, flush=True)
         return found[0]
@@ -121,7 +122,8 @@ def _recorded(checkpoint) -> dict | None:
     """The model config a ``model=hf`` checkpoint's train state records (unchecked: a damaged one is refused by
     the read after); None for another model, or where it cannot be read."""
     try:
-        body = stepfolders.read_json(resolve(checkpoint) / stepfolders.TRAIN_STATE, "train state")
+        # (quiet: the read after resolves it again, and says once what it exports)
+        body = stepfolders.read_json(resolve(checkpoint, say=False) / stepfolders.TRAIN_STATE, "train state")
     except (FrameworkError, OSError, ValueError):
         return None
     config = body.get("model_config") if isinstance(body, dict) else None

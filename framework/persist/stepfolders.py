@@ -397,15 +397,18 @@ def prune(root: Path, newest: Path, keep_last: int, on_point=None) -> tuple[list
     return gone, left
 
 
-def remove_stale(root: Path, keep: Path | None = None) -> None:
+def remove_stale(root: Path, keep: Path | None = None) -> list[str]:
     """After ``restore``: remove the folders of interrupted saves and deletions but ``keep`` (never a link); a
-    complete ``step-<N>.tmp`` with no ``step-<N>`` moved aside is one of them (the resume passed it over)."""
+    complete ``step-<N>.tmp`` with no ``step-<N>`` moved aside is one of them (the resume passed it over). Those it
+    could not delete, each said as "<folder> (why)"."""
+    stuck = []
     if root.is_dir():
         restore(root)
-        for p in root.iterdir():
+        for p in sorted(root.iterdir()):
             if (p.name.startswith("step-") and p.name.endswith(_LEFTOVER) and p != keep and not p.is_symlink()
-                    and p.is_dir()):
-                _remove_tree(p)
+                    and p.is_dir() and (why := _remove_tree(p))):
+                stuck.append(f"{p} ({why})")
+    return stuck
 
 
 def interrupted(root: Path) -> list[tuple[Path, Path]]:
@@ -439,7 +442,15 @@ def restore(root: Path) -> list[Path]:
     return done
 
 
-def _remove_tree(p: Path) -> None:
+def _remove_tree(p: Path) -> str | None:
+    """Delete ``p`` as far as it goes (never through a link); why it is still there (its first error), or None."""
     if p.is_symlink():
         raise UnsafePathError(f"{p} is a symbolic link; refusing to delete through it: remove the link")
-    shutil.rmtree(p, ignore_errors=True)
+    errors: list[BaseException] = []
+    shutil.rmtree(p, onerror=lambda fn, path, info: errors.append(info[1]))
+    if not os.path.lexists(p):
+        return None
+    e = errors[0] if errors else None
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    return str(e) if e is not None else "not deleted"

@@ -1280,3 +1280,47 @@ def test_a_spawned_rank_that_died_is_named_and_train_log_keeps_what_ended_the_ru
     assert 'in fault\n    raise RuntimeError(f"FRAMEWORK_FAULT: ' in trace, p.stderr[-3000:]
     assert log.endswith(f"{trace}{line}\n" if rank == "1" else f"\n{line}\n"), log[-3000:]
     assert log.count("Traceback (most recent call last):") == 1, log[-6000:]
+
+
+def test_a_checkpoint_folder_removed_during_a_run_is_locked_again_or_refused(tmp_path, capsys):
+    """``rm -rf`` of the checkpoint folder mid-run: the next save takes its lock again (said once), so that a second
+    run into it is refused; where a second run got in first and holds it, the save is refused, never mixed in."""
+    from framework import compose
+    from framework.cli.launch import launch, own_checkpoint_dir
+    from framework.core.errors import CheckpointError, FrameworkError
+    from framework.loggers import RunInfo
+
+    ckpt = tmp_path / "ckpt"
+    cfg = compose([*SHORT, "checkpoint.every=2", f"checkpoint.dir={ckpt}"])
+    second = []
+
+    def removed(point: str) -> None:
+        if point == "step:3":   # (step 2 saved)
+            shutil.rmtree(ckpt)
+        if point == "step:5":   # (step 4 saved, into the folder made again): a second run is refused
+            with pytest.raises(FrameworkError, match=f"checkpoint.dir {ckpt} is in use by another run"):
+                os.close(own_checkpoint_dir(ckpt))
+            second.append(point)
+    capsys.readouterr()
+    launch(cfg, RunInfo(tmp_path / "a", None, None), on_point=removed)
+    err = capsys.readouterr().err
+    assert second == ["step:5"] and sorted(p.name for p in ckpt.glob("step-*")) == ["step-4", "step-6"]
+    assert err.count(f"warning: checkpoint: checkpoint.dir {ckpt} lost this run's .lock (the folder removed during "
+                     "the run?): locked it again, so that no other run saves there") == 1, err
+
+    shutil.rmtree(ckpt)   # (a run that starts afresh)
+    held = []
+
+    def taken(point: str) -> None:
+        if point == "step:3":   # removed, and a second run saves there now
+            shutil.rmtree(ckpt)
+            held.append(own_checkpoint_dir(ckpt))
+    try:
+        with pytest.raises(CheckpointError, match=rf"not saving step 4: rank 0: checkpoint.dir {re.escape(str(ckpt))} "
+                                                  rf"lost this run's \.lock .* and another run \(pid {os.getpid()} .*\)"
+                                                  " saves there now"):
+            launch(cfg, RunInfo(tmp_path / "b", None, None), on_point=taken)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert not list(ckpt.glob("step-*"))

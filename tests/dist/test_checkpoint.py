@@ -1111,3 +1111,31 @@ def test_a_checkpoint_saved_on_another_kind_of_device_resumes_its_cpu_generator(
     out = capsys.readouterr().out
     assert out.count("was saved on another kind of device") == 1, out
     assert ("derived from (seed, step, rank)" if run_on == "cuda" else "dropped") in out, out
+
+
+def test_a_step_folder_rotation_cannot_delete_is_said_at_every_save_that_fails_again(tmp_path, capsys, monkeypatch):
+    """keep_last=1 with step-2's deletion refused (no permission): step-2.del stays; the save that left it says so,
+    and each later save whose retry fails says it again, once, naming the folder and why."""
+    import shutil
+
+    rmtree = shutil.rmtree
+
+    def refused(path, ignore_errors=False, onerror=None, **kw):
+        if Path(path).name != f"step-{K}.del":
+            return rmtree(path, ignore_errors=ignore_errors, onerror=onerror, **kw)
+        e = PermissionError(13, "Permission denied", str(Path(path) / "__0_0.distcp"))
+        if onerror is not None:
+            onerror(os.unlink, e.filename, (type(e), e, None))
+        elif not ignore_errors:
+            raise e
+    monkeypatch.setattr(shutil, "rmtree", refused)
+    _train(_local(), ["checkpoint.keep_last=1"], str(tmp_path), steps=3 * K)
+    err = capsys.readouterr().err.splitlines()
+    stuck = tmp_path / f"step-{K}.del"
+    assert stuck.is_dir() and sorted(p.name for p in tmp_path.glob("step-*")) == [stuck.name, f"step-{3 * K}"]
+    first = [x for x in err if f"step-{2 * K} committed" in x]
+    assert len(first) == 1 and f"could not delete all of {stuck}; the next save tries again" in first[0], err
+    again = [x for x in err if f"step-{3 * K} committed" in x]
+    assert len(again) == 1 and again[0].endswith(
+        f"still could not delete {stuck} (Permission denied: {stuck / '__0_0.distcp'}): remove it by hand (the "
+        "next save tries again)"), err

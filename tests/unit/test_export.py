@@ -575,3 +575,18 @@ def test_an_inf_in_a_buffer_or_frozen_parameter_exports_and_a_nan_there_is_refus
     err = capsys.readouterr().err.strip()
     assert "non-finite values (NaN or inf) in 'mask'" in err and "\n" not in err, err
     assert not (tmp_path / "out2").exists()
+
+
+def test_latest_naming_another_step_is_said_once_per_export(tmp_path, capsys):
+    """A folder whose ``latest`` names a step it no longer holds: the export says once which step it exports."""
+    from framework.persist import stepfolders
+    _checkpoint(tmp_path)
+    step = tmp_path / "ckpt" / "step-3"   # committed, as a save leaves it
+    stepfolders.write_manifest(step, {n: stepfolders.file_entry(step, n) for n in stepfolders.files_of(step)},
+                               step=3, world=1, stage=None, config_hash="x", verified=True, seq=1)
+    (tmp_path / "ckpt" / "latest").write_text("step-9\n")
+    capsys.readouterr()
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    said = [x for x in err if "but its latest names step-9; exporting step-3" in x]
+    assert len(said) == 1, err

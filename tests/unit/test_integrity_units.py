@@ -802,6 +802,30 @@ def test_a_save_failing_while_an_interrupt_is_handled_is_a_save_failure(tmp_path
                        lambda: dcp.save({"w": torch.ones(4)}, storage_writer=Full(tmp), no_dist=True), tmp)
 
 
+@pytest.mark.parametrize("keep_last", [0, 1, 3])
+def test_a_full_disk_suggests_a_lower_keep_last_only_where_one_keeps_fewer(tmp_path, keep_last):
+    """keep_last=1 keeps the fewest already (0 keeps all): a full disk's line does not offer lowering it then."""
+    import torch.distributed.checkpoint as dcp
+    from framework.persist.checkpoint._group import agree_save, glue
+
+    class Full(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(28, "No space left on device")
+
+    (tmp := tmp_path / "step-2.tmp").mkdir()
+    glue().quiet_no_dist()
+    with pytest.raises(CheckpointError, match="is full") as got:
+        agree_save(_OneRank(), "writing the files", lambda: dcp.save({"w": torch.ones(4)}, storage_writer=Full(tmp),
+                                                                     no_dist=True), tmp, need=1 << 20,
+                   keep_last=keep_last)
+    fixes = str(got.value).rsplit("): ", 1)[1]
+    assert fixes == {0: "free space, set checkpoint.keep_last=N to keep only the N newest checkpoints or set "
+                        "checkpoint.dir to a larger disk; the previous checkpoints are kept",
+                     1: "free space or set checkpoint.dir to a larger disk; the previous checkpoints are kept",
+                     3: "free space, lower checkpoint.keep_last or set checkpoint.dir to a larger disk; the previous "
+                        "checkpoints are kept"}[keep_last], got.value
+
+
 def test_a_file_size_limit_during_a_save_is_not_called_a_full_disk(tmp_path):
     """EFBIG (``ulimit -f``) while DCP writes: torch's zip writer reports it as "unexpected pos", as it does a
     full disk, with the EFBIG underneath; the line names the limit, not free space the disk has."""
@@ -815,11 +839,13 @@ def test_a_file_size_limit_during_a_save_is_not_called_a_full_disk(tmp_path):
     with pytest.raises(CheckpointError) as got, file_size_limit(64 << 10):
         agree_save(_OneRank(), "writing the files", lambda: dcp.save(
             {"w": torch.ones(1 << 16), "b": [torch.ones(2)]}, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True),
-            tmp, need=300 << 10)
-    assert str(got.value) == (f"checkpoint: saving step-2 failed (writing the files): rank 0: a file size limit "
-                              f"stopped the writes in {tmp_path} (the checkpoint needs about 0.29 MiB (307200 bytes)):"
-                              f" raise the file size limit (ulimit -f) or set checkpoint.dir to a file system that "
-                              f"takes larger files; the previous checkpoints are kept"), got.value
+            tmp, need=600 << 10, largest=300 << 10)
+    # the limit named, and the largest single file it must admit (one rank's), not the whole checkpoint
+    assert str(got.value) == (f"checkpoint: saving step-2 failed (writing the files): rank 0: the file size limit "
+                              f"(ulimit -f 64: 0.06 MiB (65536 bytes)) stopped the writes in {tmp_path} (its largest "
+                              f"file needs about 0.29 MiB (307200 bytes)): raise the file size limit (ulimit -f) above"
+                              f" that or set checkpoint.dir to a file system that takes larger files; the previous "
+                              f"checkpoints are kept"), got.value
     assert not tmp.exists()
 
 

@@ -31,11 +31,13 @@ from framework.core.room import check_name
 from framework.core.utils import counted, few
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
+from framework.persist.checkpoint._lock import HeldLock, identity
 from framework.persist.checkpoint._load import (afresh, batch_change, changed, data_change, job_values, load,
                                                 other_job, same_run, saves_among, schedule_change, verify)
 from framework.persist.checkpoint._save import check_finite, save
 
-__all__ = ["CHECKPOINTS", "Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "shared", "verify"]
+__all__ = ["CHECKPOINTS", "Checkpointer", "CheckpointError", "checkpoint_root", "glue", "identity", "preflight",
+           "shared", "verify"]
 
 
 # A refused load may have read part of a checkpoint into the state's tensors (DCP reads in place).
@@ -49,17 +51,20 @@ class Checkpointer:
 
     def __init__(self, cfg, engine, job: str | None = None, run_dir: Path | None = None,
                  on_point: Callable[[str], None] | None = None, batch_from_config: bool = False,
-                 data: dict | None = None):
+                 data: dict | None = None, lock: tuple[int, int] | None = None):
         """``run_dir``, ``job``: see ``checkpoint_root``. ``on_point``: ``save``'s (fault tests). ``data``: the data's
         ``DataSource.identity()``, saved with each checkpoint: a resume refuses a changed vocabulary (its ids would
         stand for other characters) and says when only the content changed. ``batch_from_config``: batches are
-        ``train.micro_batch`` x ``train.grad_accum`` rows (the CLI's): a resume says when the global batch changed."""
+        ``train.micro_batch`` x ``train.grad_accum`` rows (the CLI's): a resume says when the global batch changed.
+        ``lock``: the (device, inode) of the folder's lock file the caller holds (the CLI's), checked before each save
+        (``HeldLock``)."""
         self.cfg, self.config, self.seed, self.engine = cfg.checkpoint, cfg.to_dict(), cfg.seed, engine
         self.run_cfg = cfg   # (a resume's note rebuilds its lr schedule over the saved run's length)
         self.batch_from_config, self.data = batch_from_config, data
         self.resume_given = cfg.resume_given or cfg.checkpoint.resume   # what messages say (latest as typed)
         self.root = checkpoint_root(cfg, run_dir, job)
         self.on_nonfinite, self.on_point = cfg.train.on_nonfinite, on_point
+        self.lock = HeldLock(self.root, lock) if lock is not None else None
         self.group = Group(engine.components.dist, self.cfg.timeout_s)
         self.rank = self.group.rank
         # DCP's writer queries the current CUDA stream on this thread: bound, or it opens a context on GPU 0
@@ -229,6 +234,8 @@ class Checkpointer:
             if self.pool is not None:
                 self.pool.shutdown(wait=True)
             self.group.close()
+            if self.lock is not None:
+                self.lock.close()
 
 
 # The checkpoint root in a run folder (or the working directory) when checkpoint.dir is unset.

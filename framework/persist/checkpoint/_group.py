@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import resource
 import shutil
 from pathlib import Path
 from typing import Any
@@ -51,10 +52,12 @@ class Group:
             self.pg = None
 
 
-def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, need: int = 0) -> list:
+def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, need: int = 0, largest: int = 0,
+               keep_last: int | None = None) -> list:
     """``fn()`` on every rank, outcomes exchanged; every rank's result. A failure anywhere: rank 0 removes ``tmp``
     (``cleanup``), every rank raises one CheckpointError naming the rank and cause, or the interrupt (``_stop``).
-    ``need``: the checkpoint's bytes, for a full disk's message."""
+    ``need``: the checkpoint's bytes, for a full disk's message; ``largest``: its largest file's, for a file size
+    limit's; ``keep_last``: the save's checkpoint.keep_last, for the remedies a full disk's message offers."""
     result, problem, stop = None, None, None
     try:
         result = fn()
@@ -63,7 +66,7 @@ def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, 
             # DCP raises on every rank what failed on some: named after the ranks that failed
             ranks = sorted(e.failures) if isinstance(e, glue().CheckpointException) and e.failures else [group.rank]
             problem = (tuple(ranks), f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
-                                     f"{_write_error(e, tmp, need)}")
+                                     f"{_write_error(e, tmp, need, largest, keep_last)}")
     everyone = _exchange(group, (result, problem, stop), stop, what)
     # One failure per set of failed ranks, in the first reporter's words: DCP raises rank 1's full disk on every
     # rank, and each measures the free bytes at its own moment (a busy disk: two numbers, one cause).
@@ -135,18 +138,30 @@ def _stop(e: BaseException) -> KeyboardInterrupt | SystemExit | None:
     return None
 
 
-def _write_error(e: BaseException, tmp: Path, need: int) -> str:
+def room_fixes(keep_last: int | None) -> str:
+    """What frees room for a save that keeps ``keep_last`` checkpoints (None: not known): a lower keep_last only
+    where one lower than it keeps fewer (1 is the fewest; 0 keeps every checkpoint)."""
+    keep = (", set checkpoint.keep_last=N to keep only the N newest checkpoints" if keep_last == 0 else
+            "" if keep_last == 1 else ", lower checkpoint.keep_last")
+    return f"free space{keep} or set checkpoint.dir to a larger disk"
+
+
+def _write_error(e: BaseException, tmp: Path, need: int, largest: int = 0, keep_last: int | None = None) -> str:
     """One line for a failed write: a full disk (torch's zip writer: "unexpected pos") with the free and needed bytes;
-    EFBIG first (hidden by that too): a file size limit."""
+    EFBIG first (hidden by that too): a file size limit, named (this process's RLIMIT_FSIZE, else the file system's),
+    with the largest file it must admit (``largest``, else ``need``)."""
     found = glue().causes(e)
     if (many := next((c for c in found if isinstance(c, OSError) and c.errno in DESCRIPTORS), None)) is not None:
         return descriptors_line(many)
     if any(isinstance(c, OSError) and c.errno == errno.EFBIG for c in found):
-        return (f"a file size limit stopped the writes in {tmp.parent} (the checkpoint needs about {size(need)}): "
-                "raise the file size limit (ulimit -f) or set checkpoint.dir to a file system that takes larger files")
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        named, fix = (("the file system's largest file size", "") if limit == resource.RLIM_INFINITY else
+                      (f"the file size limit (ulimit -f {limit // 1024}: {size(limit)})",
+                       "raise the file size limit (ulimit -f) above that or "))
+        return (f"{named} stopped the writes in {tmp.parent} (its largest file needs about {size(largest or need)}): "
+                f"{fix}set checkpoint.dir to a file system that takes larger files")
     if any(isinstance(c, OSError) and c.errno in DISK_FULL or "unexpected pos" in str(c) or "No space left" in str(c)
            for c in found):
         return (f"the file system of {tmp.parent} is full ({free_note(tmp.parent, unknown='free space unknown')}; "
-                f"the checkpoint needs about {size(need)}): free space, lower checkpoint.keep_last or set "
-                "checkpoint.dir to a larger disk")
+                f"the checkpoint needs about {size(need)}): {room_fixes(keep_last)}")
     return glue().describe(e)

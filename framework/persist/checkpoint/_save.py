@@ -26,7 +26,7 @@ from framework.engine.state import FORMAT as STATE_FORMAT
 from framework.models.hf import architecture
 from framework.offload import verify_map
 from framework.persist import rng, stepfolders
-from framework.persist.checkpoint._group import Group, agree_save, glue
+from framework.persist.checkpoint._group import Group, agree_save, glue, room_fixes
 from framework.core.utils import dtype_name, few, tensor_bytes
 from framework.persist.layout import StateLayout, host_copy, nonfinite_items, pieces
 from framework.persist.tensorfiles import bits_sum, read_per_device
@@ -208,6 +208,8 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
     step, group, root = snap["step"], ckpt.group, ckpt.root
     problem, claim = None, None
     try:
+        if group.rank == 0 and getattr(ckpt, "lock", None) is not None:   # (before any step folder is made)
+            ckpt.lock.check()   # still this run's folder
         claim = Claim.of(root, snap["bytes"], group.rank)
         if snap["nonfinite"]:
             recheck()
@@ -237,9 +239,10 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
             "train.on_nonfinite=warn keeps training without saving such state"))
     if shorts:
         raise on_every_rank(CheckpointError(f"checkpoint: not saving step {step}: " + "; ".join(
-            s.describe("the checkpoint files") for s in shorts) + "; free space, lower checkpoint.keep_last or set "
-            "checkpoint.dir to a larger disk (the previous checkpoints are kept)"))
+            s.describe("the checkpoint files") for s in shorts) + f"; {room_fixes(snap.get('keep_last'))} (the "
+            "previous checkpoints are kept)"))
     snap["need"] = sum(c.need for _, c, _, _ in everyone)   # every rank's files: one number on every rank
+    snap["largest"] = max(c.need for _, c, _, _ in everyone)   # (DCP writes one file per rank)
     return True
 
 
@@ -270,10 +273,12 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         if snap["on_point"] is not None:
             snap["on_point"](f"save-{step}:{name}")
 
+    stuck: list[str] = []   # earlier saves' leftovers (step-N.del) the clean-up could not delete: said at the commit
+
     def make_folder():
         if rank == 0:
             files.make_dirs(root)
-            stepfolders.remove_stale(root, keep=staged16)
+            stuck.extend(stepfolders.remove_stale(root, keep=staged16))
             files.make_dir(tmp, exist_ok=False)   # refused if anything (a planted link) is there
             if staged16 is not None:   # a subfolder: in the manifest, moved and pruned with the step
                 os.replace(staged16, tmp / stepfolders.WEIGHTS16)
@@ -298,7 +303,8 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         if recheck is not None:
             recheck()
 
-    agree_save(group, "writing the files", write_files, tmp, need=need)
+    agree_save(group, "writing the files", write_files, tmp, need=need, largest=snap["largest"],
+               keep_last=snap["keep_last"])
     # Checksums: each rank hashes every world-th file, so the reading is spread over the ranks.
     parts = agree_save(group, "checksums", lambda: {n: stepfolders.file_entry(tmp, n)
                                                     for n in stepfolders.files_of(tmp)[rank::group.world]}, tmp)
@@ -317,6 +323,9 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
             failed = left and f"could not delete all of {', '.join(map(str, left))}; the next save tries again"
         except (OSError, FrameworkError) as e:   # committed already: the older folders are left for the next save
             gone, failed = [], f"deleting the older checkpoints failed ({getattr(e, 'strerror', None) or e})"
+        if stuck:   # (said at every save that fails to delete them: each keeps a checkpoint's disk space)
+            again = f"still could not delete {', '.join(stuck)}: remove it by hand (the next save tries again)"
+            failed = f"{failed}; {again}" if failed else again
         if failed:
             late = f"{late}; {failed}" if late else f"{final} committed; {failed}"
         if late:
@@ -325,7 +334,7 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         print(f"checkpoint: saved {final} ({total / MiB:.1f} MiB in {time.perf_counter() - t0:.2f}s"
               + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)
 
-    agree_save(group, "commit", commit, tmp, need=need)
+    agree_save(group, "commit", commit, tmp, need=need, keep_last=snap["keep_last"])
 
 
 def unseen(tmp: Path, entries: dict[str, dict], world: int) -> None:

@@ -1,0 +1,52 @@
+"""The check, before each save, that the checkpoint folder's lock this run took is still the folder's: a folder
+removed during the run (``rm -rf``) is made again by the next save, and with no lock in it a second run would be
+let in to save, overwrite and rotate steps beside this one."""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+from framework.core import files
+from framework.persist import stepfolders
+
+
+def identity(fd: int) -> tuple[int, int]:
+    """The (device, inode) of the file open at ``fd``: what ``HeldLock`` compares the folder's lock file with."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+class HeldLock:
+    """``root``'s lock file (``stepfolders.LOCK``) that this run holds, known by its ``identity`` (the caller keeps
+    the descriptor: the CLI's launcher, maybe another process than rank 0's)."""
+
+    def __init__(self, root: Path, held: tuple[int, int]):
+        self.root, self.held = root, held
+        self.fd: int | None = None   # the lock taken again by ``check``, held until ``close``
+
+    def check(self) -> None:
+        """One stat; where the folder's lock file is another or gone (the folder removed and made again), the lock
+        taken again with one line, or a FrameworkError where another run holds it now (never two runs in one)."""
+        path = self.root / stepfolders.LOCK
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) == self.held:
+                return
+        files.make_dirs(self.root)
+        fd = files.lock(path, lambda holder: (
+            f"checkpoint.dir {self.root} lost this run's {stepfolders.LOCK} (the folder removed during the run?) and "
+            f"another run{holder} saves there now: not saving beside it; end that run, or run this one again with "
+            "checkpoint.dir set to a folder of its own"), None)
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd, self.held = fd, identity(fd)
+        print(f"warning: checkpoint: checkpoint.dir {self.root} lost this run's {stepfolders.LOCK} (the folder removed "
+              "during the run?): locked it again, so that no other run saves there; checkpoints removed with it are "
+              "gone", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
