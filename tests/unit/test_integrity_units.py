@@ -735,7 +735,7 @@ def test_a_resume_refused_after_agreed_damage_keeps_the_mark(tmp_path, monkeypat
     folders = [where / "step-2"] if resume == "PATH" else [where / "step-2", where / "step-1"]
     for folder in folders:   # (there: a folder gone since it was listed is a live run's rotation, no damage)
         folder.mkdir(parents=True)
-    monkeypatch.setattr(checkpoint, "choose", lambda *a: (folders, []))
+    monkeypatch.setattr(checkpoint, "choose", lambda *a, **k: (folders, []))
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: (_ for _ in ()).throw(
         on_every_rank(CheckpointError("checkpoint step-2 is damaged"))))
     ckpt = object.__new__(checkpoint.Checkpointer)
