@@ -65,19 +65,12 @@ def join(backend: str, rank: int, world: int, timeout_s: float, store_path: str 
             why = "address already in use (another job on MASTER_PORT? give each job a port of its own)"
         elif "timed out" in text.lower() or "timeout" in text.lower():
             why = (f"not every rank joined within dist.timeout_s={timeout_s:g}s (a rank that never started, "
-                   f"or another host's MASTER_ADDR/MASTER_PORT{shared_store_hint()}): {why}")
+                   f"or another host's MASTER_ADDR/MASTER_PORT): {why}")
         raise DistributedError(f"rank {rank}/{world}: rendezvous at {where} failed: {why}") from e
 
 
-def shared_store_hint() -> str:
-    """Words for a torchrun restart that shares torchrun's own store (its earlier attempt's keys are still there)."""
-    if env_restarts() and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
-        return (f"; or torchrun restart {env_restarts()} meeting the earlier attempt's keys in torchrun's store: set "
-                f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun")
-    return ""
-
-
 def env_restarts() -> int:
+    """torchrun's attempt (0 for the first, and without torchrun)."""
     text = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
     return int(text) if text.isdigit() else 0
 

@@ -99,3 +99,26 @@ def test_a_rank_waiting_for_its_peer_says_so_and_stops_on_ctrl_c():
                 p.kill()
     for rank, out in enumerate(outs):
         assert f"rank {rank}/2: waiting for " in out and "interrupted" in out, out
+
+
+def test_a_torchrun_restart_meets_in_its_own_attempts_keys(monkeypatch):
+    """torchrun shares its store with its ranks across restarts: the failed attempt's keys (its gloo addresses) are
+    not the next attempt's, whether or not TORCH_DISABLE_SHARE_RDZV_TCP_STORE is set (the slow torchrun test runs it)."""
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    from framework.comm import rendezvous
+
+    port = _port()
+    agent = tdist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=5), wait_for_workers=False)
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    stores = []
+    for attempt in (0, 1):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+        stores.append(rendezvous._tcp_store(0, 2, 5.0, "here"))   # rank 0 too is a client of the agent's store
+    stores[0].set("default_pg/0//cpu//0", "attempt 0's address")
+    assert stores[0].check(["default_pg/0//cpu//0"]) and not stores[1].check(["default_pg/0//cpu//0"])
+    del stores, agent
