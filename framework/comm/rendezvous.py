@@ -58,9 +58,9 @@ def join(backend: str, rank: int, world: int, timeout_s: float, store_path: str 
     except (RuntimeError, ValueError) as e:   # torch's DistNetworkError and DistStoreError are RuntimeErrors
         text, why = str(e), first_line(e)
         if "Duplicate GPU" in text:   # NCCL's own check, at the eager init device_id asks for
-            why = (f"two ranks on one GPU (NCCL: Duplicate GPU detected; this rank's "
-                   f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): bind a GPU of its own to "
-                   f"each task (srun --gpus-per-task=1) or use dist.backend=gloo")
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)")
+            why = (f"two ranks on one GPU (NCCL: Duplicate GPU detected; this rank's CUDA_VISIBLE_DEVICES={visible}): "
+                   f"bind a GPU of its own to each task (srun --gpus-per-task=1) or use dist.backend=gloo")
         elif "EADDRINUSE" in text or "address already in use" in text.lower():
             why = "address already in use (another job on MASTER_PORT? give each job a port of its own)"
         elif "timed out" in text.lower() or "timeout" in text.lower():

@@ -65,10 +65,11 @@ def test_a_second_jobs_rank_on_a_busy_port_is_refused_within_the_timeout():
     try:
         for p in a:
             assert p.stdout.readline() == "connecting\n" and p.stdout.readline().startswith("joined"), _ended(p, 10)
-        for env in ({"TORCHELASTIC_RUN_ID": "job-b"}, {"TORCHELASTIC_RUN_ID": "job-a"}, {}):
-            start = time.monotonic()
-            out = _ended(_rank(1, port, 20, **env), 60)   # (its imports included)
-            assert time.monotonic() - start < 15, out
+        start = time.monotonic()   # (B named, B named as A, B unnamed: at once)
+        named = ({"TORCHELASTIC_RUN_ID": "job-b"}, {"TORCHELASTIC_RUN_ID": "job-a"}, {})
+        b = [_rank(1, port, 20, **env) for env in named]
+        for out in [_ended(p, 60) for p in b]:
+            assert time.monotonic() - start < 15, out   # (their imports included)
             assert f"error: rank 1/2: rendezvous at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT) failed: the store " \
                    "there is another job's" in out and "give each job a port of its own" in out, out
         for p in a:   # A is unharmed: both ranks still hold the group and leave it cleanly
@@ -103,7 +104,8 @@ def test_a_rank_waiting_for_its_peer_says_so_and_stops_on_ctrl_c():
 
 def test_a_torchrun_restart_meets_in_its_own_attempts_keys(monkeypatch):
     """torchrun shares its store with its ranks across restarts: the failed attempt's keys (its gloo addresses) are
-    not the next attempt's, whether or not TORCH_DISABLE_SHARE_RDZV_TCP_STORE is set (the slow torchrun test runs it)."""
+    not the next attempt's, whether or not TORCH_DISABLE_SHARE_RDZV_TCP_STORE is set (the slow torchrun test runs
+    it)."""
     from datetime import timedelta
 
     import torch.distributed as tdist
@@ -122,3 +124,22 @@ def test_a_torchrun_restart_meets_in_its_own_attempts_keys(monkeypatch):
     stores[0].set("default_pg/0//cpu//0", "attempt 0's address")
     assert stores[0].check(["default_pg/0//cpu//0"]) and not stores[1].check(["default_pg/0//cpu//0"])
     del stores, agent
+
+
+def test_ranks_given_different_overrides_are_refused(tmp_path):
+    """torchrun (here: its variables by hand) with another override on rank 1: rank 0's config would be trained by
+    both, the override dropped without a word; instead every rank ends with one line naming the key and values."""
+    port, tiny = _port(), ["train.steps=2", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
+                           "model.context=16", "dist.timeout_s=30", f"hydra.run.dir={tmp_path / 'run'}"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    procs = [subprocess.Popen([sys.executable, "-m", "framework.train", *tiny, *extra], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**clean, "WORLD_SIZE": "2", "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+             for r, extra in enumerate((["optimizer.lr=0.02"], ["optimizer.lr=0.01"]))]
+    outs = [_ended(p, 120) for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode not in (0, None), out
+        assert "config: rank 1's config differs from rank 0's at optimizer.lr (0.01 vs 0.02): every rank must be " \
+               "given the same config" in out, out
