@@ -101,8 +101,9 @@ def _tcp_store(rank: int, world: int, timeout_s: float, where: str):
 
 
 def _arrive(store, rank: int, world: int, timeout_s: float, where: str = "", check_job: bool = False) -> None:
-    """Wait until every rank reached ``store``, in short sleeps. ``check_job``: first make sure the store is this
-    job's (rank 0 sets ``job_identity``; the others wait for it and compare), as a port's store may be another's."""
+    """Wait until every rank reached ``store``, in short sleeps. ``check_job`` (a TCP store): first make sure the
+    store is this job's (rank 0 sets ``job_identity``; the others wait for it and compare), as a port's store may be
+    another's, and say what is waited for after ``WAITING_NOTE_S``."""
     deadline, noted = time.monotonic() + timeout_s, time.monotonic() + WAITING_NOTE_S
     mine = job_identity()
     if check_job and rank == 0:
@@ -119,9 +120,9 @@ def _arrive(store, rank: int, world: int, timeout_s: float, where: str = "", che
     store.set(f"framework/arrived/{rank}", "")
     keys = [f"framework/arrived/{r}" for r in range(world)]
     while not store.check(keys):
-        if time.monotonic() > noted:
+        if check_job and time.monotonic() > noted:   # (spawned ranks: their launcher names one that never came)
             missing = sum(not store.check([k]) for k in keys)
-            say(f"rank {rank}/{world}: waiting for {missing} rank{'s' if missing > 1 else ''} at {where or 'the store'}"
+            say(f"rank {rank}/{world}: waiting for {missing} rank{'s' if missing > 1 else ''} at {where}"
                 f" (up to dist.timeout_s={timeout_s:g}s)")
             noted = float("inf")
         _tick(rank, world, timeout_s, deadline, "waiting for the other ranks")
