@@ -29,17 +29,15 @@ import torch.multiprocessing as mp
 
 from framework.persist import stepfolders
 from framework.persist.checkpoint import checkpoint_root, identity, preflight, shared
-from framework.config import Config, check_batch_world
+from framework.config import Config, check_batch_world, check_ranks_agree
 from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import (agree, backend_notice, check_env, connect, disconnect, env_int,
-                                       local_world_size, process_state, resolve_backend, run_world,
-                                       slurm_tasks_here)
+                                       local_world_size, process_state, resolve_backend, run_world, slurm_tasks_here)
 from framework.core import files
 from framework.core.units import GiB
 from framework.core.utils import counted
 from framework.offload import remove_stale
-from framework.core.errors import (ConfigError, DistributedError, FrameworkError, on_every_rank, say,
-                                   typed_line)
+from framework.core.errors import ConfigError, DistributedError, FrameworkError, on_every_rank, say, typed_line
 from framework.loggers import RunInfo, check_records
 from framework.cli._rendezvous import (LOCK, PREFIX, hold, mark_error, marked_alike, peer_lost_path, raised_alike,
                                       ready_path, remove_dead)
@@ -82,7 +80,9 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
             if not already:
                 atexit.register(disconnect)
             # Ranks may resolve ${now:...} differently: rank 0's folder; this rank's removed if only Hydra wrote there.
-            dirs = dist.all_gather_object(str(run.run_dir), what="run directory agreement")
+            got = dist.all_gather_object((str(run.run_dir), cfg.to_dict()), what="run directory agreement")
+            check_ranks_agree([c for _, c in got])   # (rank 0's config is trained: a rank's own would be dropped)
+            dirs = [d for d, _ in got]
             if dirs[0] != dirs[dist.rank] and run.run_dir.is_dir() and (
                     {p.name for p in run.run_dir.iterdir()} <= {".hydra", "train.log"}):
                 shutil.rmtree(run.run_dir, ignore_errors=True)

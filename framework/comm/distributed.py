@@ -25,6 +25,7 @@ import torch.distributed.nn.functional  # noqa: F401  (import order matters, see
 
 from framework.comm.accelerator import Accelerator, for_device
 from framework.comm.collectives import CheckedWork, Collectives, collectives_for
+from framework.comm.rendezvous import join
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line, on_every_rank
 from framework.core.room import descriptors_in
 
@@ -384,57 +385,10 @@ def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | N
     if joined:   # made with another timeout (the caller's, or an earlier job's of a multirun)
         tdist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
     else:
-        _join(name, rank, world, timeout_s, store_path, dev if name == "nccl" else None)
+        join(name, rank, world, timeout_s, store_path, dev if name == "nccl" else None)
     dist = Dist(rank, world, local, dev, name, timeout_s)
     peers = dist.all_gather_object((socket.gethostname(), os.getpid()), what="peer gather at connect")
     return replace(dist, peers=tuple(tuple(p) for p in peers))
-
-
-def _join(backend: str, rank: int, world: int, timeout_s: float, store_path: str | None,
-          device_id: torch.device | None) -> None:
-    """init_process_group via a FileStore at ``store_path`` (else MASTER_ADDR:MASTER_PORT); a failed
-    rendezvous (the port taken, a peer that never joins) is one line naming where and how long."""
-    timeout = timedelta(seconds=timeout_s)
-    where = f"FileStore {store_path}" if store_path else \
-        f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT)"
-    if not store_path and (host := os.environ.get("MASTER_ADDR")):   # a typo: said now, not a rank missing
-        try:                                                          # after torch's retries until the timeout
-            socket.getaddrinfo(host, None)
-        except socket.gaierror as e:   # (a temporary failure, EAI_AGAIN, is left to those retries)
-            if e.errno != socket.EAI_AGAIN:
-                raise ConfigError(f"rank {rank}/{world}: MASTER_ADDR={host} does not resolve ({e.strerror}): set it "
-                                  f"to rank 0's host name or address (torchrun --master-addr)") from None
-    try:
-        store = tdist.FileStore(store_path, world) if store_path else None
-        if store is not None:
-            store.set_timeout(timeout)   # (its own default is 300 s, whatever the group's timeout)
-            _arrive(store, rank, world, timeout_s)
-        tdist.init_process_group(backend, rank=rank, world_size=world, store=store, timeout=timeout,
-                                 device_id=device_id)
-    except (RuntimeError, ValueError) as e:   # torch's DistNetworkError and DistStoreError are RuntimeErrors
-        text, why = str(e), first_line(e)
-        if "Duplicate GPU" in text:   # NCCL's own check, at the eager init device_id asks for
-            why = (f"two ranks on one GPU (NCCL: Duplicate GPU detected; this rank's "
-                   f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): bind a GPU of its own to "
-                   f"each task (srun --gpus-per-task=1) or use dist.backend=gloo")
-        elif "EADDRINUSE" in text or "address already in use" in text.lower():
-            why = "address already in use (another job on MASTER_PORT? give each job a port of its own)"
-        elif "timed out" in text.lower() or "timeout" in text.lower():
-            why = (f"not every rank joined within dist.timeout_s={timeout_s:g}s (a rank that never started, "
-                   f"or another host's MASTER_ADDR/MASTER_PORT): {why}")
-        raise DistributedError(f"rank {rank}/{world}: rendezvous at {where} failed: {why}") from e
-
-
-def _arrive(store, rank: int, world: int, timeout_s: float) -> None:
-    """Wait until every rank reached ``store``, in short sleeps: a signal's handler (Ctrl-C, SIGTERM) runs
-    meanwhile, where init_process_group's own wait for a peer that never joins, in C++, defers it ``timeout_s``."""
-    store.set(f"framework/arrived/{rank}", "")
-    keys = [f"framework/arrived/{r}" for r in range(world)]
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s:g}s waiting for the other ranks")
-        time.sleep(0.05)
 
 
 def device_index(local: int | None, mine: int | None, gpus: int) -> int | None:

@@ -6,7 +6,8 @@ validate the result into a frozen, picklable ``Config``; a bad key is one line n
 """
 from __future__ import annotations
 
-from framework.config.checks import check_batch_world, check_compatible, check_model_vocab, leaf_key, validate
+from framework.config.checks import (check_batch_world, check_compatible, check_model_vocab, check_ranks_agree,
+                                     leaf_key, validate)
 from framework.config.composition import (app_composer, compose, compose_layers, have_hydra, parse_overrides,
                                            search_order, standalone_composer)
 from framework.config.plainconf import choice_override, override_key
@@ -14,5 +15,5 @@ from framework.config.schema import COMPATIBLE, ROOT_KEYS, Config
 from framework.core.registry import GROUPS
 
 __all__ = ["COMPATIBLE", "GROUPS", "ROOT_KEYS", "Config", "app_composer", "check_batch_world", "check_compatible",
-           "check_model_vocab", "choice_override", "compose", "compose_layers", "have_hydra", "leaf_key",
+           "check_model_vocab", "check_ranks_agree", "choice_override", "compose", "compose_layers", "have_hydra", "leaf_key",
            "override_key", "parse_overrides", "search_order", "standalone_composer", "validate"]

@@ -19,7 +19,7 @@ except ImportError:   # a machine without Hydra/OmegaConf (a GPU image): framewo
 
 from framework.config import plainconf
 from framework.config.dsconfig import COMMAND_LINE
-from framework.config.schema import (COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema, get_key,
+from framework.config.schema import (COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema, flat, get_key,
                                      reads_grad_accum_dtype, tuples)
 from framework.core.errors import ConfigError, on_every_rank
 from framework.core.paths import conf_dir
@@ -326,6 +326,22 @@ def check_batch_world(cfg: Config, world: int) -> None:
                       f"world={world}); under torchrun, or Hydra's submitit launcher with -m, the world is known "
                       f"then), or give the file train_micro_batch_size_per_gpu and gradient_accumulation_steps "
                       f"instead of train_batch_size")
+
+
+def check_ranks_agree(configs: list[Mapping]) -> None:
+    """One line, raised alike on every rank, where a rank's composed config (``Config.to_dict``, one per rank)
+    differs from rank 0's: every rank trains rank 0's, so a per-rank override would be dropped without a word."""
+    first = flat(configs[0])
+    for rank, config in enumerate(configs[1:], 1):
+        other = flat(config)
+        if key := next((k for k in {**first, **other} if first.get(k, _UNSET) != other.get(k, _UNSET)), None):
+            said = [repr(c.get(key)) if key in c else "unset" for c in (other, first)]
+            raise on_every_rank(ConfigError(
+                f"config: rank {rank}'s config differs from rank 0's at {key} ({said[0]} vs {said[1]}): every rank "
+                f"must be given the same config and overrides (the framework splits the data across the ranks itself)"))
+
+
+_UNSET = object()
 
 
 def check_model_vocab(cfg: Config, data_vocab: int) -> None:

@@ -165,10 +165,10 @@ CLI = ["model=gpt-nano", "model.n_layer=2", "model.n_head=2", "model.d_model=32"
 def _torchrun(args, ckpt, run_dir, env=None, timeout=240):
     cmd = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "tests._fault_train", *CLI,
            f"checkpoint.dir={ckpt}", f"hydra.run.dir={run_dir}"]
-    # Restarts reuse torchrun's shared TCP store, whose keys from the failed attempt break the
-    # new gloo mesh (pytorch/pytorch#135712); a store per attempt avoids it.
-    e = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-         **(env or {})}
+    # Restarts reuse torchrun's shared TCP store, whose keys from the failed attempt broke the new gloo mesh
+    # (pytorch/pytorch#135712) unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the framework keeps each attempt's apart.
+    e = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    e = {**e, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,0 +1,145 @@
+"""Ranks meeting at MASTER_ADDR:MASTER_PORT (an env launch: srun tasks, torchrun-less): another job's store on the
+port is refused by every rank, and a rank waiting for a peer says so and stops at once on Ctrl-C."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from framework.comm.rendezvous import WAITING_NOTE_S
+
+# One rank: connect, say so, then hold the group until stdin closes.
+_RANK = """
+import sys, time
+from framework.comm.distributed import connect, disconnect
+from framework.core.errors import FrameworkError
+print("connecting", flush=True)
+try:
+    d = connect("gloo", float(sys.argv[1]))
+except FrameworkError as e:
+    print("error:", e, flush=True)
+    sys.exit(1)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+print("joined", d.rank, flush=True)
+sys.stdin.read()
+disconnect()
+"""
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, timeout_s: float, **env: str) -> subprocess.Popen:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    return subprocess.Popen([sys.executable, "-c", _RANK, str(timeout_s)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**clean, "WORLD_SIZE": "2", "RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                                 "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+                                 "PYTHONPATH": ROOT, **env})
+
+
+def _ended(p: subprocess.Popen, timeout: float) -> str:
+    try:
+        return p.communicate(timeout=timeout)[0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def test_a_second_jobs_rank_on_a_busy_port_is_refused_within_the_timeout():
+    """Job A holds MASTER_PORT; job B's rank 1 reaches A's store: refused in one line naming the port, soon (not
+    joined to A's group, not stuck in gloo's connect for minutes), whether the launcher names the jobs or not."""
+    port = _port()
+    a = [_rank(r, port, 60, TORCHELASTIC_RUN_ID="job-a") for r in range(2)]
+    try:
+        for p in a:
+            assert p.stdout.readline() == "connecting\n" and p.stdout.readline().startswith("joined"), _ended(p, 10)
+        start = time.monotonic()   # (B named, B named as A, B unnamed: at once)
+        named = ({"TORCHELASTIC_RUN_ID": "job-b"}, {"TORCHELASTIC_RUN_ID": "job-a"}, {})
+        b = [_rank(1, port, 20, **env) for env in named]
+        for out in [_ended(p, 60) for p in b]:
+            assert time.monotonic() - start < 15, out   # (their imports included)
+            assert f"error: rank 1/2: rendezvous at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT) failed: the store " \
+                   "there is another job's" in out and "give each job a port of its own" in out, out
+        for p in a:   # A is unharmed: both ranks still hold the group and leave it cleanly
+            p.stdin.close()
+            assert p.wait(30) == 0
+    finally:
+        for p in a:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_rank_waiting_for_its_peer_says_so_and_stops_on_ctrl_c():
+    """Rank 0 alone (rank 1 never started), and rank 1 alone (nothing listens yet): each says what it waits for
+    after a few seconds, and Ctrl-C ends it at once, not after dist.timeout_s."""
+    ranks = [_rank(rank, _port(), 120) for rank in (0, 1)]   # (two jobs of one rank each)
+    try:
+        for p in ranks:
+            assert p.stdout.readline() == "connecting\n"
+        time.sleep(WAITING_NOTE_S + 1.5)
+        for p in ranks:
+            p.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        outs = [_ended(p, 30) for p in ranks]
+        assert time.monotonic() - start < 5 and [p.returncode for p in ranks] == [130, 130], outs
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    for rank, out in enumerate(outs):
+        assert f"rank {rank}/2: waiting for " in out and "interrupted" in out, out
+
+
+def test_a_torchrun_restart_meets_in_its_own_attempts_keys(monkeypatch):
+    """torchrun shares its store with its ranks across restarts: the failed attempt's keys (its gloo addresses) are
+    not the next attempt's, whether or not TORCH_DISABLE_SHARE_RDZV_TCP_STORE is set (the slow torchrun test runs
+    it)."""
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    from framework.comm import rendezvous
+
+    port = _port()
+    agent = tdist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=5), wait_for_workers=False)
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    stores = []
+    for attempt in (0, 1):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+        stores.append(rendezvous._tcp_store(0, 2, 5.0, "here"))   # rank 0 too is a client of the agent's store
+    stores[0].set("default_pg/0//cpu//0", "attempt 0's address")
+    assert stores[0].check(["default_pg/0//cpu//0"]) and not stores[1].check(["default_pg/0//cpu//0"])
+    del stores, agent
+
+
+def test_ranks_given_different_overrides_are_refused(tmp_path):
+    """torchrun (here: its variables by hand) with another override on rank 1: rank 0's config would be trained by
+    both, the override dropped without a word; instead every rank ends with one line naming the key and values."""
+    port, tiny = _port(), ["train.steps=2", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
+                           "model.context=16", "dist.timeout_s=30", f"hydra.run.dir={tmp_path / 'run'}"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    procs = [subprocess.Popen([sys.executable, "-m", "framework.train", *tiny, *extra], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**clean, "WORLD_SIZE": "2", "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+             for r, extra in enumerate((["optimizer.lr=0.02"], ["optimizer.lr=0.01"]))]
+    outs = [_ended(p, 120) for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode not in (0, None), out
+        assert "config: rank 1's config differs from rank 0's at optimizer.lr (0.01 vs 0.02): every rank must be " \
+               "given the same config" in out, out
