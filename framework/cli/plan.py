@@ -293,12 +293,17 @@ def _restrict(own: dict[str, str], given: dict[str, str], cfg, base: list[str],
     return own, notes
 
 
+def _closest(planned: list[Planned]) -> Planned | None:
+    """The rejected setup closest to fitting (its largest need over what is given the least), None where none of
+    them can be built here."""
+    return min((p for p in planned if not p.fits and not p.why.startswith("unavailable: ")),
+               key=lambda p: p.over, default=None)
+
+
 def _none_fits(planned: list[Planned]) -> str:
     """The line for a plan where no setup fits: the one closest to fitting and what it needs."""
-    built = [p for p in planned if not p.why.startswith("unavailable: ")]
-    if not built:
+    if (p := _closest(planned)) is None:
         return f"plan: no setup fits: none can be built here ({planned[0].why})"
-    p = min(built, key=lambda p: p.over)
     return (f"plan: no setup fits; the closest, {' '.join(p.cand.label().split())}, needs {p.why} (give more "
             f"memory with gpu_mem=, cpu_mem= or nvme=, or choose a smaller model, micro batch or context)")
 
@@ -324,7 +329,7 @@ def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, 
     lines += ["", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host/node':>9s}"]
     lines += [f"{i + 1:3d}  {p.cand.label():52s} {p.time['total']:8.3f} {p.device_peak / GiB:9.2f}Gi "
               f"{p.host / GiB:8.2f}Gi" for i, p in enumerate(fitting[:top])]
+    near = _closest(planned) or (planned[-1] if len(fitting) < len(planned) else None)
     lines.append(f"({len(fitting)} of {len(planned)} setups fit"
-                 + (f"; e.g. not: {' '.join(planned[-1].cand.label().split())} ({planned[-1].why})"
-                    if len(fitting) < len(planned) else "") + ")")
+                 + (f"; closest to fitting: {' '.join(near.cand.label().split())} ({near.why})" if near else "") + ")")
     return "\n".join(lines)

@@ -558,14 +558,23 @@ def test_when_nothing_fits_the_closest_setup_is_one_line(capsys, monkeypatch):
     assert "> 2.00 MiB (2097152 bytes)" in capsys.readouterr().err
 
 
-def test_the_summary_names_a_setup_that_does_not_fit_whole(capsys, monkeypatch):
-    """The "(N of M setups fit; e.g. not: ...)" line names one whole setup: its stage, offload, batch and
-    checkpointing (a cut at a padding space left "zero3 cpu+params micro" or "ddp")."""
+def test_the_summary_names_the_setup_closest_to_fitting_whole(capsys, monkeypatch):
+    """The "(N of M setups fit; closest to fitting: ...)" line names one whole setup: its stage, offload, batch and
+    checkpointing (a cut at a padding space left "zero3 cpu+params micro" or "ddp"), the rejected one whose need
+    is the least over what is given (not the last one listed, the furthest)."""
+    from framework.memory.planner import Candidate
+
     cli = _quiet_probe(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cli.main(["model=gpt-nano", "micro_batches=1,16", "stages=ddp,zero3", "ranks=1", "cpu_mem=40M"]) == 0
+    assert cli.main(["model=gpt-nano", "micro_batches=1,16", "stages=ddp,zero3", "ranks=1", "cpu_mem=40M",
+                     "nvme=1T", "--json"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"setups fit; e\.g\. not: \w+ [\w+]+ micro \d+ x accum \d+ ckpt (yes|no) \(", out), out
+    found = re.search(r"setups fit; closest to fitting: (\w+ [\w+]+ micro \d+ x accum \d+ ckpt (yes|no)) \(", out)
+    assert found, out
+    rejected = [r for r in json.loads(out.strip().splitlines()[-1]) if not r["fits"]]   # host is the only need here
+    near = min(rejected, key=lambda r: r["host"])
+    fields = {k: near[k] for k in ("stage", "offload", "micro_batch", "grad_accum", "checkpointing")}
+    assert found[1] == " ".join(Candidate(**fields).label().split()) and len(rejected) > 1, (found[1], rejected)
 
 
 def test_a_model_vocab_size_the_data_overrides_is_refused_as_training_refuses_it(capsys):
