@@ -253,7 +253,7 @@ def _count(own: dict[str, str], key: str, default: int | None = None) -> int | N
     """``own[key]`` as a whole number >= 1 (``default`` when not given)."""
     if key not in own:
         return default
-    if (n := parse_count(own[key], key)) < 1:
+    if (n := parse_count(own[key], f"estimate: {key}")) < 1:
         raise ConfigError(f"estimate: {key}={own[key]} must be >= 1")
     return n
 

@@ -80,6 +80,9 @@ def test_cli_prints_deepspeed_layout(capsys):
                                                          "largest_layer_params: the most parameters in one layer)"]
     assert main(["params=many"]) == 2
     assert "not a count" in capsys.readouterr().err
+    assert main(["params=-5M"]) == 2   # the tool's prefix, as its other lines have
+    assert capsys.readouterr().err == ("error: estimate: params='-5M' is not a count; write e.g. 2.78e9, 2783M, 32K "
+                                       "or 1.4B\n")
     assert main(["params=1e9", "buffer_factor=x"]) == 2
     assert "buffer_factor='x' is not a number" in capsys.readouterr().err
 
