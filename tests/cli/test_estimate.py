@@ -659,12 +659,18 @@ def test_hf_context_is_checked_like_training(tmp_path, capsys, monkeypatch):
 
 
 def test_a_hub_name_or_a_folder_without_config_json_is_refused_as_training_refuses_it(tmp_path, capsys):
-    """Not a conf/ model: a path, or an org/model Hub name, is read as a local config.json (nothing downloaded)."""
+    """Not a conf/ model: a path, or an org/model Hub name, is read as a local config.json (nothing downloaded);
+    a folder that is there but holds no config.json is said to be one, not taken for a Hub name."""
     pytest.importorskip("transformers")
-    for value in ("openai-community/gpt2", str(tmp_path)):
-        assert main([f"model={value}"]) == 2
-        assert capsys.readouterr().err == (f"error: estimate: model={value}: no such file (a Hub name? nothing is "
-                                           f"downloaded; give a local folder: a config.json or a folder holding one)\n")
+    value = "openai-community/gpt2"
+    assert main([f"model={value}"]) == 2
+    assert capsys.readouterr().err == (f"error: estimate: model={value}: no such file (a Hub name? nothing is "
+                                       f"downloaded; give a local folder: a config.json or a folder holding one)\n")
+    (tmp_path / "gpt2_config.json").write_text("{}")
+    assert main([f"model={tmp_path}/"]) == 2
+    assert capsys.readouterr().err == (f"error: estimate: model={tmp_path}: {tmp_path} has no config.json; give a "
+                                       f"config.json or a folder holding one, or the path of a config of another "
+                                       f"name: {tmp_path}/NAME.json\n")
 
 
 @pytest.mark.parametrize("params,largest,says", [(804_096, 65_536, "804.1K total params, 65.5K largest layer"),
