@@ -372,6 +372,10 @@ def test_the_per_rank_tables_sums_are_not_under_device():
         assert at[name][:edge[column]].endswith(value), (name, lines)
     for name in ("model states", "allocator slack", "peak"):   # (nothing under device, host or NVMe)
         assert "MiB" not in at[name][:edge["NVMe"]], lines
+    # The CUDA peak (2 MiB of items, 1 of transients, CUDA's slack) is larger than the whole: said as its own, with
+    # what it adds, not as a part of the peak ("device only").
+    assert at["peak"].endswith("(0.01 GiB; on CUDA the device alone would peak at 0.07 GiB: its items and transients "
+                               "plus CUDA's slack, 10% of the transients and 64 MiB)"), at["peak"]
     # Items outside the model states (zero2's bucket buffers) are printed below their sum, not among its terms.
     order = [line.split("  ")[1].strip() for line in lines[2:]]
     assert order.index("params") < order.index("nvme_param_pool") < order.index("model states") < \
