@@ -11,14 +11,14 @@ into micro batches. ``micro_batches=1,2,4``, ``stages=``, ``offloads=`` and ``ch
 restrict the search; so do a stage or offload chosen on the command line or by a ``ds_config=`` file (the
 chosen one's keys, as in ``offload=cpu offload.ratio=0.5``, go to each of its candidates),
 ``model.activation_checkpointing=``, and a file's fixed micro batch or accumulation (not "auto"). Sizes:
-``80G`` = ``80GiB`` (2^30 bytes each), ``80GB`` (10^9), or bytes. Memory per rank is ``framework.estimate``'s
-prediction; step time is a roofline over bandwidths a short probe measures once on this machine (cached; on
-a host without CUDA, ``gpu_mem=`` checks memory against those GPUs, but the times are this CPU's). Ties keep
-the Hugging Face DeepSpeed guide's order. ``--json`` adds the plan (or, with ``--verify``, the comparison) as
-one JSON line. ``--verify K`` runs the top K for ``steps=`` steps (default 6) as one Hydra multirun and prints
-predicted against measured step time and peak memory. The host column is the node's: every rank's process
-and, with more than one rank, the launcher's. When no setup fits, one line names the closest and what it needs
-(exit code 2). More in docs/estimate.md.
+``80G`` = ``80GiB`` (2^30 bytes each), ``80GB`` (10^9), or bytes (``nvme=0``: no NVMe). Memory per rank
+is ``framework.estimate``'s prediction; step time is a roofline over bandwidths a short probe measures once
+on this machine (cached; on a host without CUDA, ``gpu_mem=`` checks memory against those GPUs, but the times
+are this CPU's). Ties keep the Hugging Face DeepSpeed guide's order. ``--json`` adds the plan (or, with
+``--verify``, the comparison) as one JSON line. ``--verify K`` runs the top K for ``steps=`` steps (default 6)
+as one Hydra multirun and prints predicted against measured step time and peak memory. The host column is the
+node's: every rank's process and, with more than one rank, the launcher's. When no setup fits, one line names
+the closest and what it needs (exit code 2). More in docs/estimate.md.
 """
 from __future__ import annotations
 

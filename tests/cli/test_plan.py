@@ -580,6 +580,16 @@ def test_the_summary_names_the_setup_closest_to_fitting_whole(capsys, monkeypatc
     assert found[1] == " ".join(Candidate(**fields).label().split()) and len(rejected) > 1, (found[1], rejected)
 
 
+def test_nvme_0_is_no_nvme(capsys, monkeypatch):
+    """nvme=0 (unlike gpu_mem=0 or cpu_mem=0, refused) means no NVMe: an offload=nvme setup's disk need says so."""
+    cli = _quiet_probe(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["model=gpt-nano", "ranks=1", "stages=zero3", "offloads=nvme", "micro_batches=1",
+                     "checkpointing=false", "nvme=0"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"needs disk [0-9.]+ MiB \(\d+ bytes\) > 0 \(nvme=0: no NVMe\) \(give more", err), err
+
+
 def test_a_model_vocab_size_the_data_overrides_is_refused_as_training_refuses_it(capsys):
     from framework.cli.plan import main
     assert main(["model=gpt-nano", "model.vocab_size=10", "gpu_mem=80G"]) == 2
