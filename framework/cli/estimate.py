@@ -26,7 +26,7 @@ import torch
 from yaml import YAMLError
 
 from framework.engine.build import component
-from framework.memory.model import data_vocab, nvme_pools, predict, state_bytes
+from framework.memory.model import CUDA_FIXED_SLACK, SLACK_FRACTION, data_vocab, nvme_pools, predict, state_bytes
 from framework.models import hf as hf_lib
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
@@ -253,7 +253,7 @@ def _count(own: dict[str, str], key: str, default: int | None = None) -> int | N
     """``own[key]`` as a whole number >= 1 (``default`` when not given)."""
     if key not in own:
         return default
-    if (n := parse_count(own[key], key)) < 1:
+    if (n := parse_count(own[key], f"estimate: {key}")) < 1:
         raise ConfigError(f"estimate: {key}={own[key]} must be >= 1")
     return n
 
@@ -425,8 +425,10 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
                  if pred.recompute_slack_fraction else "")
     lines.append(row("allocator slack", total=mib(pred.slack)) + f"   ({pred.host_slack_fraction:.0%} of the "
                  f"transient bytes{recompute}, stated)")
-    lines.append(row("peak", total=mib(pred.peak)) + f"   ({pred.peak / GiB:.2f} GiB; device only: "
-                 f"{pred.device_peak(cuda=True) / GiB:.2f} GiB on CUDA)")
+    # On CUDA the device's own peak: not a part of this one, as CUDA's slack can make it the larger.
+    lines.append(row("peak", total=mib(pred.peak)) + f"   ({pred.peak / GiB:.2f} GiB; on CUDA the device alone would "
+                 f"peak at {pred.device_peak(cuda=True) / GiB:.2f} GiB: its items and transients plus CUDA's slack, "
+                 f"{SLACK_FRACTION:.0%} of the transients and {CUDA_FIXED_SLACK // MiB} MiB)")
     lines += [f"  note: {n}" for n in pred.notes]
     return "\n".join(lines)
 

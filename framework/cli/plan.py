@@ -11,14 +11,14 @@ into micro batches. ``micro_batches=1,2,4``, ``stages=``, ``offloads=`` and ``ch
 restrict the search; so do a stage or offload chosen on the command line or by a ``ds_config=`` file (the
 chosen one's keys, as in ``offload=cpu offload.ratio=0.5``, go to each of its candidates),
 ``model.activation_checkpointing=``, and a file's fixed micro batch or accumulation (not "auto"). Sizes:
-``80G`` = ``80GiB`` (2^30 bytes each), ``80GB`` (10^9), or bytes. Memory per rank is ``framework.estimate``'s
-prediction; step time is a roofline over bandwidths a short probe measures once on this machine (cached; on
-a host without CUDA, ``gpu_mem=`` checks memory against those GPUs, but the times are this CPU's). Ties keep
-the Hugging Face DeepSpeed guide's order. ``--json`` adds the plan (or, with ``--verify``, the comparison) as
-one JSON line. ``--verify K`` runs the top K for ``steps=`` steps (default 6) as one Hydra multirun and prints
-predicted against measured step time and peak memory. The host column is the node's: every rank's process
-and, with more than one rank, the launcher's. When no setup fits, one line names the closest and what it needs
-(exit code 2). More in docs/estimate.md.
+``80G`` = ``80GiB`` (2^30 bytes each), ``80GB`` (10^9), or bytes (``nvme=0``: no NVMe). Memory per rank
+is ``framework.estimate``'s prediction; step time is a roofline over bandwidths a short probe measures once
+on this machine (cached; on a host without CUDA, ``gpu_mem=`` checks memory against those GPUs, but the times
+are this CPU's). Ties keep the Hugging Face DeepSpeed guide's order. ``--json`` adds the plan (or, with
+``--verify``, the comparison) as one JSON line. ``--verify K`` runs the top K for ``steps=`` steps (default 6)
+as one Hydra multirun and prints predicted against measured step time and peak memory. The host column is the
+node's: every rank's process and, with more than one rank, the launcher's. When no setup fits, one line names
+the closest and what it needs (exit code 2). More in docs/estimate.md.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from framework.memory import probe as _probe
 from framework.memory.model import data_vocab
 from framework.memory.planner import (Candidate, Hardware, Planned, candidates, compose_setups, detect,
                                       micro_batches, plan, unmodelled)
-from framework.memory.tables import parse_count
+from framework.memory.tables import WHOLE_NUMBER, parse_count
 
 # Other tools' names for the rank count (estimate's gpus_per_node, torchrun's nproc, world size) and node count.
 ALIASES = {**dict.fromkeys((*RANK_NAMES, "gpus_per_node"), "ranks"),
@@ -144,7 +144,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     base = [f"model={own['model']}", *overrides, *keys]   # each candidate's, with its stage and offload
     disk = _disk_dir(cfg, base)
     if any(override_key(o) == "dist.nproc" for o in overrides):   # the ranks to plan for, as ranks= gives them
-        if "ranks" in own and parse_count(own["ranks"], "ranks") != cfg.dist.nproc:
+        if "ranks" in own and parse_count(own["ranks"], "plan: ranks", WHOLE_NUMBER) != cfg.dist.nproc:
             raise ConfigError(f"plan: dist.nproc={cfg.dist.nproc} and ranks={own['ranks']} differ; give one of them")
         own = {**own, "ranks": str(cfg.dist.nproc)}
     hw = detect(own, disk)
@@ -293,12 +293,17 @@ def _restrict(own: dict[str, str], given: dict[str, str], cfg, base: list[str],
     return own, notes
 
 
+def _closest(planned: list[Planned]) -> Planned | None:
+    """The rejected setup closest to fitting (its largest need over what is given the least), None where none of
+    them can be built here."""
+    return min((p for p in planned if not p.fits and not p.why.startswith("unavailable: ")),
+               key=lambda p: p.over, default=None)
+
+
 def _none_fits(planned: list[Planned]) -> str:
     """The line for a plan where no setup fits: the one closest to fitting and what it needs."""
-    built = [p for p in planned if not p.why.startswith("unavailable: ")]
-    if not built:
+    if (p := _closest(planned)) is None:
         return f"plan: no setup fits: none can be built here ({planned[0].why})"
-    p = min(built, key=lambda p: p.over)
     return (f"plan: no setup fits; the closest, {' '.join(p.cand.label().split())}, needs {p.why} (give more "
             f"memory with gpu_mem=, cpu_mem= or nvme=, or choose a smaller model, micro batch or context)")
 
@@ -324,7 +329,7 @@ def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, 
     lines += ["", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host/node':>9s}"]
     lines += [f"{i + 1:3d}  {p.cand.label():52s} {p.time['total']:8.3f} {p.device_peak / GiB:9.2f}Gi "
               f"{p.host / GiB:8.2f}Gi" for i, p in enumerate(fitting[:top])]
+    near = _closest(planned) or (planned[-1] if len(fitting) < len(planned) else None)
     lines.append(f"({len(fitting)} of {len(planned)} setups fit"
-                 + (f"; e.g. not: {' '.join(planned[-1].cand.label().split())} ({planned[-1].why})"
-                    if len(fitting) < len(planned) else "") + ")")
+                 + (f"; closest to fitting: {' '.join(near.cand.label().split())} ({near.why})" if near else "") + ")")
     return "\n".join(lines)

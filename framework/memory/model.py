@@ -168,6 +168,10 @@ CUDA_FIXED_SLACK = 64 * MiB
 # the prediction was 0.91-1.15 x those peaks (offload=nvme's, with none, 1.2 x). With dropout the math path's
 # batch x heads x context^2 blocks, made again in every recomputed block, fragment it far more (below).
 RECOMPUTE_SLACK_FRACTION = 0.5
+# Transients of the CPU's kernels only (CUDA's cast as they read): the norm's upcast blocks (``_step_transients``),
+# and ``grad_add_upcast``: an add_ of 16-bit gradients into wider ones (zero2/zero3's reduced ranges into their
+# partitions, ddp/zero1's micro steps into their accumulator) first copies the largest range to the wider dtype.
+HOST_ONLY = ("grad_norm_upcast", "grad_add_upcast")
 # The stages ``predict`` models (a stage of one's own adds its case there; the planner leaves out the others).
 STAGES = ("ddp", "zero1", "zero2", "zero3")
 
@@ -215,10 +219,9 @@ class Prediction(Footprint):
         dev, transient = sum(d for d, _ in self.items.values()), sum(self.transient.values())
         if not cuda:
             return dev + transient + self.slack
-        # The optimizer step's copy (``_step_transients``), made once backward freed the activations; the host
-        # norm's upcast block is none on an accelerator.
+        # The step's copy (``_step_transients``), made once backward freed the activations; none of HOST_ONLY.
         step = self.transient.get("step_grads_master", 0)
-        transient -= step + self.transient.get("grad_norm_upcast", 0)
+        transient -= step + sum(self.transient.get(k, 0) for k in HOST_ONLY)
         if self.cuda_activations is not None:   # attention as CUDA's fused kernels hold it
             transient += self.cuda_activations - self.transient.get("activations", 0)
         transient = max(transient, step)   # the caching allocator hands the step the activations' freed blocks
@@ -315,6 +318,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         if acc != w and (cfg.train.grad_accum > 1 or red != w and world > 1):
             pred.add("grad_accumulator", device=acc * (n if cfg.train.grad_accum > 1 else owned))
             pred.lazy.add("grad_accumulator")   # made by the first step
+            if cfg.train.grad_accum > 1:   # each micro step's group gradients added into it (HOST_ONLY)
+                pred.transient["grad_add_upcast"] = max(w, acc) * max(padded)
 
     if stage == "ddp":   # (its own master and state on the device: the device tier's bytes)
         shards = [sum(padded)]
@@ -338,6 +343,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             n_buf, biggest = bucket_buffers(buckets, cfg.stage.overlap_comm, cfg.stage.contiguous_gradients)
             pred.add("bucket_buffers", device=red * n_buf * biggest)
             pred.lazy.add("bucket_buffers")   # torch.empty: pages appear when the first bucket is filled
+            if red != acc:   # each reduced range's sums added into this rank's partition (HOST_ONLY)
+                pred.transient["grad_add_upcast"] = max(red, acc) * Zero2Stage.largest_sum(buckets, layouts, rank)
             # Parameter .grad tensors live until their bucket is copied out: to the end of backward when one
             # bucket holds a whole group (traced); else the buckets in flight plus those filling (round
             # robin: one per partition).
@@ -481,9 +488,10 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple, 
     largest_param = max((p.numel() for plan in plans for _, p in plan.named), default=0)
     reduce = (red * largest_param if red != w else 0) if world == 1 else red * biggest * (3 if s.overlap_comm else 1)
     pred.transient["zero3_reduce"] = w * biggest + reduce
+    if red != acc:   # sums added into the partitions (HOST_ONLY): a parameter's at world 1, else a group shard's
+        pred.transient["grad_add_upcast"] = max(red, acc) * (largest_param if world == 1 else max(shards, default=0))
     if swap_grads:
         # The partition being reduced and the previous unit's, still being written (a third when the disk lags).
-
         pred.transient["zero3_grad_partitions"] = 2 * acc * max(shards, default=0)
         pred.notes.append("zero3 + offload=nvme: two gradient partitions in flight (a third when the disk is "
                           "slower than backward)")

@@ -21,11 +21,16 @@ BUFFER_FACTOR = 1.5   # DeepSpeed's additional_buffer_factor (host memory only)
 _SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "G": 10 ** 9, "T": 10 ** 12}
 
 
-def parse_count(text: str, what: str = "count") -> int:
-    """``2.78e9``, ``2783M``, ``32K``, ``1.4B``, ``1_000_000`` -> an integer count (a fraction is an error)."""
+COUNT_SPELLINGS = "e.g. 2.78e9, 2783M, 32K or 1.4B"
+WHOLE_NUMBER = "a whole number >= 1, e.g. 8"   # (for what is not a parameter count: ranks, micro batches)
+
+
+def parse_count(text: str, what: str = "count", write: str = COUNT_SPELLINGS) -> int:
+    """``2.78e9``, ``2783M``, ``32K``, ``1.4B``, ``1_000_000`` -> an integer count (a fraction is an error).
+    ``what``: the key as the message names it (with its tool's prefix); ``write``: how to spell one instead."""
     m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
     if not m:
-        raise ConfigError(f"{what}={text!r} is not a count; write e.g. 2.78e9, 2783M, 32K or 1.4B")
+        raise ConfigError(f"{what}={text!r} is not a count; write {write}")
     value = float(m.group(1).replace("_", "")) * _SUFFIX[m.group(2).upper()]
     if not math.isfinite(value):   # 1e400 reads as infinity
         raise ConfigError(f"{what}={text!r} is too large to be a count")

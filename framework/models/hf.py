@@ -92,9 +92,13 @@ def _raw_config(cfg: HFConfig, key: str | None = None) -> tuple[str, Path, dict]
     key = key or own
     path = Path(user_path(where))
     file = path / "config.json" if path.is_dir() else path
+    want = "a save_pretrained folder" if cfg.pretrained is not None else "a config.json or a folder holding one"
+    if path.is_dir() and not file.is_file():   # a folder that is there: not a Hub name
+        raise ConfigError(f"{key}={where}: {where} has no config.json; give {want}"
+                          + ("" if cfg.pretrained is not None else f", or the path of a config of another "
+                             f"name: {where.rstrip('/')}/NAME.json"))
     if not file.is_file():
         # Never let transformers read a missing path as a Hub repository id.
-        want = "a save_pretrained folder" if cfg.pretrained is not None else "a config.json or a folder holding one"
         raise ConfigError(f"{key}={where}: no such file (a Hub name? nothing is downloaded; give a local folder: "
                           f"{want})")
     if cfg.pretrained is not None and not path.is_dir():

@@ -20,7 +20,7 @@ from framework.offload.base import Placement
 from framework.precision import Policy
 from framework.stages._flat import bind_groups, initializer, refuse_sparse_grads
 from framework.stages._grads import (Arrivals, Bucket, FlatGrads, backward_or_reset, bucket_buffers, check_buckets,
-                                     check_no_grads, expected_order, own_overlap, plan_buckets, plan_stripes,
+                                     check_no_grads, expected_order, own_overlap, own_parts, plan_buckets, plan_stripes,
                                      reduce_bucket, reduce_to_owners, sparse_gradient)
 from framework.stages.base import PartitionedStage, Setup
 
@@ -134,6 +134,14 @@ class Zero2Stage(ShardedStage):
         size = cfg.reduce_bucket_size
         cap = max(1, size // world) if cfg.round_robin_gradients else None
         return plan_buckets(expected_order(slots), size, shards, world, cap)
+
+    @staticmethod
+    def largest_sum(buckets: list[Bucket], layouts: list, rank: int) -> int:
+        """Elements of the largest reduced range ``rank`` adds into its partition (``_complete``), for the memory
+        model: on the CPU an add of another dtype copies that range in the wider one first."""
+        parts = [own_parts(b, lo, min(hi, layouts[b.group].numel))
+                 for b in buckets for lo, hi in [layouts[b.group].partition(rank)]]
+        return max((z - a for part in parts for a, z, _ in part), default=0)
 
     def _setup_grads(self, entries: list) -> None:
         self.params = [p for p, _ in entries]

@@ -298,6 +298,9 @@ def test_steps_is_checked_and_needs_verify(capsys):
 
 @pytest.mark.parametrize("args,needle", [
     (["ranks=1", "micro_batches=0,3"], "plan: micro_batches=0,3: each size must be >= 1"),
+    # a count that is no count: the tool's prefix, and a rank count's spelling (not a parameter count's "1.4B")
+    (["ranks=-2"], "error: plan: ranks='-2' is not a count; write a whole number >= 1, e.g. 8\n"),
+    (["ranks=1", "micro_batches=1,x"], "error: plan: micro_batches='x' is not a count; write a whole number >= 1"),
     (["ranks=3", "dist.nproc=2"], "plan: dist.nproc=2 and ranks=3 differ; give one of them"),
     (["data=text", "data.path=/nonexistent.txt"],   # never silently the model's vocabulary
      "memory prediction: the model is built at data=text's vocabulary, which needs its data here"),
@@ -558,14 +561,33 @@ def test_when_nothing_fits_the_closest_setup_is_one_line(capsys, monkeypatch):
     assert "> 2.00 MiB (2097152 bytes)" in capsys.readouterr().err
 
 
-def test_the_summary_names_a_setup_that_does_not_fit_whole(capsys, monkeypatch):
-    """The "(N of M setups fit; e.g. not: ...)" line names one whole setup: its stage, offload, batch and
-    checkpointing (a cut at a padding space left "zero3 cpu+params micro" or "ddp")."""
+def test_the_summary_names_the_setup_closest_to_fitting_whole(capsys, monkeypatch):
+    """The "(N of M setups fit; closest to fitting: ...)" line names one whole setup: its stage, offload, batch and
+    checkpointing (a cut at a padding space left "zero3 cpu+params micro" or "ddp"), the rejected one whose need
+    is the least over what is given (not the last one listed, the furthest)."""
+    from framework.memory.planner import Candidate
+
     cli = _quiet_probe(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cli.main(["model=gpt-nano", "micro_batches=1,16", "stages=ddp,zero3", "ranks=1", "cpu_mem=40M"]) == 0
+    assert cli.main(["model=gpt-nano", "micro_batches=1,16", "stages=ddp,zero3", "ranks=1", "cpu_mem=40M",
+                     "nvme=1T", "--json"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"setups fit; e\.g\. not: \w+ [\w+]+ micro \d+ x accum \d+ ckpt (yes|no) \(", out), out
+    found = re.search(r"setups fit; closest to fitting: (\w+ [\w+]+ micro \d+ x accum \d+ ckpt (yes|no)) \(", out)
+    assert found, out
+    rejected = [r for r in json.loads(out.strip().splitlines()[-1]) if not r["fits"]]   # host is the only need here
+    near = min(rejected, key=lambda r: r["host"])
+    fields = {k: near[k] for k in ("stage", "offload", "micro_batch", "grad_accum", "checkpointing")}
+    assert found[1] == " ".join(Candidate(**fields).label().split()) and len(rejected) > 1, (found[1], rejected)
+
+
+def test_nvme_0_is_no_nvme(capsys, monkeypatch):
+    """nvme=0 (unlike gpu_mem=0 or cpu_mem=0, refused) means no NVMe: an offload=nvme setup's disk need says so."""
+    cli = _quiet_probe(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["model=gpt-nano", "ranks=1", "stages=zero3", "offloads=nvme", "micro_batches=1",
+                     "checkpointing=false", "nvme=0"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"needs disk [0-9.]+ MiB \(\d+ bytes\) > 0 \(nvme=0: no NVMe\) \(give more", err), err
 
 
 def test_a_model_vocab_size_the_data_overrides_is_refused_as_training_refuses_it(capsys):
