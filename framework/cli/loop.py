@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from framework.engine.build import component, initialize
+from framework import ops
 from framework.core import files
 from framework.persist.checkpoint import Checkpointer, checkpoint_root
 from framework.config import Config, check_model_vocab
@@ -176,6 +177,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             summary["resume_given"] = cfg.resume_given
         if cfg.notices:
             summary["ds_config_notices"] = list(cfg.notices)
+        if (host_kernels := ops.in_use()) is not None:   # the two paths differ in the last bits (docs/stages.md)
+            summary["cpu_optimizer_kernels"] = host_kernels
         # stage3_gather_16bit_weights_on_model_save (collective): under on_nonfinite=stop a diverged state is refused as
         # its checkpoint would be; with checkpoints on, the last save (or the one resumed) has checked it already.
         if t.on_nonfinite == "stop" and not cfg.checkpoint.every and engine.components.stage.weights_on_save():

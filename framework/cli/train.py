@@ -32,6 +32,7 @@ from framework.cli._hydra import (OVERRIDE_DIRNAME_EXCLUDE, QUIET, Passed, first
                                   record_sweep, remove_made)
 from framework.cli._signals import terminated_line
 from framework.cli.launch import check_saves, launch
+from framework import ops
 from framework.comm.distributed import check_env, env_int
 from framework.config import (GROUPS, Config, app_composer, compose, compose_layers, parse_overrides,
                               override_key, search_order, standalone_composer)
@@ -442,6 +443,10 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     """``on_point``: called at the loop's points on every rank (``loop.train``; fault tests)."""
     try:
         check_env()   # a launch environment that cannot work: a usage error, before any run or sweep folder
+        try:   # (a library user gets the fallback warning instead: the kernels unavailable, the step runs)
+            ops.check_environment()
+        except ops.BuildUnavailable as e:
+            raise ConfigError(str(e)) from None
         jobs, primary, folder, fixed = _jobs(sys.argv[1:])
         configs, subdir, base, composed, chosen, exclude = {}, None, None, [], None, []
         composer = functools.partial(standalone_composer, **primary)

@@ -16,12 +16,12 @@ import torch
 from torch import Tensor
 
 from framework.ops import _loader
-from framework.ops._loader import BuildUnavailable
+from framework.ops._loader import BuildUnavailable, check_environment
 
 KERNELS = ("adam_step", "lion_step", "adagrad_step")
 
-__all__ = ["BuildUnavailable", "KERNELS", "adagrad_step", "adam_step", "available", "build", "cpu_optim",
-           "lion_step", "status", "unavailable_reason", "usable"]
+__all__ = ["BuildUnavailable", "KERNELS", "adagrad_step", "adam_step", "available", "build", "check_environment",
+           "cpu_optim", "in_use", "lion_step", "status", "unavailable_reason", "usable"]
 
 
 OFF = "off (FRAMEWORK_OPS turns them off: 0, false, no or off)"
@@ -45,6 +45,17 @@ def build(force: bool = True) -> ModuleType:
     """Compile now, also over a finished build and a recorded failure (perhaps transient: a full disk);
     ``force=False``: import a finished build where there is one. Raises BuildUnavailable with the reason."""
     return _loader.load(build=True, force=force, retry=True)
+
+
+def in_use() -> str | None:
+    """Which path this process's optimizer steps on CPU fp32 tensors took (for a run's summary; builds nothing):
+    ``kernels (isa NAME, N threads)``, ``fallback (REASON)`` or OFF; None where no step asked for the kernels."""
+    if not _loader.kernels_enabled():
+        return OFF
+    if not _loader.status.cache_info().currsize:   # (status is cached: asked for once a step could use them)
+        return None
+    module, reason = _loader.status()
+    return f"kernels (isa {module.isa()}, {torch.get_num_threads()} threads)" if module else f"fallback ({reason})"
 
 
 def _cpu(tensors: Iterable[Tensor], dtypes: tuple) -> bool:

@@ -1,6 +1,6 @@
 """``python -m framework.ops [status|build]``: report on, or build ahead of time, the C++ kernels.
 
-``status`` (the default) never compiles and exits 0. ``build`` compiles now (about 30 s) and exits 1 with the
+``status`` (the default) never compiles and exits 0. ``build`` compiles now (about a minute) and exits 1 with the
 reason if that fails; ``build --if-needed`` only where there is no finished build (``make test`` runs it first).
 """
 

@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -52,8 +53,9 @@ ENVIRONMENT = """\
   FRAMEWORK_OPS_ISA=NAME    cap the instruction set: auto, scalar, avx2, avx512 (any case)
   FRAMEWORK_OPS_PREFETCH=N  software prefetch distance in floats (0: off; auto, the default: 256 on
                             Intel, off elsewhere); results do not depend on it
-Switches take 1/0, true/false, yes/no, on/off (any case). A value these do not allow makes the kernels
-unavailable, with the one fallback warning saying why (python -m framework.ops shows it)."""
+Switches take 1/0, true/false, yes/no, on/off (any case). python -m framework.train refuses a value these
+do not allow (exit 2); elsewhere it makes the kernels unavailable, with the one fallback warning saying why
+(python -m framework.ops shows it)."""
 FLAGS = ("FRAMEWORK_OPS", "FRAMEWORK_OPS_BUILD", "FRAMEWORK_OPS_VERBOSE")
 
 
@@ -109,6 +111,23 @@ def _cache_error(exc: OSError) -> BuildUnavailable:
     """A cache folder that cannot be made or written (read-only, a file in its place): one line saying how."""
     return BuildUnavailable(f"cannot write the kernel cache {exc.filename} ({exc.strerror}); set "
                             "FRAMEWORK_OPS_CACHE to a writable folder")
+
+
+def _check_cache_root() -> None:
+    """A file where the cache folder (or a folder above it) would be: one line, not "not built yet"."""
+    root = cache_root()
+    for path in (root, *root.parents):
+        try:
+            if not path.exists():
+                continue
+            folder = path.is_dir()
+        except OSError:   # (one we may not look into: the mkdir or lock says what is wrong)
+            return
+        if not folder:
+            where = "" if path == root else f" ({path} is a file)"
+            raise BuildUnavailable(f"the kernel cache {root} is not a folder{where}; set FRAMEWORK_OPS_CACHE "
+                                   "to a folder")
+        return
 
 
 def _compiler_key() -> str:
@@ -202,8 +221,10 @@ def _exclusive(directory: Path) -> Iterator[None]:
         raise BuildUnavailable(f"no usable build in {directory}, and this user cannot build there ({flock}: "
                                f"{exc.strerror}); have the cache's owner run `python -m framework.ops build`, "
                                "or set FRAMEWORK_OPS_CACHE to a folder of yours") from None
+    except OSError as exc:   # a read-only file system, a full disk or quota
+        raise _cache_error(exc) from None
     with handle:
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        deadline, said = time.monotonic() + LOCK_TIMEOUT_S, False
         while True:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -212,7 +233,17 @@ def _exclusive(directory: Path) -> Iterator[None]:
                 if time.monotonic() > deadline:
                     raise BuildUnavailable(f"another process has been building in {directory} for "
                                            f"over {LOCK_TIMEOUT_S:.0f} s") from None
+                if not said and _local_rank() == 0:   # once, from each machine's first rank
+                    said = True
+                    handle.seek(0)
+                    holder = handle.read().strip() or "another process"
+                    print(f"framework.ops: waiting for {holder} to finish building the C++ CPU optimizer kernels "
+                          f"in {directory} (up to {LOCK_TIMEOUT_S:.0f} s)", file=sys.stderr, flush=True)
                 time.sleep(0.2)
+        with contextlib.suppress(OSError):   # who builds, for a process that waits (a read-only lock file: no one)
+            handle.truncate(0)
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+            handle.flush()
         try:
             yield
         finally:   # (not left to the close: a child forked meanwhile would hold the lock while it lives)
@@ -241,6 +272,8 @@ def _compile(directory: Path, force: bool = False, retry: bool = False) -> Modul
             # torch's baton: stale, as nobody else builds here while we hold the flock
             (directory / "lock").unlink(missing_ok=True)
             root = csrc_dir()
+            print(f"framework.ops: compiling the C++ CPU optimizer kernels (about a minute, once) into {directory}",
+                  file=sys.stderr, flush=True)
             try:
                 module = cpp_extension.load(
                     name=NAME, sources=[str(root / s) for s in SOURCES], extra_cflags=list(CFLAGS),
@@ -263,10 +296,9 @@ def _compile(directory: Path, force: bool = False, retry: bool = False) -> Modul
             return module
 
 
-def load(build: bool = True, force: bool = False, retry: bool = False) -> ModuleType:
-    """The extension: a finished build imported, else (``build``) compiled; ``force``: compiled in any case;
-    ``retry``: also over a recorded failure. Raises BuildUnavailable with the reason (a bad value of an
-    environment variable too)."""
+def check_environment() -> tuple[str, int | None]:
+    """BuildUnavailable for a value of ours the environment variables do not allow; else the ISA cap (lower
+    case; "" or "auto": none) and the prefetch distance (None: auto)."""
     for var in FLAGS:
         _flag(var, True)
     isa = os.environ.get("FRAMEWORK_OPS_ISA", "").strip().lower()
@@ -279,6 +311,15 @@ def load(build: bool = True, force: bool = False, retry: bool = False) -> Module
         raise BuildUnavailable(f"FRAMEWORK_OPS_PREFETCH={os.environ['FRAMEWORK_OPS_PREFETCH']!r} is not auto or a "
                                f"number of floats >= 0 (at most {PREFETCH_MAX}; 0: no software prefetch); fix or "
                                "unset it")
+    return isa, int(prefetch) if number else None
+
+
+def load(build: bool = True, force: bool = False, retry: bool = False) -> ModuleType:
+    """The extension: a finished build imported, else (``build``) compiled; ``force``: compiled in any case;
+    ``retry``: also over a recorded failure. Raises BuildUnavailable with the reason (a bad value of an
+    environment variable too)."""
+    isa, prefetch = check_environment()
+    _check_cache_root()
     directory = build_dir()
     module = None
     if _finished(directory) and not force:
@@ -294,8 +335,8 @@ def load(build: bool = True, force: bool = False, retry: bool = False) -> Module
         module = _compile(directory, force, retry)
     if isa in ISAS:   # a cap: never above what this CPU has
         module.set_isa(ISAS[min(ISAS.index(isa), ISAS.index(module.detected_isa()))])
-    if number:
-        module.set_prefetch(int(prefetch))
+    if prefetch is not None:
+        module.set_prefetch(prefetch)
     return module
 
 

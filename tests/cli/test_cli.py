@@ -168,6 +168,40 @@ def test_a_launch_environment_that_cannot_work_is_a_usage_error_before_any_folde
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("var, value", [("FRAMEWORK_OPS", "disable"), ("FRAMEWORK_OPS_ISA", "avx3")])
+def test_a_bad_kernel_switch_is_a_usage_error_before_any_folder(monkeypatch, capsys, tmp_path, var, value):
+    """A mistyped FRAMEWORK_OPS turned the kernels off and the run went on: refused as other bad input is."""
+    from framework.cli import train
+
+    monkeypatch.setenv(var, value)
+    monkeypatch.setattr(sys, "argv", ["framework.train", f"hydra.run.dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as got:
+        train.main()
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert got.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {var}={value!r} is not one of"), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_summary_says_which_path_the_host_optimizer_step_took(monkeypatch, tmp_path):
+    """The kernels and their fallback differ in the last bits: a run's summary.json says which ran."""
+    from framework import compose
+    from framework.cli.launch import launch
+    from framework.loggers import RunInfo
+    from framework.ops import _loader
+
+    monkeypatch.delenv("FRAMEWORK_OPS", raising=False)
+    monkeypatch.setenv("FRAMEWORK_OPS_CACHE", str(tmp_path / "cache"))   # empty, and never built into
+    monkeypatch.setenv("FRAMEWORK_OPS_BUILD", "0")
+    _loader.status.cache_clear()
+    try:
+        summary = launch(compose([*SHORT, "train.steps=1"]), RunInfo(tmp_path / "run", None, None))
+    finally:
+        _loader.status.cache_clear()
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["cpu_optimizer_kernels"] == summary["cpu_optimizer_kernels"]
+    assert saved["cpu_optimizer_kernels"].startswith("fallback (not built yet and building is off"), saved
+
+
 def test_a_refused_run_removes_the_folders_made_for_it(forkrun, tmp_path):
     """Refused after Hydra made its (timestamped) run folder: the folders made for it are removed,
     those that were there before are kept."""

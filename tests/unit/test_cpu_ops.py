@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import errno
 import functools
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import types
@@ -542,7 +544,7 @@ def _train_adamw(steps: int = 3) -> list[Tensor]:
 
 def fallback_lines(capsys) -> list[str]:
     """The fallback's warning lines this test printed on stderr."""
-    return [line for line in capsys.readouterr().err.splitlines() if "framework.ops" in line]
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: framework.ops")]
 
 
 def test_build_disabled_warns_once_and_still_trains(fresh_loader, monkeypatch, capsys):
@@ -851,17 +853,100 @@ def test_status_never_compiles_and_says_so(fresh_loader, monkeypatch):
 
 
 def test_a_cache_that_cannot_be_made_is_one_line_naming_it(fresh_loader, monkeypatch, capsys):
-    """A read-only cache or a file in its place: what to set, not a traceback (build) or a bare OSError."""
+    """A read-only cache: what to set, not a traceback (build) or a bare OSError (a file in its place: below)."""
     from framework.ops.__main__ import main
 
-    (fresh_loader / "afile").write_text("")
-    monkeypatch.setenv("FRAMEWORK_OPS_CACHE", str(fresh_loader / "afile" / "cache"))
+    def refuse(path, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
     monkeypatch.setattr(_loader, "_tools_on_path", contextlib.nullcontext)
     assert main(["build"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot write the kernel cache" in err and "FRAMEWORK_OPS_CACHE" in err, err
     assert ops.cpu_optim() is None
     assert "set FRAMEWORK_OPS_CACHE to a writable folder" in fallback_lines(capsys)[0]
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
+def test_a_read_only_or_full_cache_is_one_line_naming_it(fresh_loader, monkeypatch, capsys, code):
+    """The build lock's file cannot be made (a read-only mount, a full disk): build, build --if-needed and
+    training say what to set in one line (build ended in an OSError traceback)."""
+    from framework.ops.__main__ import main
+
+    def refuse(path, *args, **kwargs):
+        raise OSError(code, os.strerror(code), str(path))
+
+    monkeypatch.setattr(_loader, "open_nofollow", refuse)
+    monkeypatch.setattr(_loader, "_tools_on_path", contextlib.nullcontext)
+    for args in (["build"], ["build", "--if-needed"]):
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert err.startswith("framework.ops: build failed: cannot write the kernel cache"), err
+        assert f".flock ({os.strerror(code)}); set FRAMEWORK_OPS_CACHE to a writable folder" in err, err
+    assert ops.cpu_optim() is None
+    lines = fallback_lines(capsys)
+    assert len(lines) == 1 and "set FRAMEWORK_OPS_CACHE to a writable folder" in lines[0], lines
+
+
+@pytest.mark.parametrize("below", [False, True])
+def test_a_file_for_the_cache_folder_is_one_line_in_status_build_and_training(fresh_loader, monkeypatch, capsys,
+                                                                              below):
+    """Not "not built yet ... training builds it on first use" (status) or "(Not a directory)" (build)."""
+    from framework.ops.__main__ import main
+
+    afile = fresh_loader / "afile"
+    afile.write_text("")
+    root = afile / "cache" if below else afile
+    monkeypatch.setenv("FRAMEWORK_OPS_CACHE", str(root))
+    monkeypatch.setattr(_loader, "_compile", lambda *a, **k: pytest.fail("built into a file"))
+    says = f"the kernel cache {root} is not a folder{f' ({afile} is a file)' if below else ''}; set FRAMEWORK_OPS_CACHE"
+    assert ops.status()["reason"].startswith(says)
+    assert main(["build"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert ops.cpu_optim() is None
+    lines = fallback_lines(capsys)
+    assert len(lines) == 1 and says in lines[0], lines
+
+
+def test_a_compile_and_a_wait_for_another_build_each_say_so_in_one_line(fresh_loader, monkeypatch, capsys):
+    """The first use's compile (about a minute) and a wait on another process's build lock (up to
+    LOCK_TIMEOUT_S) were silent."""
+    import fcntl
+    import threading
+
+    directory = _loader.build_dir()
+    _FakeBuild(monkeypatch, directory.parent.mkdir(parents=True) or directory)
+    flock = directory.parent / f"{directory.name}.flock"
+    with open(flock, "a+") as other:   # another builder: holds the lock, and said who it is
+        fcntl.flock(other, fcntl.LOCK_EX)
+        other.write("pid 4242 on elsewhere")
+        other.flush()
+        threading.Timer(0.7, fcntl.flock, (other, fcntl.LOCK_UN)).start()
+        ops.build()
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"framework.ops: waiting for pid 4242 on elsewhere to finish building the C++ CPU optimizer "
+                   f"kernels in {directory} (up to {_loader.LOCK_TIMEOUT_S:.0f} s)",
+                   f"framework.ops: compiling the C++ CPU optimizer kernels (about a minute, once) into {directory}"]
+    assert flock.read_text() == f"pid {os.getpid()} on {socket.gethostname()}"   # what a waiter would say
+
+
+def test_in_use_says_which_path_ran_without_building(fresh_loader, monkeypatch):
+    """For a run's summary.json: the two paths differ in the last bits."""
+    monkeypatch.setattr(_loader, "_compile", lambda *a, **k: pytest.fail("in_use built"))
+    assert ops.in_use() is None   # no step asked for the kernels
+    monkeypatch.setenv("FRAMEWORK_OPS_BUILD", "0")
+    _train_adamw(1)
+    assert ops.in_use().startswith("fallback (not built yet and building is off (FRAMEWORK_OPS_BUILD=0)")
+    _loader.status.cache_clear()
+    fake = _FakeBuild(monkeypatch, _loader.build_dir())
+    monkeypatch.setattr(_loader, "load", lambda **kwargs: fake.module())   # a finished build
+    assert ops.available()   # (as an optimizer step on CPU fp32 tensors asks)
+    assert ops.in_use() == f"kernels (isa avx2, {torch.get_num_threads()} threads)"
+    monkeypatch.setenv("FRAMEWORK_OPS", "0")
+    assert ops.in_use() == ops.OFF
 
 
 def test_isa_and_prefetch_from_the_environment_are_applied(fresh_loader, monkeypatch):
