@@ -487,9 +487,11 @@ def test_an_fp16_run_with_skipped_steps_writes_strict_json(tmp_path):
     assert report.markdown_table([job], tmp_path).count("\n") == 3
 
 
-# An SGD step at lr 1e39 makes the masters inf: non-finite state at the end of a run (its loss was finite).
+# An SGD step at lr 3e38 with weight decay 1000 (each finite in fp32) makes the masters inf: non-finite state at
+# the end of a run (its loss was finite).
 DIVERGED = ["+stage=zero3", "stage.stage3_gather_16bit_weights_on_model_save=true", "train.steps=1",
-            "optimizer=sgd", "optimizer.lr=1e39", "scheduler=constant", "train.grad_clip=0",
+            "optimizer=sgd", "optimizer.lr=3e38", "optimizer.weight_decay=1000", "scheduler=constant",
+            "train.grad_clip=0",
             *(o for o in SHORT if o.startswith("model."))]
 
 
