@@ -1157,8 +1157,9 @@ def test_a_zero3_collective_that_timed_out_names_data_dependent_control_flow_as_
         for when, run in (["zero3 gather of '1'", 1], lambda: engine.eval_step(engine.state, [micro])), \
                          (["zero3 gather of '1'", 1], step), (["zero3 gather of '1'", 2], step):
             with pytest.raises(framework.DistributedError, match=rf"^rank 0/2: {when[0]}.* Timed out; under zero3 the "
-                                                                 r"likely cause, where no rank died, is data-dependent "
-                                                                 r"control flow: .*TORCH_DISTRIBUTED_DEBUG=DETAIL"):
+                                                                 r"likely causes, where no rank died, are an exception "
+                                                                 r"on another rank .* or data-dependent control flow: "
+                                                                 r".*TORCH_DISTRIBUTED_DEBUG=DETAIL"):
                 run()
         stuck.__defaults__, when = (False,), ["zero3 gather of '1'", 1]   # a lost peer (or one seen stopped): its line
         with pytest.raises(framework.DistributedError, match=r"Timed out$"):
