@@ -3,6 +3,7 @@ inside, and which open engine trains a parameter (a second engine on the same pa
 from __future__ import annotations
 
 import inspect
+import traceback
 import weakref
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -16,8 +17,9 @@ from framework.engine.state import optimizer_leaves
 from framework.stages import zero3_sharded
 
 
-class _Engine(Protocol):   # what ``owner`` reads of an Engine (engine.build sits above this module)
+class _Engine(Protocol):   # what ``owner`` and ``in_step`` read of an Engine (engine.build sits above this module)
     closed: bool
+    _stepping: str | None
 
 
 class Owner(weakref.ref):
@@ -203,3 +205,14 @@ def _allowed_state(state: Any, params: Sequence[Tensor], name: str, made_by: str
                 f"float, bool, None, a one-element tensor): keep a per-group value as a tensor of the group's size "
                 f"(docs/architecture.md#where-a-new-piece-goes)")
     return scalars
+
+
+def in_step(engine: _Engine) -> str | None:
+    """The step running on ``engine`` (its hooks, worker and buffers in use until it returns), or None. A marker
+    with no such step on this thread's stack was left by an interrupt at its restore: cleared (frames read here,
+    in close and discard_edits, never in a step)."""
+    if engine._stepping is not None and not any(
+            f.f_code.co_name in ("train_step", "eval_step") and f.f_locals.get("self") is engine
+            for f, _ in traceback.walk_stack(None)):
+        engine._stepping = None
+    return engine._stepping

@@ -23,8 +23,8 @@ from framework.config import Config, check_batch_world, compose
 from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError, FrameworkError, TrainingError
 from framework.comm.distributed import Dist, agree, connect, disconnect, rank_and_world
-from framework.engine._checks import (Owner, another_engine, check_arguments, check_optimizer, detached_error, owner,
-                                      requires_grad_changed)
+from framework.engine._checks import (Owner, another_engine, check_arguments, check_optimizer, detached_error, in_step,
+                                      owner, requires_grad_changed)
 from framework.engine.materialize import materialize_buffers
 from framework.models.hf import config_hidden_size
 from framework.core.registry import registry
@@ -82,8 +82,9 @@ class Engine(contextlib.AbstractContextManager):
                                 "backward pass has no graph: call it outside those blocks")
         self.check_trainable("train_step")
         self.check_unedited("train_step")
-        outer, self._stepping = self._stepping, "train_step"   # (an eval_step inside loss_fn restores it)
-        try:
+        outer = self._stepping   # (an eval_step inside loss_fn restores it)
+        try:   # (marked inside: an interrupt between the mark and the try would leave it set for good)
+            self._stepping = "train_step"
             state, metrics = self._train_step(state, batch)
         finally:
             self._stepping = outer
@@ -125,8 +126,9 @@ class Engine(contextlib.AbstractContextManager):
         # [loss sum, batch count], all-reduced together: ranks with different numbers of batches agree on the mean
         total = torch.zeros(2, dtype=torch.float32, device=c.dist.device)
         total[1] = len(batches)   # (a fill: torch.tensor([...]) on a device blocks, copying from pageable memory)
-        outer, self._stepping = self._stepping, "eval_step"
-        try:
+        outer = self._stepping
+        try:   # (marked inside, as in train_step)
+            self._stepping = "eval_step"
             with eval_mode(c.module):   # (each module's own mode back after, a loss_fn that raises too)
                 for b in batches:
                     with torch.no_grad(), c.stage.forward_pass(train=False):
@@ -212,7 +214,7 @@ class Engine(contextlib.AbstractContextManager):
                                  f"may hold the half-applied update)")
 
     def close(self) -> None:
-        if self._stepping is not None:   # (its hooks, worker and buffers are in use until it returns)
+        if in_step(self) is not None:
             raise FrameworkError(f"close() called inside {self._stepping}; close after it returns")
         if not self.closed:
             self.closed = True
@@ -326,7 +328,7 @@ class Engine(contextlib.AbstractContextManager):
         if self.closed:
             raise FrameworkError("discard_edits: this engine is closed (engine.close() or its with block ended); "
                                  "build a new one with framework.initialize")
-        if self._stepping is not None:
+        if in_step(self) is not None:
             raise FrameworkError(f"discard_edits called inside {self._stepping}; call it after it returns")
         self._check_current(state, "discard_edits")
         # (agreed: a rank that cannot discard stops every rank, none waits in the publish's collectives)

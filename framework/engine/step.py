@@ -82,8 +82,8 @@ def build_train_step(c: Components, applying: Callable[[int], None]
         scale = state.precision.cur_scale
         n = len(batch.micro)
         lr = c.schedule(state.applied_steps)
-        c.update.arm(state.opt_state, state.params, lr, scale)
         try:
+            c.update.arm(state.opt_state, state.params, lr, scale)   # (inside: a cut arm is aborted too)
             # On the compute device: state.params live on the host under offload.
             loss_sum = torch.zeros((), dtype=torch.float32, device=c.dist.device)
             for k, micro in enumerate(batch.micro):
@@ -134,6 +134,7 @@ def build_train_step(c: Components, applying: Callable[[int], None]
             # ``applying`` told the caller).
             c.update.abort()
             c.stage.zero_grads()
+            c.stage.unbind_grads()   # (a backward cut inside its own bookkeeping left its views bound)
             raise
         c.stage.zero_grads()
         metrics = {"loss": mean_loss, "lr": lr, "grad_norm": norm, "loss_scale": scale,

@@ -209,6 +209,22 @@ class AsyncIO:
             self._work.put((handle, lo, address + (lo - offset), hi - lo))
         return handle
 
+    def fence(self) -> None:
+        """Every piece queued before now is done, a request's whose handle nobody holds too (its submit or its
+        owner's bookkeeping cut by Ctrl-C): each thread takes one ``_Fence`` once done with what it took before."""
+        threads = self._threads
+        if not threads or self._broken is not None:
+            return
+        fence = _Fence(len(threads))
+        try:
+            for _ in threads:
+                self._work.put(fence)
+            while not fence.arrived.wait(POLL_S):
+                if not self._alive() or self._broken is not None:   # (a dead thread failed what was queued)
+                    return
+        finally:
+            fence.go.set()
+
     pread = functools.partialmethod(_submit, "read")     # (file, offset, dst, what)
     pwrite = functools.partialmethod(_submit, "write")   # (file, offset, src, what)
 
@@ -269,7 +285,9 @@ class AsyncIO:
             while True:
                 queued.append(self._work.get_nowait())
         for failed in (job, *queued):
-            if failed is not None:
+            if isinstance(failed, _Fence):
+                failed.go.set()
+            elif failed is not None:
                 failed[0]._piece_done(self._broken)
         for _ in range(queued.count(None)):   # the other threads' stop signals stay queued for them
             self._work.put(None)
@@ -343,7 +361,10 @@ def _worker(engine: weakref.ref, work: queue.SimpleQueue, bounce: mmap.mmap) -> 
     job = None
     try:
         while (job := work.get()) is not None:
-            engine()._run(job, bounce_addr)
+            if isinstance(job, _Fence):
+                job.reach()
+            else:
+                engine()._run(job, bounce_addr)
             job = None
     except BaseException as e:  # noqa: BLE001 - this thread is lost: fail what is queued, never hang a wait
         if (alive := engine()) is not None:
@@ -351,6 +372,20 @@ def _worker(engine: weakref.ref, work: queue.SimpleQueue, bounce: mmap.mmap) -> 
     finally:
         del view
         bounce.close()
+
+
+class _Fence:
+    """``AsyncIO.fence``'s marker: each of ``n`` threads reaches it after its earlier pieces, then waits for ``go``."""
+
+    def __init__(self, n: int):
+        self.left, self.lock, self.arrived, self.go = n, threading.Lock(), threading.Event(), threading.Event()
+
+    def reach(self) -> None:
+        with self.lock:
+            self.left -= 1
+            if not self.left:
+                self.arrived.set()
+        self.go.wait()
 
 
 def _stop(work: queue.SimpleQueue, threads: list) -> None:

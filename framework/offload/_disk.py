@@ -307,6 +307,8 @@ class DiskPlacement(NVMePlacement):
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
         """Every disk piece's master and state as views of the mapped swap file (no host copy)."""
+        if write:   # (a load also repairs what a step cut short left, if its abort could not)
+            self.recover()
         fmap, views = self.stores[Tier.DISK].mapped(write)
         out, groups = list(params), {}
         for info in self.infos:
@@ -316,6 +318,21 @@ class DiskPlacement(NVMePlacement):
 
     def unmapped(self, fmap: Any) -> None:
         self.stores[Tier.DISK].unmapped(fmap)
+
+    def recover(self) -> None:
+        """As ``Placement.recover``; the swapped gradients' threads done with what was queued (a future Ctrl-C
+        lost too), their stale bookkeeping dropped and every landing free again."""
+        if self.grad_swap and self.writer is not None:
+            self.stores[Tier.DISK].interrupt()   # (this thread holds none of its locks now: the threads need them)
+            for pool in (self.writer, self.reader):   # (one thread each: the jobs before this one have run)
+                if pool is not None:
+                    pool.submit(int).exception()
+            self.grad_error = None
+            for stale in (self.pending, self.reads, self.writes, self.norms):
+                stale.clear()
+            if self.read_back:
+                self.free = deque(range(len(self.landings)))
+        super().recover()
 
     # zero3's owned gradients in the swap file (class docstring)
     def swap_grads(self, accum_dtype: torch.dtype, grad_accum: int) -> bool:

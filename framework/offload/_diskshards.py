@@ -203,6 +203,11 @@ class DiskShards(HostShards):
         if held is not None:
             self.store.release(held[1], None, dirty=dirty)
 
+    def recover(self) -> None:
+        self.held = None   # (its slot freed below, unwritten: only a half-applied update changed it)
+        if self.store is not None:
+            self.store.recover()
+
     def read_errors(self) -> None:
         if self.swapped:
             error, self.read_error = self.read_error, None

@@ -136,6 +136,7 @@ class DiskStore:
     def acquire(self, key: int) -> int:
         with self.cond:
             while (slot := self.where.get(key)) is not None and slot.state == "draining":
+                self._give_up()
                 self.cond.wait()   # its writes are being waited for by another thread; then it is free
             if slot is None:
                 self._read(key, self._free_slot(block=True))
@@ -220,6 +221,8 @@ class DiskStore:
             self.io = self.file = self.bounce = None
 
     def interrupt(self) -> None:
+        """The step failed: a thread waiting for a slot gives up (also what follows: ``resume``)."""
+        self._drop_held()
         with self.cond:
             self.interrupted = True
             self.cond.notify_all()
@@ -227,6 +230,27 @@ class DiskStore:
     def resume(self) -> None:
         with self.cond:
             self.interrupted = False
+
+    def recover(self) -> None:
+        """After a step cut short at any line of the calls above (an exception, Ctrl-C), once no other thread
+        calls in: every IO queued so far finished (one whose handle was lost too), every slot free, every piece
+        parked. The swap file holds what was released and written; a slot never released held nothing changed
+        but by a half-applied update (which the engine then refuses to step on until a load)."""
+        self._drop_held()
+        if self.io is not None:
+            self.io.fence()
+        for slot in self.slots:
+            slot.synced()   # (a sync point, on this failure path only)
+        with self.cond:
+            for key in {*self.where, *(slot.key for slot in self.slots)} - {None}:   # (a piece pointed at has both)
+                for t in (*self.entries[key].swapped, *self.entries[key].scratch):
+                    park_tensor(t)
+            for slot in self.slots:
+                slot.key, slot.state, slot.io = None, "free", []
+            self.where.clear()
+            self.writing.clear()
+            self.interrupted = False
+            self.cond.notify_all()
 
     def create(self, key: int, fill=None) -> None:
         """Setup: piece ``key`` made resident unread, ``fill()``-ed (default: its unparked values), written."""
@@ -358,12 +382,22 @@ class DiskStore:
                 continue
             if not block:
                 return None
-            if self.interrupted:
-                raise RuntimeError(f"{self.name} swap: the step failed while this piece waited for a buffer")
+            self._give_up()
             # Every slot holds a piece being read, stepped or copied back: wait for a release.
             t = time.perf_counter()
             self.cond.wait()
             self.wait_s += time.perf_counter() - t
+
+    def _drop_held(self) -> None:
+        """(the failing thread) A Ctrl-C landing on a ``with self.cond`` block's exit skips it: the lock stays
+        held by this thread, and another one needing it would wait forever. (``_is_owned``: the threading
+        module's own test of the caller's ownership.)"""
+        while self.cond._is_owned():
+            self.cond.release()
+
+    def _give_up(self) -> None:   # (before a wait for another thread)
+        if self.interrupted:
+            raise RuntimeError(f"{self.name} swap: the step failed while this piece waited for a buffer")
 
     def _evict(self, slot: _Slot) -> _Slot:
         if slot.state == "clean":   # its piece needs no write
@@ -403,6 +437,7 @@ class DiskStore:
         with self.cond:
             if slot.state != "writing":
                 while slot.state == "draining":   # another thread waits for them
+                    self._give_up()
                     self.cond.wait()
                 return
             slot.state = "draining"

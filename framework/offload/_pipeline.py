@@ -174,14 +174,22 @@ class PiecePipeline:
         return set(), None
 
     def abort(self) -> None:
-        """The step failed after ``arm``: leave the optimizer as it was."""
+        """The step failed after ``arm`` (or skips): leave the optimizer as it was, and the stores whole whatever
+        line an exception or Ctrl-C cut (``Placement.recover``)."""
+        for store in self.target.stores.values():   # a worker waiting for a slot gives up
+            getattr(store, "interrupt", lambda: None)()
+        self.pool.submit(int).exception()   # (one thread: every job before it ended, one whose future was lost too)
         if self.ctx is not None:   # (only then were jobs submitted: the copies are waited for below)
             self._settle(exact=False)
         for copy in self.grad_copies.values():  # the host may read the gradients now (overflow names)
             if copy.exception() is None:
                 copy.result().synchronize()
         self.ctx = None
-        self._release_all()
+        try:
+            self._release_all()   # (rolled back speculative pieces are written back)
+        finally:
+            self.handles = {}
+            self.target.recover()
 
     def skip(self) -> None:
         self.abort()

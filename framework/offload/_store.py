@@ -104,5 +104,8 @@ class HostStore:
             ev.synchronize()
         self.readers.clear()
 
+    def recover(self) -> None:   # (``DiskStore.recover``: a host piece is always resident, nothing to redo)
+        pass
+
     close = flush   # (the same call as DiskStore.close: nothing else to settle, the arenas go with the store)
 

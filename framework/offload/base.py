@@ -66,6 +66,9 @@ class Shards:
     def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=device)
 
+    def recover(self) -> None:
+        """After a step cut short at any line (``Placement.recover``): nothing held (shards on disk)."""
+
     def filled(self, shard: torch.Tensor) -> None:
         """zero3, construction: ``shard`` holds its initial values (shards on disk leave host memory now)."""
 
@@ -356,10 +359,24 @@ class Placement:
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
         """(params, opt_state, map) as a checkpoint reads or writes them (swap files: mapped views)."""
+        if write:   # (a load also repairs what a step cut short left: zero3's shards on disk)
+            self.recover()
         return list(params), opt_state, None
 
     def unmapped(self, fmap: Any) -> None:
         pass
+
+    def recover(self) -> None:
+        """After a step cut short at any line (Ctrl-C included), its workers stopped: every store's slots and IO
+        settled afresh, so the retry or a load finds them whole (swap files; else nothing to do)."""
+        if self.acc is None:
+            return
+        for stream in (self.h2d_stream, self.d2h_stream):   # copies from slots whose events the cut step lost
+            with self.acc.stream(stream):
+                recorded(self.acc).synchronize()   # sync point: on this failure path only
+        self.shards.recover()
+        for store in self.stores.values():
+            store.recover()
 
     def close(self) -> None:
         """Settle the stores; remove the swap files (also after an error)."""

@@ -293,8 +293,8 @@ class Gatherer:
     def _start_gather(self, unit: Unit, in_place: bool = True) -> None:
         """``in_place``: the hooks (and the persistent unit's ``gather_now``) use an ``_in_place`` group's shard;
         ``gather_now`` otherwise a copy (framework.gathered's edits discarded)."""
-        unit.to(UnitState.GATHERING)   # (its works are empty: the last gather's finish cleared them)
-        try:
+        try:   # (the mark inside: a Ctrl-C right after it is undone below too)
+            unit.to(UnitState.GATHERING)   # (its works are empty: the last gather's finish cleared them)
             # Normal tensors even in a forward under torch.inference_mode: the buffers outlive it, and later
             # gathers fill them in place (an inference tensor refuses that outside inference mode).
             with torch.inference_mode(False):

@@ -112,7 +112,9 @@ def diverged(error: BaseException) -> DistributedError | None:
     modules after their first pass (or in another micro batch of it) issue different collectives and wait."""
     if not isinstance(error, DistributedError) or not error.waited:
         return None
-    out = DistributedError(f"{error}; under zero3 the likely cause, where no rank died, is data-dependent control "
+    out = DistributedError(f"{error}; under zero3 the likely causes, where no rank died, are an exception on "
+                           f"another rank (its loss_fn or forward raised: its own error says what; let it end every "
+                           f"process, never catch and retry it on one rank) or data-dependent control "
                            f"flow: ranks that used different modules in a pass issue different gathers and wait on "
                            f"each other; make every rank call the same modules in the same order "
                            f"(TORCH_DISTRIBUTED_DEBUG=DETAIL in the launch environment names each rank's collective)",

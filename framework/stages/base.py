@@ -125,6 +125,12 @@ class BaseStage:
         self.watched = tuple((n, p, p._version if id(p) in ids and (entry is None or entry.get(id(p)) == v) else v,
                               owners) for n, p, v, owners in self.watched)
 
+    def unbind_grads(self) -> None:
+        """After a step cut short: no trainable parameter keeps a ``.grad`` (a view a backward pass bound), which
+        the retry's backward would refuse as a user's backward pass."""
+        for _, p, _, _ in self.watched:
+            p.grad = None
+
     def settle(self, rebind: bool = False) -> None:
         """After a step: edits its forwards made (``nn.Embedding(max_norm=...)`` renormalises in place) are no
         user's edit (but those of a parameter inside an open block). After a load (``rebind``): parameters replaced
