@@ -1074,3 +1074,32 @@ def test_a_manifest_nested_too_deeply_to_parse_is_unreadable_not_a_traceback(tmp
     files.write_new(tmp_path / stepfolders.MANIFEST, ('[' * 100_000 + ']' * 100_000).encode())
     with pytest.raises(CheckpointError, match=r"manifest.json is unreadable as the manifest \(nested too deeply"):
         stepfolders.read_manifest(tmp_path)
+
+
+def test_a_lost_checkpoint_lock_says_whether_the_checkpoints_went_with_it(tmp_path, capsys):
+    """The re-lock's warning: the ``.lock`` alone removed (a clean-up script) keeps the step folders, so it does not
+    call them gone; the folder removed (``rm -rf``) does."""
+    import shutil
+
+    from framework.core import files
+    from framework.persist import stepfolders
+    from framework.persist.checkpoint._lock import HeldLock, identity
+
+    root = tmp_path / "ck"
+    (root / "step-2").mkdir(parents=True)
+    fd = files.lock(root / stepfolders.LOCK, lambda holder: "busy", None)
+    held = HeldLock(root, identity(fd))
+    try:
+        os.unlink(root / stepfolders.LOCK)
+        held.check()
+        said = capsys.readouterr().err
+        assert said == (f"warning: checkpoint: checkpoint.dir {root} lost this run's .lock (removed during the run?): "
+                        f"locked it again, so that no other run saves there; its checkpoints are still there\n"), said
+        shutil.rmtree(root)
+        held.check()
+        said = capsys.readouterr().err
+        assert said.endswith("(the folder removed during the run?): locked it again, so that no other run saves "
+                             "there; checkpoints removed with it are gone\n"), said
+    finally:
+        held.close()
+        os.close(fd)
