@@ -81,7 +81,8 @@ def build(cfg: WarmupLRConfig, base_lr: float, total_steps: int,
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"scheduler.{key} must be >= 0, got {value}")
         if not finite_fp32(value):   # (the lr meets the fp32 optimizer state: an inf update, NaN after it)
-            raise ConfigError(f"scheduler.{key} must be finite in fp32 (the optimizer state's dtype), {fp32_inf(value)}")
+            raise ConfigError(f"scheduler.{key} must be finite in fp32 (the optimizer state's dtype), "
+                              f"{fp32_inf(value)}")
 
     def lr_at(step: int) -> float:
         return min_lr + (max_lr - min_lr) * (gamma(step) if step < num_steps else after(step, num_steps))
