@@ -166,8 +166,8 @@ def load_yaml(path: Path, tool: str = "config") -> dict:   # (tool: the command 
 def check_aliases(primary: str, overrides: list[str]) -> None:
     """Refuse an alias bomb (``load_yaml``'s line) in the YAML of the folders Hydra will search but conf/ (the
     package's own): each ``*.yaml`` of the primary folder, of the ``file://`` entries of ``hydra.searchpath=[...]``
-    overrides, and of every folder below them but tools' (``files.config_files``: group folders, the framework's or
-    the user's own, ``+experiment=x``), read first (Hydra's would expand it for ever)."""
+    overrides, and of every folder below them but tools' and links (``files.config_files``: group folders, the user's
+    own too, ``+experiment=x``; a linked one is not checked), read first (Hydra's would expand it for ever)."""
     from framework.core.paths import conf_dir
 
     given = [x for o in overrides if override_key(o) == "hydra.searchpath" for x in listed(o.partition("=")[2])]

@@ -299,22 +299,22 @@ def refuse_alias_bomb(text: str) -> None:
 
 # Folders tools make, thousands of files in a project root given as a config folder: no config group's (a
 # defaults list may name a dot folder, ``.local: mine``, so other dot folders are read). A virtual environment,
-# whatever its name, is told by its pyvenv.cfg. Hydra's .hydra (a run's composed config written out, one per run
-# folder: 0.16 s a compose for 1,000 runs) holds no anchor: OmegaConf writes none.
+# whatever its name, is told by its pyvenv.cfg, a conda environment (``.conda``, ``.pixi/envs/x``) by its conda-meta
+# folder. Hydra's .hydra (a run's composed config written out, one per run folder: 0.16 s a compose for 1,000 runs)
+# holds no anchor: OmegaConf writes none.
 _TOOL_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", "node_modules", ".tox", ".nox", ".hydra"})
 
 
 def config_files(folder: os.PathLike | str) -> list[Path]:
     """The ``*.yaml`` files below ``folder`` (itself included) that a config search path could name, sorted: none
-    in a tool's folder (``_TOOL_DIRS``, ``.*_cache``, a virtual environment), which is not walked. Links to folders
-    are followed, as Hydra follows them, each real folder walked once (a link to a folder above: no loop)."""
-    found, seen = [], set()
-    for top, dirs, names in os.walk(folder, followlinks=True):
-        real = os.path.realpath(top)
-        if real in seen or (top != str(folder) and "pyvenv.cfg" in names):
+    in a tool's folder (``_TOOL_DIRS``, ``.*_cache``, a virtual or conda environment), which is not walked. A link
+    to a folder is not followed (a project root's ``data -> /datasets`` would be read on every compose), so a
+    linked group folder's files are not listed (a known limit: Hydra follows the link)."""
+    found = []
+    for top, dirs, names in os.walk(folder):
+        if top != str(folder) and ("pyvenv.cfg" in names or "conda-meta" in dirs):
             dirs[:] = []
             continue
-        seen.add(real)
         dirs[:] = [d for d in dirs if d not in _TOOL_DIRS and not (d.startswith(".") and d.endswith("_cache"))]
         found += [Path(top, n) for n in names if n.endswith(".yaml")]
     return sorted(found)

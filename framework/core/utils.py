@@ -99,6 +99,17 @@ def plain_text(doc: str) -> str:
     return doc.replace("``", "")
 
 
+def finite_fp32(value: float) -> bool:
+    """Whether ``value`` is finite as the fp32 optimizer state meets it: 1e39 is finite as a Python float but
+    inf there, and an update by it is inf (NaN from the next step on)."""
+    return bool(torch.tensor(value, dtype=torch.float32, device="cpu").isfinite())   # host sync: no (a host tensor)
+
+
+def fp32_inf(value: float) -> str:
+    """The end of a refusal of ``value`` (finite as a Python float) that ``finite_fp32`` refuses: the exact bound."""
+    return f"got {value}, which is inf there; give at most {torch.finfo(torch.float32).max!r}"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``float32`` for ``torch.float32``: a dtype as files and messages name it."""
     return str(dtype).removeprefix("torch.")

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from framework import ops
 from framework.core.errors import ConfigError
+from framework.core.utils import finite_fp32, fp32_inf
 
 _CHUNK = 1 << 22   # elements per chunk of a temporary: 16 MiB of fp32 scratch, negligible launch overhead
 
@@ -151,12 +152,6 @@ def positive_fp32(value: float) -> bool:
     return bool(torch.tensor(value, dtype=torch.float32, device="cpu") > 0)
 
 
-def finite_fp32(value: float) -> bool:
-    """Whether ``value`` is finite as the fp32 optimizer state meets it: 1e39 is finite as a Python float but
-    inf there, and an update by it is inf (NaN from the next step on)."""
-    return bool(torch.tensor(value, dtype=torch.float32, device="cpu").isfinite())
-
-
 def check(name: str, cfg: Any, betas: Sequence[str] = (), nonneg: Sequence[str] = (),
           positive: Sequence[str] = (), fractions: Sequence[str] = ()) -> Any:
     """``cfg``, or a one-line ConfigError: lr and weight_decay finite in fp32 and >= 0, ``betas`` in [0, 1),
@@ -172,8 +167,7 @@ def check(name: str, cfg: Any, betas: Sequence[str] = (), nonneg: Sequence[str] 
                        "the flat buffers' padding); give a small positive value such as 1e-8" if key in positive else "")
                 if key in ("lr", "weight_decay") and math.isfinite(value) and value > 0:   # inf in fp32
                     raise ConfigError(f"optimizer.{key} must be finite in fp32 (the optimizer state's dtype) for "
-                                      f"{name}, got {value}, which is inf there; give a value below "
-                                      f"{torch.finfo(torch.float32).max:.4g}")
+                                      f"{name}, {fp32_inf(value)}")
                 fp32 = ", which is 0 in fp32, the optimizer state's dtype" if key in positive and value > 0 else ""
                 raise ConfigError(f"optimizer.{key} must be {rule} for {name}, got {value}{fp32}{why}")
     return cfg

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -447,7 +448,10 @@ def _remove_tree(p: Path) -> str | None:
     if p.is_symlink():
         raise UnsafePathError(f"{p} is a symbolic link; refusing to delete through it: remove the link")
     errors: list[BaseException] = []
-    shutil.rmtree(p, onerror=lambda fn, path, info: errors.append(info[1]))
+    if sys.version_info >= (3, 12):   # (onerror is deprecated there, to be removed)
+        shutil.rmtree(p, onexc=lambda fn, path, e: errors.append(e))
+    else:
+        shutil.rmtree(p, onerror=lambda fn, path, info: errors.append(info[1]))
     if not os.path.lexists(p):
         return None
     e = errors[0] if errors else None

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from framework.core.errors import ConfigError
 from framework.core.registry import Component, closest_hint
-from framework.core.utils import counted
+from framework.core.utils import counted, finite_fp32, fp32_inf
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -80,6 +80,9 @@ def build(cfg: WarmupLRConfig, base_lr: float, total_steps: int,
     for key, value in (("warmup_min_lr", min_lr), ("warmup_max_lr", max_lr)):
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"scheduler.{key} must be >= 0, got {value}")
+        if not finite_fp32(value):   # (the lr meets the fp32 optimizer state: an inf update, NaN after it)
+            raise ConfigError(f"scheduler.{key} must be finite in fp32 (the optimizer state's dtype), "
+                              f"{fp32_inf(value)}")
 
     def lr_at(step: int) -> float:
         return min_lr + (max_lr - min_lr) * (gamma(step) if step < num_steps else after(step, num_steps))

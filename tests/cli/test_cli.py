@@ -1354,9 +1354,11 @@ def test_a_checkpoint_folder_removed_during_a_run_is_locked_again_or_refused(tmp
     try:
         with pytest.raises(CheckpointError, match=rf"not saving step 4: rank 0: checkpoint.dir {re.escape(str(ckpt))} "
                                                   rf"lost this run's \.lock .* and another run \(pid {os.getpid()} .*\)"
-                                                  " saves there now"):
+                                                  " saves there now") as got:
             launch(cfg, RunInfo(tmp_path / "b", None, None), on_point=taken)
     finally:
         for fd in held:
             os.close(fd)
+    # (this run's checkpoints went with the folder; those there are the other run's: none said to be kept)
+    assert str(got.value).endswith("with checkpoint.dir set to a folder of its own"), got.value
     assert not list(ckpt.glob("step-*"))

@@ -682,6 +682,9 @@ def test_the_alias_bomb_check_skips_tools_folders_only(tmp_path):
         (root / folder).mkdir(parents=True)
         (root / folder / "x.yaml").write_text(_alias_bomb(5))
     (root / "env" / "pyvenv.cfg").write_text("home = /usr/bin\n")   # (a venv by any name)
+    (root / ".conda" / "conda-meta").mkdir(parents=True)   # (a conda env: no pyvenv.cfg)
+    (root / ".conda" / "lib").mkdir()
+    (root / ".conda" / "lib" / "x.yaml").write_text(_alias_bomb(5))
     check_aliases(str(conf_dir()), [f"hydra.searchpath=[file://{root}]"])
     check_aliases(str(root), [])
     (root / "optimizer").mkdir()
@@ -691,24 +694,23 @@ def test_the_alias_bomb_check_skips_tools_folders_only(tmp_path):
         check_aliases(str(root), [])
 
 
-def test_the_alias_bomb_check_follows_a_linked_group_folder_once(tmp_path):
-    """Hydra follows a link to a group folder: its files are checked too; a link to a folder above (a loop) is
-    walked once."""
+def test_the_alias_bomb_check_does_not_follow_a_link_to_a_folder(tmp_path):
+    """A link to a folder (a project root's ``data -> /datasets``, a link to a folder above: a loop) is not walked:
+    an alias-heavy YAML in a data tree Hydra never reads does not refuse the compose (a linked group folder is then
+    not checked either: a known limit)."""
     from framework.config.plainconf import check_aliases
     from framework.core.files import config_files
 
-    (tmp_path / "shared").mkdir()
-    bomb = tmp_path / "shared" / "mine.yaml"
-    bomb.write_text("# @package _global_\n" + _alias_bomb(7))
+    (tmp_path / "datasets" / "wiki").mkdir(parents=True)
+    (tmp_path / "datasets" / "wiki" / "manifest.yaml").write_text(_alias_bomb(7))
     search = tmp_path / "search"
     search.mkdir()
-    (search / "experiment").symlink_to(tmp_path / "shared")
+    (search / "mine.yaml").write_text("defaults: [train, _self_]\nseed: 7\n")
+    (search / "data").symlink_to(tmp_path / "datasets")
     (search / "loop").symlink_to(search)
-    assert config_files(search) == [search / "experiment" / "mine.yaml"]
-    with pytest.raises(ConfigError, match=re.escape(f"config: {search / 'experiment' / 'mine.yaml'}: its aliases")):
-        check_aliases(str(search), [])
-    [said] = _compose_errors(([f"hydra.searchpath=[file://{search}]", "+experiment=mine"], {}))
-    assert re.match(f"config: {re.escape(str(search / 'experiment' / 'mine.yaml'))}: its aliases", said), said
+    assert config_files(search) == [search / "mine.yaml"]
+    check_aliases(str(search), [f"hydra.searchpath=[file://{search}]"])
+    assert compose([], config_dir=str(search), config_name="mine").seed == 7
 
 
 def test_the_alias_bomb_check_reads_a_group_folder_of_the_users_own(tmp_path):

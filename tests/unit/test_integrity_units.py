@@ -841,12 +841,31 @@ def test_a_file_size_limit_during_a_save_is_not_called_a_full_disk(tmp_path):
             {"w": torch.ones(1 << 16), "b": [torch.ones(2)]}, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True),
             tmp, need=600 << 10, largest=300 << 10)
     # the limit named, and the largest single file it must admit (one rank's), not the whole checkpoint
-    assert str(got.value) == (f"checkpoint: saving step-2 failed (writing the files): rank 0: the file size limit "
-                              f"(ulimit -f 64: 0.06 MiB (65536 bytes)) stopped the writes in {tmp_path} (its largest "
-                              f"file needs about 0.29 MiB (307200 bytes)): raise the file size limit (ulimit -f) above"
-                              f" that or set checkpoint.dir to a file system that takes larger files; the previous "
-                              f"checkpoints are kept"), got.value
+    assert str(got.value) == (f"checkpoint: saving step-2 failed (writing the files): rank 0: this process's file "
+                              f"size limit (RLIMIT_FSIZE: 0.06 MiB (65536 bytes)) stopped the writes in {tmp_path} (its"
+                              f" largest file needs about 0.29 MiB (307200 bytes)): raise the file size limit above "
+                              f"that (bash: ulimit -f 300 or more, in 1024-byte blocks) or set checkpoint.dir to a "
+                              f"file system that takes larger files; the previous checkpoints are kept"), got.value
     assert not tmp.exists()
+
+
+def test_a_file_size_limit_above_the_largest_file_is_not_blamed_for_efbig(tmp_path):
+    """EFBIG with a ulimit -f far above the largest file (a FAT-like file system's 4 GiB maximum stopped it): the
+    file system's limit is named, not the ulimit; a limit under one 1024-byte block is not called ``ulimit -f 0``."""
+    import errno
+    from framework.persist.checkpoint._group import _write_error
+    from tests._helpers import file_size_limit
+
+    efbig = OSError(errno.EFBIG, "File too large")
+    with file_size_limit(100 << 30):
+        said = _write_error(efbig, tmp_path / "step-2.tmp", need=12 << 30, largest=6 << 30)
+    assert said == (f"the file system's largest file size stopped the writes in {tmp_path} (its largest file needs "
+                    f"about 6.00 GiB (6442450944 bytes)): set checkpoint.dir to a file system that takes larger "
+                    f"files"), said
+    with file_size_limit(1000):
+        said = _write_error(efbig, tmp_path / "step-2.tmp", need=3000)
+    assert said.startswith("this process's file size limit (RLIMIT_FSIZE: 0.00 MiB (1000 bytes)) stopped") and (
+        "(bash: ulimit -f 3 or more, in 1024-byte blocks)" in said), said
 
 
 def test_too_many_open_files_in_a_save_or_a_run_is_one_line_with_the_limit(tmp_path):
@@ -1055,3 +1074,32 @@ def test_a_manifest_nested_too_deeply_to_parse_is_unreadable_not_a_traceback(tmp
     files.write_new(tmp_path / stepfolders.MANIFEST, ('[' * 100_000 + ']' * 100_000).encode())
     with pytest.raises(CheckpointError, match=r"manifest.json is unreadable as the manifest \(nested too deeply"):
         stepfolders.read_manifest(tmp_path)
+
+
+def test_a_lost_checkpoint_lock_says_whether_the_checkpoints_went_with_it(tmp_path, capsys):
+    """The re-lock's warning: the ``.lock`` alone removed (a clean-up script) keeps the step folders, so it does not
+    call them gone; the folder removed (``rm -rf``) does."""
+    import shutil
+
+    from framework.core import files
+    from framework.persist import stepfolders
+    from framework.persist.checkpoint._lock import HeldLock, identity
+
+    root = tmp_path / "ck"
+    (root / "step-2").mkdir(parents=True)
+    fd = files.lock(root / stepfolders.LOCK, lambda holder: "busy", None)
+    held = HeldLock(root, identity(fd))
+    try:
+        os.unlink(root / stepfolders.LOCK)
+        held.check()
+        said = capsys.readouterr().err
+        assert said == (f"warning: checkpoint: checkpoint.dir {root} lost this run's .lock (removed during the run?): "
+                        f"locked it again, so that no other run saves there; its checkpoints are still there\n"), said
+        shutil.rmtree(root)
+        held.check()
+        said = capsys.readouterr().err
+        assert said.endswith("(the folder removed during the run?): locked it again, so that no other run saves "
+                             "there; checkpoints removed with it are gone\n"), said
+    finally:
+        held.close()
+        os.close(fd)

@@ -252,9 +252,15 @@ def test_lr_finite_as_a_float_but_inf_in_fp32_is_refused(module, key):
     with pytest.raises(ConfigError) as info:
         module.COMPONENT.check(dataclasses.replace(module.COMPONENT.config(), **{key: 1e39}), "ddp", {})
     assert str(info.value) == (f"optimizer.{key} must be finite in fp32 (the optimizer state's dtype) for {name}, "
-                               f"got 1e+39, which is inf there; give a value below 3.403e+38")
+                               f"got 1e+39, which is inf there; give at most 3.4028234663852886e+38")
     largest = float(torch.finfo(torch.float32).max)   # the largest fp32 value is accepted
     module.COMPONENT.check(dataclasses.replace(module.COMPONENT.config(), **{key: largest}), "ddp", {})
+    # the bound said is exact: a value just above it (below a rounded 3.403e+38) is refused, the bound accepted
+    with pytest.raises(ConfigError) as info:
+        module.COMPONENT.check(dataclasses.replace(module.COMPONENT.config(), **{key: 3.4028236e38}), "ddp", {})
+    bound = float(str(info.value).rpartition("give at most ")[2])
+    assert bound < 3.4028236e38
+    module.COMPONENT.check(dataclasses.replace(module.COMPONENT.config(), **{key: bound}), "ddp", {})
 
 
 @pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "lion", "adagrad"])

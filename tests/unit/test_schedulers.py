@@ -200,6 +200,13 @@ def test_warmup_cosine_default_min_lr_is_a_tenth_of_the_lr():
      "config: scheduler.total_num_steps must be >= 1, got 0; give 1 or more, or null (the run's length)"),
     (["scheduler=warmup_lr", "scheduler.warmup_max_lr=-1", "scheduler.warmup_num_steps=10"],
      "config: scheduler.warmup_max_lr must be >= 0, got -1.0"),
+    # the peak lr (and the floor) meet the fp32 optimizer state as optimizer.lr does: inf there, NaN after it
+    (["scheduler=warmup_lr", "scheduler.warmup_max_lr=1e39", "scheduler.warmup_num_steps=1"],
+     "config: scheduler.warmup_max_lr must be finite in fp32 (the optimizer state's dtype), got 1e+39, which is inf "
+     "there; give at most 3.4028234663852886e+38"),
+    (["scheduler=warmup_decay_lr", "scheduler.warmup_min_lr=1e39", "scheduler.warmup_max_lr=1e39"],
+     "config: scheduler.warmup_min_lr must be finite in fp32 (the optimizer state's dtype), got 1e+39, which is inf "
+     "there; give at most 3.4028234663852886e+38"),
     (["scheduler=warmup_lr", "scheduler.warmup_type=lin"],
      "config: scheduler.warmup_type must be log or linear, got 'lin' (did you mean 'linear'?)"),
 ])

@@ -148,17 +148,19 @@ def room_fixes(keep_last: int | None) -> str:
 
 def _write_error(e: BaseException, tmp: Path, need: int, largest: int = 0, keep_last: int | None = None) -> str:
     """One line for a failed write: a full disk (torch's zip writer: "unexpected pos") with the free and needed bytes;
-    EFBIG first (hidden by that too): a file size limit, named (this process's RLIMIT_FSIZE, else the file system's),
-    with the largest file it must admit (``largest``, else ``need``)."""
+    EFBIG first (hidden by that too): a file size limit, named (this process's RLIMIT_FSIZE where it is at most the
+    largest file it must admit, ``largest`` else ``need``; else the file system's), with that file's size."""
     found = glue().causes(e)
     if (many := next((c for c in found if isinstance(c, OSError) and c.errno in DESCRIPTORS), None)) is not None:
         return descriptors_line(many)
     if any(isinstance(c, OSError) and c.errno == errno.EFBIG for c in found):
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        named, fix = (("the file system's largest file size", "") if limit == resource.RLIM_INFINITY else
-                      (f"the file size limit (ulimit -f {limit // 1024}: {size(limit)})",
-                       "raise the file size limit (ulimit -f) above that or "))
-        return (f"{named} stopped the writes in {tmp.parent} (its largest file needs about {size(largest or need)}): "
+        limit, largest = resource.getrlimit(resource.RLIMIT_FSIZE)[0], largest or need
+        named, fix = (("the file system's largest file size", "") if limit in (resource.RLIM_INFINITY, -1) or
+                      limit > largest else   # (a generous ulimit: a FAT-like file system's own maximum stopped it)
+                      (f"this process's file size limit (RLIMIT_FSIZE: {size(limit)})",   # (a shell's blocks differ)
+                       f"raise the file size limit above that (bash: ulimit -f {-(-largest // 1024)} or more, in "
+                       f"1024-byte blocks) or "))
+        return (f"{named} stopped the writes in {tmp.parent} (its largest file needs about {size(largest)}): "
                 f"{fix}set checkpoint.dir to a file system that takes larger files")
     if any(isinstance(c, OSError) and c.errno in DISK_FULL or "unexpected pos" in str(c) or "No space left" in str(c)
            for c in found):

@@ -9,7 +9,12 @@ import sys
 from pathlib import Path
 
 from framework.core import files
+from framework.core.errors import FrameworkError
 from framework.persist import stepfolders
+
+
+class LockTaken(FrameworkError):
+    """Another run holds the lock of the folder this run lost: the checkpoints there are that run's."""
 
 
 def identity(fd: int) -> tuple[int, int]:
@@ -29,22 +34,28 @@ class HeldLock:
     def check(self) -> None:
         """One stat; where the folder's lock file is another or gone (the folder removed and made again), the lock
         taken again with one line, or a FrameworkError where another run holds it now (never two runs in one)."""
-        path = self.root / stepfolders.LOCK
+        path, kept = self.root / stepfolders.LOCK, False
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(path)
             if (st.st_dev, st.st_ino) == self.held:
                 return
+        with contextlib.suppress(FileNotFoundError):   # (the lock file alone removed: the checkpoints are there)
+            kept = any(stepfolders.step_of(p) >= 0 for p in self.root.iterdir())
         files.make_dirs(self.root)
-        fd = files.lock(path, lambda holder: (
-            f"checkpoint.dir {self.root} lost this run's {stepfolders.LOCK} (the folder removed during the run?) and "
-            f"another run{holder} saves there now: not saving beside it; end that run, or run this one again with "
-            "checkpoint.dir set to a folder of its own"), None)
+        try:
+            fd = files.lock(path, lambda holder: (
+                f"checkpoint.dir {self.root} lost this run's {stepfolders.LOCK} (the folder removed during the run?) "
+                f"and another run{holder} saves there now: not saving beside it; end that run, or run this one again "
+                "with checkpoint.dir set to a folder of its own"), None)
+        except FrameworkError as e:
+            raise LockTaken(str(e)) from None
         if self.fd is not None:
             os.close(self.fd)
         self.fd, self.held = fd, identity(fd)
-        print(f"warning: checkpoint: checkpoint.dir {self.root} lost this run's {stepfolders.LOCK} (the folder removed "
-              "during the run?): locked it again, so that no other run saves there; checkpoints removed with it are "
-              "gone", file=sys.stderr, flush=True)
+        print(f"warning: checkpoint: checkpoint.dir {self.root} lost this run's {stepfolders.LOCK} "
+              + ("(removed during the run?): locked it again, so that no other run saves there; its checkpoints are "
+                 "still there" if kept else "(the folder removed during the run?): locked it again, so that no other "
+                 "run saves there; checkpoints removed with it are gone"), file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.fd is not None:

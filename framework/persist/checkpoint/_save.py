@@ -27,6 +27,7 @@ from framework.models.hf import architecture
 from framework.offload import verify_map
 from framework.persist import rng, stepfolders
 from framework.persist.checkpoint._group import Group, agree_save, glue, room_fixes
+from framework.persist.checkpoint._lock import LockTaken
 from framework.core.utils import dtype_name, few, tensor_bytes
 from framework.persist.layout import StateLayout, host_copy, nonfinite_items, pieces
 from framework.persist.tensorfiles import bits_sum, read_per_device
@@ -201,6 +202,9 @@ def save(ckpt, state, losses: list[float] | None = None):
     return background.submit(_write, ckpt, snap, staged16)
 
 
+_KEPT = "; the previous checkpoints are kept"
+
+
 def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
     """Every rank's verdict on the state (finite, replicated copies alike) and the room, exchanged; True to save
     (``snap["need"]``: all ranks' bytes). Non-finite state is a TrainingError (unless ``recheck`` finds the swap file
@@ -214,21 +218,22 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
         if snap["nonfinite"]:
             recheck()
     except OSError as e:
-        problem = f"rank {group.rank}: cannot inspect {root} ({e.strerror or e})"
-    except FrameworkError as e:
+        problem = f"rank {group.rank}: cannot inspect {root} ({e.strerror or e}){_KEPT}"
+    except LockTaken as e:   # (this run's checkpoints went with the folder: those there are the other run's)
         problem = f"rank {group.rank}: {e}"
+    except FrameworkError as e:
+        problem = f"rank {group.rank}: {e}{_KEPT}"
     everyone = group.all_gather((snap["nonfinite"], claim, problem, snap["copies"]), "pre-save check")
     held = _held([names for names, *_ in everyone])
     refused = f"checkpoint: not saving step {step}: {held}" if held else None
     problems = [p for _, _, p, _ in everyone if p] + (   # (non-finite copies: said as such, below)
-        [] if held else _differing([copies for *_, copies in everyone]))
+        [] if held else [d + _KEPT for d in _differing([copies for *_, copies in everyone])])
     shorts = shortfalls([c for _, c, _, _ in everyone if c is not None]) if not problems else []
     if (refused or problems or shorts) and group.rank == 0 and staged16 is not None:
         shutil.rmtree(staged16, ignore_errors=True)
     # (each verdict below is drawn from the exchanged outcomes alone: every rank raises it alike)
     if problems:
-        raise on_every_rank(CheckpointError(f"checkpoint: not saving step {step}: {problems[0]}; the previous "
-                                            "checkpoints are kept"))
+        raise on_every_rank(CheckpointError(f"checkpoint: not saving step {step}: {problems[0]}"))
     if refused and ckpt.on_nonfinite == "warn":
         if group.rank == 0:
             print(f"warning: {refused} (train.on_nonfinite=warn)", file=sys.stderr, flush=True)
