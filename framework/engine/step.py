@@ -132,9 +132,11 @@ def build_train_step(c: Components, applying: Callable[[int], None]
         except BaseException:
             # A step that failed before the update leaves no trace (one that failed in it is half-applied:
             # ``applying`` told the caller).
-            c.update.abort()
-            c.stage.zero_grads()
-            c.stage.unbind_grads()   # (a backward cut inside its own bookkeeping left its views bound)
+            try:
+                c.update.abort()   # (it may raise a swap write that failed: the step's error is its context)
+            finally:
+                c.stage.zero_grads()
+                c.stage.unbind_grads()   # (a backward cut inside its own bookkeeping left its views bound)
             raise
         c.stage.zero_grads()
         metrics = {"loss": mean_loss, "lr": lr, "grad_norm": norm, "loss_scale": scale,

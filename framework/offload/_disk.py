@@ -327,7 +327,7 @@ class DiskPlacement(NVMePlacement):
             for pool in (self.writer, self.reader):   # (one thread each: the jobs before this one have run)
                 if pool is not None:
                     pool.submit(int).exception()
-            self.grad_error = None
+            self.grad_error = None   # (only this failed step's gradients, never applied, were lost: no state)
             for stale in (self.pending, self.reads, self.writes, self.norms):
                 stale.clear()
             if self.read_back:

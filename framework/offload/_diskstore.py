@@ -89,7 +89,9 @@ class DiskStore:
         self.slots: list[_Slot] = []
         self.where: dict[int, _Slot] = {}   # key -> the slot holding (or reading, or writing) it
         self.writing: deque[_Slot] = deque()
-        self.cond = threading.Condition()
+        # An explicit RLock: ``_drop_held`` releases while ``_is_owned()``, which tells the calling thread's
+        # ownership only for an RLock (with a plain Lock it is True whenever any thread holds it).
+        self.cond = threading.Condition(threading.RLock())
         self.file = self.io = None
         self.bytes_read = self.bytes_written = 0
         self.interrupted = False   # the step failed: a worker waiting for a slot gives up
@@ -235,12 +237,15 @@ class DiskStore:
         """After a step cut short at any line of the calls above (an exception, Ctrl-C), once no other thread
         calls in: every IO queued so far finished (one whose handle was lost too), every slot free, every piece
         parked. The swap file holds what was released and written; a slot never released held nothing changed
-        but by a half-applied update (which the engine then refuses to step on until a load)."""
+        but by a half-applied update (which the engine then refuses to step on until a load). A write that failed
+        is raised once all that is done: the file lacks the piece it freed, which must never be read as current."""
         self._drop_held()
         if self.io is not None:
             self.io.fence()
         for slot in self.slots:
-            slot.synced()   # (a sync point, on this failure path only)
+            slot.synced()   # (a sync point: after a failed step or a load only, never a healthy step)
+        failed = next((e for slot in self.slots for h in slot.io   # (fenced: done, no wait)
+                       if h.op == "write" and (e := h.exception()) is not None), None)
         with self.cond:
             for key in {*self.where, *(slot.key for slot in self.slots)} - {None}:   # (a piece pointed at has both)
                 for t in (*self.entries[key].swapped, *self.entries[key].scratch):
@@ -251,6 +256,8 @@ class DiskStore:
             self.writing.clear()
             self.interrupted = False
             self.cond.notify_all()
+        if failed is not None:
+            raise failed
 
     def create(self, key: int, fill=None) -> None:
         """Setup: piece ``key`` made resident unread, ``fill()``-ed (default: its unparked values), written."""

@@ -174,26 +174,31 @@ class PiecePipeline:
         return set(), None
 
     def abort(self) -> None:
-        """The step failed after ``arm`` (or skips): leave the optimizer as it was, and the stores whole whatever
-        line an exception or Ctrl-C cut (``Placement.recover``)."""
+        """The step failed after ``arm``: leave the optimizer as it was, and the stores whole whatever line an
+        exception or Ctrl-C cut (``Placement.recover``, which raises a swap write that failed meanwhile)."""
         for store in self.target.stores.values():   # a worker waiting for a slot gives up
             getattr(store, "interrupt", lambda: None)()
         self.pool.submit(int).exception()   # (one thread: every job before it ended, one whose future was lost too)
+        try:
+            self._roll_back()
+        finally:
+            self.handles = {}
+            self.target.recover()
+
+    def skip(self) -> None:
+        """A healthy skipped step (overflow): rolled back, the stores' writes left in flight (a failed one raises
+        where it is waited for, as on any step). One that raises here is aborted by the step."""
+        self._roll_back()
+        self.speculate = False
+
+    def _roll_back(self) -> None:
         if self.ctx is not None:   # (only then were jobs submitted: the copies are waited for below)
             self._settle(exact=False)
         for copy in self.grad_copies.values():  # the host may read the gradients now (overflow names)
             if copy.exception() is None:
                 copy.result().synchronize()
         self.ctx = None
-        try:
-            self._release_all()   # (rolled back speculative pieces are written back)
-        finally:
-            self.handles = {}
-            self.target.recover()
-
-    def skip(self) -> None:
-        self.abort()
-        self.speculate = False
+        self._release_all()   # (rolled back speculative pieces are written back)
 
     def _release_all(self) -> None:
         for k in self.handles:

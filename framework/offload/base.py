@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from framework.comm.accelerator import Accelerator, Event, for_device
+from framework.core.errors import SwapIOError
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 from framework.offload._store import HostStore, Tier, copy_on, recorded
@@ -373,10 +374,15 @@ class Placement:
             return
         for stream in (self.h2d_stream, self.d2h_stream):   # copies from slots whose events the cut step lost
             with self.acc.stream(stream):
-                recorded(self.acc).synchronize()   # sync point: on this failure path only
-        self.shards.recover()
-        for store in self.stores.values():
-            store.recover()
+                recorded(self.acc).synchronize()   # sync point: after a failed step or a load only
+        failed = None
+        for store in (self.shards, *self.stores.values()):   # each settled; then the first failed write raised
+            try:
+                store.recover()
+            except SwapIOError as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     def close(self) -> None:
         """Settle the stores; remove the swap files (also after an error)."""

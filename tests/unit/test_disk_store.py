@@ -392,3 +392,32 @@ def test_a_private_folder_swept_before_it_is_opened_is_made_again(tmp_path, monk
         assert path == made[1] and not os.path.exists(made[0]) and os.listdir(tmp_path) == [os.path.basename(path)]
     finally:
         os.close(fd)
+
+
+def test_recover_raises_a_write_still_in_flight_that_failed(tmp_path, monkeypatch):
+    """A failed step's (or a load's) ``recover`` frees every slot: a piece whose write-behind failed is then
+    stale in the swap file, so the write's error is raised (once), never dropped."""
+    import errno
+
+    from framework.core.errors import SwapIOError
+    store, tensors, _ = _store(tmp_path, 3, False, True)
+    real = AsyncIO._piece
+
+    def piece(self, handle, *a):
+        if handle.op == "write" and "piece 2 " in handle.what:
+            raise OSError(errno.EIO, "injected EIO")
+        return real(self, handle, *a)
+    monkeypatch.setattr(AsyncIO, "_piece", piece)
+    h = store.acquire(2)
+    store.wait(h)
+    tensors[2][0].add_(1)
+    store.release(h, None)   # write-behind: the slot stays ``writing``, its handle unread
+    with pytest.raises(SwapIOError, match="swap write of .test piece 2 tensor 0.* Input/output error"):
+        store.recover()
+    assert all(slot.state == "free" for slot in store.slots)
+    monkeypatch.setattr(AsyncIO, "_piece", real)
+    store.recover()   # raised once: the store is settled
+    h = store.acquire(2)
+    store.wait(h)
+    store.release(h, None, dirty=False)
+    store.close()
