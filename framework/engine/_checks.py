@@ -3,6 +3,7 @@ inside, and which open engine trains a parameter (a second engine on the same pa
 from __future__ import annotations
 
 import inspect
+import sys
 import traceback
 import weakref
 from typing import Any, Mapping, Protocol, Sequence
@@ -209,10 +210,10 @@ def _allowed_state(state: Any, params: Sequence[Tensor], name: str, made_by: str
 
 def in_step(engine: _Engine) -> str | None:
     """The step running on ``engine`` (its hooks, worker and buffers in use until it returns), or None. A marker
-    with no such step on this thread's stack was left by an interrupt at its restore: cleared (frames read here,
-    in close and discard_edits, never in a step)."""
+    with no such step on any thread's stack (this one's: close from loss_fn; another's: a watchdog's close) was
+    left by an interrupt at its restore: cleared (frames read here, in close and discard_edits, never in a step)."""
     if engine._stepping is not None and not any(
             f.f_code.co_name in ("train_step", "eval_step") and f.f_locals.get("self") is engine
-            for f, _ in traceback.walk_stack(None)):
+            for top in sys._current_frames().values() for f, _ in traceback.walk_stack(top)):
         engine._stepping = None
     return engine._stepping

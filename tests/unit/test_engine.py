@@ -2005,3 +2005,34 @@ def test_a_step_marker_an_interrupt_left_at_its_restore_does_not_stop_close():
     engine.train_step(state, _batch(data, state))
     engine.close()
     assert engine.closed
+
+
+def test_close_from_another_thread_while_a_step_runs_is_refused():
+    """A watchdog's (or a server's shutdown handler's) close() while loss_fn runs on the training thread: refused,
+    and the step finishes on an open engine (the marker is stale only when no thread runs a step of it)."""
+    entered, tried, got = threading.Event(), threading.Event(), {}
+    cfg = tiny_config("train.steps=2", "train.micro_batch=2", "+stage=zero2", "offload=cpu")
+    module, data = build_gpt(cfg)
+
+    def loss(m, mb):
+        entered.set()
+        tried.wait(60)
+        return gpt_loss(m, mb)
+
+    def closer():
+        entered.wait(60)
+        try:
+            engine.close()
+        except framework.FrameworkError as e:
+            got["error"] = str(e)
+        finally:
+            tried.set()
+
+    with framework.initialize(module, loss, cfg) as engine:
+        th = threading.Thread(target=closer)
+        th.start()
+        state, _ = engine.train_step(engine.state, _batch(data, engine.state))
+        th.join(60)
+        assert got == {"error": "close() called inside train_step; close after it returns"}
+        assert not engine.closed and state.step == 1
+    assert engine.closed
