@@ -444,7 +444,7 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     try:
         check_env()   # a launch environment that cannot work: a usage error, before any run or sweep folder
         try:   # (a library user gets the fallback warning instead: the kernels unavailable, the step runs)
-            ops.check_environment()
+            ops.check_environment(when_off=False)   # (the kernels off: their other variables are unused)
         except ops.BuildUnavailable as e:
             raise ConfigError(str(e)) from None
         jobs, primary, folder, fixed = _jobs(sys.argv[1:])

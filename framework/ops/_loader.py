@@ -296,9 +296,12 @@ def _compile(directory: Path, force: bool = False, retry: bool = False) -> Modul
             return module
 
 
-def check_environment() -> tuple[str, int | None]:
+def check_environment(when_off: bool = True) -> tuple[str, int | None]:
     """BuildUnavailable for a value of ours the environment variables do not allow; else the ISA cap (lower
-    case; "" or "auto": none) and the prefetch distance (None: auto)."""
+    case; "" or "auto": none) and the prefetch distance (None: auto). ``when_off=False``: with FRAMEWORK_OPS off
+    only it is checked (a run that turned the kernels off to get past a problem reads none of the others)."""
+    if not when_off and not _flag("FRAMEWORK_OPS", True):
+        return "", None
     for var in FLAGS:
         _flag(var, True)
     isa = os.environ.get("FRAMEWORK_OPS_ISA", "").strip().lower()

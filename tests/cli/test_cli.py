@@ -182,6 +182,20 @@ def test_a_bad_kernel_switch_is_a_usage_error_before_any_folder(monkeypatch, cap
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("var, value", [("FRAMEWORK_OPS_ISA", "avx3"), ("FRAMEWORK_OPS_PREFETCH", "lots"),
+                                        ("FRAMEWORK_OPS_VERBOSE", "loud")])
+def test_the_kernels_off_their_unused_variables_are_not_refused(monkeypatch, capsys, var, value):
+    """A user who turned the kernels off to get past a problem is not stopped again by a value nothing reads."""
+    from framework.cli import train
+
+    monkeypatch.setenv("FRAMEWORK_OPS", "0")
+    monkeypatch.setenv(var, value)
+    monkeypatch.setattr(sys, "argv", ["framework.train", "--help"])
+    with pytest.raises(SystemExit) as got:
+        train.main()
+    assert got.value.code in (0, None) and "error:" not in capsys.readouterr().err
+
+
 def test_the_summary_says_which_path_the_host_optimizer_step_took(monkeypatch, tmp_path):
     """The kernels and their fallback differ in the last bits: a run's summary.json says which ran."""
     from framework import compose
