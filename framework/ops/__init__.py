@@ -107,7 +107,7 @@ def status() -> dict[str, Any]:
     """What ``python -m framework.ops`` prints; never fails, imports a finished build but never compiles."""
     try:
         where = str(_loader.build_dir())
-    except OSError:   # unreadable sources: load says why
+    except (OSError, BuildUnavailable):   # unreadable sources, a cache folder that cannot be: load says why
         where = "-"
     module, reason = _loader.attempt(build=False) if _loader.kernels_enabled() else (None, OFF)
     capability = torch.backends.cpu.get_cpu_capability()

@@ -68,7 +68,11 @@ Status = NamedTuple("Status", [("module", ModuleType | None), ("reason", str | N
 
 def cache_root() -> Path:
     own = os.environ.get("FRAMEWORK_OPS_CACHE")
-    return Path(own).expanduser() if own else cache_dir() / "ops"
+    try:
+        return Path(own).expanduser() if own else cache_dir() / "ops"
+    except RuntimeError:   # (pathlib's "Could not determine home directory.")
+        raise BuildUnavailable(f"FRAMEWORK_OPS_CACHE={own!r} names the home of a user this machine does not know; "
+                               "set it to a folder") from None
 
 
 def build_dir() -> Path:

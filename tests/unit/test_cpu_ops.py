@@ -911,6 +911,24 @@ def test_a_file_for_the_cache_folder_is_one_line_in_status_build_and_training(fr
     assert len(lines) == 1 and says in lines[0], lines
 
 
+def test_an_unknown_users_home_for_the_cache_is_one_line_in_status_build_and_training(fresh_loader, monkeypatch,
+                                                                                     capsys):
+    """``~nouser/x``: pathlib's RuntimeError was a traceback from ``python -m framework.ops``."""
+    from framework.ops.__main__ import main
+
+    monkeypatch.setenv("FRAMEWORK_OPS_CACHE", "~no_such_user_fd4/x")
+    monkeypatch.setattr(_loader, "_compile", lambda *a, **k: pytest.fail("built"))
+    says = "FRAMEWORK_OPS_CACHE='~no_such_user_fd4/x' names the home of a user this machine does not know"
+    info = ops.status()
+    assert info["reason"].startswith(says) and info["build_dir"] == "-"
+    assert main([]) == 0 and main(["build"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert ops.cpu_optim() is None
+    lines = fallback_lines(capsys)
+    assert len(lines) == 1 and says in lines[0], lines
+
+
 def test_a_compile_and_a_wait_for_another_build_each_say_so_in_one_line(fresh_loader, monkeypatch, capsys):
     """The first use's compile (about a minute) and a wait on another process's build lock (up to
     LOCK_TIMEOUT_S) were silent."""
