@@ -626,6 +626,10 @@ def dataclasses_replace_vocab(cfg, vocab):
     (["params=1e9", "nodes=1.5"], "nodes='1.5' is not a whole number"),
     (["params=1e9", "gpus_per_node=1.5"], "gpus_per_node='1.5' is not a whole number"),
     (["params=1e9", "nodes=0"], "estimate: nodes=0 must be >= 1"),
+    # a count of GPUs, nodes or tokens: the planner's spelling, not a parameter count's (2783M)
+    (["params=1e9", "gpus_per_node=two"], "gpus_per_node='two' is not a count; write a whole number >= 1, e.g. 8"),
+    (["params=1e9", "nodes=-1"], "nodes='-1' is not a count; write a whole number >= 1, e.g. 8"),
+    (["params=1e9", "gpus_per_node=1K"], "gpus_per_node='1K' is not a plain whole number; write a whole number"),
     (["params=1e9", "buffer_factor=-1"], "estimate: buffer_factor=-1 must be >= 0"),
     (["params=0"], "estimate: params=0 must be >= 1"),
     (["params=1e9", "largest_layer=2e9"], "estimate: largest_layer=2e9 is more than params=1e9"),

@@ -301,6 +301,7 @@ def test_steps_is_checked_and_needs_verify(capsys):
     # a count that is no count: the tool's prefix, and a rank count's spelling (not a parameter count's "1.4B")
     (["ranks=-2"], "error: plan: ranks='-2' is not a count; write a whole number >= 1, e.g. 8\n"),
     (["ranks=1", "micro_batches=1,x"], "error: plan: micro_batches='x' is not a count; write a whole number >= 1"),
+    (["ranks=1K"], "error: plan: ranks='1K' is not a plain whole number; write a whole number >= 1, e.g. 8\n"),
     (["ranks=3", "dist.nproc=2"], "plan: dist.nproc=2 and ranks=3 differ; give one of them"),
     (["data=text", "data.path=/nonexistent.txt"],   # never silently the model's vocabulary
      "memory prediction: the model is built at data=text's vocabulary, which needs its data here"),
