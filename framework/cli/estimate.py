@@ -254,7 +254,8 @@ def _count(own: dict[str, str], key: str, default: int | None = None) -> int | N
     spelling (2.78e9, 32K), a count of anything else (nodes, GPUs, tokens, buffers) in digits."""
     if key not in own:
         return default
-    write = COUNT_SPELLINGS if key in ("params", "largest_layer", "sub_group_size", "param_buffer_size") else WHOLE_NUMBER
+    elements = key in ("params", "largest_layer", "sub_group_size", "param_buffer_size")
+    write = COUNT_SPELLINGS if elements else WHOLE_NUMBER
     if (n := parse_count(own[key], f"estimate: {key}", write)) < 1:
         raise ConfigError(f"estimate: {key}={own[key]} must be >= 1")
     return n
