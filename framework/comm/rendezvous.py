@@ -24,13 +24,16 @@ _STARTED = "framework/started"
 
 
 def job_identity() -> str:
-    """What the ranks of one job share and another job's do not: the launcher's run id (torchrun; Slurm's job: not
-    its step, as a batch script may start its ranks in separate sruns), "" where the launcher gives none (a second
-    job's rank is then refused only once the first job's ranks started)."""
+    """What the ranks of one job share and another job's do not: the launcher's run id (torchrun), else the
+    scheduler's job (Slurm's: not its step, as a batch script may start its ranks in separate sruns; PBS's, LSF's),
+    "" where none is set (a second job's rank is then refused only once the first job's ranks started)."""
     env = os.environ
     if run := env.get("TORCHELASTIC_RUN_ID"):
         return f"torchrun {run}"
-    return f"Slurm job {env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else ""
+    for key, name in (("SLURM_JOB_ID", "Slurm"), ("PBS_JOBID", "PBS"), ("LSB_JOBID", "LSF")):
+        if env.get(key):
+            return f"{name} job {env[key]}"
+    return ""
 
 
 def restart_note(rank: int) -> str | None:

@@ -157,6 +157,11 @@ def test_ranks_of_one_slurm_job_in_separate_sruns_are_one_job(monkeypatch):
         monkeypatch.setenv("SLURM_STEP_ID", step)
         ids.append(job_identity())
     assert ids[0] == ids[1] != ids[2], ids
+    monkeypatch.delenv("SLURM_JOB_ID")
+    for key in ("PBS_JOBID", "LSB_JOBID"):   # (mpirun under PBS or LSF: their job's id)
+        with monkeypatch.context() as m:
+            m.setenv(key, "77")
+            assert job_identity().endswith(" job 77"), key
 
 
 def test_torchrun_restarts_on_several_nodes_name_the_store_variable(monkeypatch):
