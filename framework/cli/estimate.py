@@ -28,8 +28,8 @@ from yaml import YAMLError
 from framework.engine.build import component
 from framework.memory.model import CUDA_FIXED_SLACK, SLACK_FRACTION, data_vocab, nvme_pools, predict, state_bytes
 from framework.models import hf as hf_lib
-from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
-                                     zero2_rows, zero3_rows)
+from framework.memory.tables import (BUFFER_FACTOR, COUNT_SPELLINGS, WHOLE_NUMBER, NVMeKeys, count_module,
+                                     format_rows, nvme_rows, parse_count, zero2_rows, zero3_rows)
 from framework.cli import RANK_NAMES, run_command
 from framework.config import compose, override_key
 from framework.config.checks import KEY_ALIASES, writable
@@ -250,10 +250,13 @@ def _count_text(n: int) -> str:
 
 
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:
-    """``own[key]`` as a whole number >= 1 (``default`` when not given)."""
+    """``own[key]`` as a whole number >= 1 (``default`` when not given): a count of parameters or elements in any
+    spelling (2.78e9, 32K), a count of anything else (nodes, GPUs, tokens, buffers) in digits."""
     if key not in own:
         return default
-    if (n := parse_count(own[key], f"estimate: {key}")) < 1:
+    elements = key in ("params", "largest_layer", "sub_group_size", "param_buffer_size")
+    write = COUNT_SPELLINGS if elements else WHOLE_NUMBER
+    if (n := parse_count(own[key], f"estimate: {key}", write)) < 1:
         raise ConfigError(f"estimate: {key}={own[key]} must be >= 1")
     return n
 

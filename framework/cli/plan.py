@@ -44,7 +44,7 @@ from framework.core.units import GB, GiB, MiB
 from framework.core.utils import counted
 from framework.memory import probe as _probe
 from framework.memory.model import data_vocab
-from framework.memory.planner import (Candidate, Hardware, Planned, candidates, compose_setups, detect,
+from framework.memory.planner import (NO_NVME, Candidate, Hardware, Planned, candidates, compose_setups, detect,
                                       micro_batches, plan, unmodelled)
 from framework.memory.tables import WHOLE_NUMBER, parse_count
 
@@ -295,14 +295,17 @@ def _restrict(own: dict[str, str], given: dict[str, str], cfg, base: list[str],
 
 def _closest(planned: list[Planned]) -> Planned | None:
     """The rejected setup closest to fitting (its largest need over what is given the least), None where none of
-    them can be built here."""
-    return min((p for p in planned if not p.fits and not p.why.startswith("unavailable: ")),
-               key=lambda p: p.over, default=None)
+    them can fit here (it cannot be built, or it needs NVMe where nvme=0 gives none: no smaller need fits 0)."""
+    return min((p for p in planned if not p.fits and p.over != float("inf")), key=lambda p: p.over, default=None)
 
 
 def _none_fits(planned: list[Planned]) -> str:
     """The line for a plan where no setup fits: the one closest to fitting and what it needs."""
     if (p := _closest(planned)) is None:
+        if p := next((p for p in planned if NO_NVME in p.why), None):
+            return (f"plan: no setup fits: every one buildable here offloads to NVMe, and nvme=0 gives none (e.g. "
+                    f"{' '.join(p.cand.label().split())} needs {p.why}): give nvme= its disk space, or plan other "
+                    f"offloads= (none, cpu)")
         return f"plan: no setup fits: none can be built here ({planned[0].why})"
     return (f"plan: no setup fits; the closest, {' '.join(p.cand.label().split())}, needs {p.why} (give more "
             f"memory with gpu_mem=, cpu_mem= or nvme=, or choose a smaller model, micro batch or context)")
@@ -329,7 +332,9 @@ def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, 
     lines += ["", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host/node':>9s}"]
     lines += [f"{i + 1:3d}  {p.cand.label():52s} {p.time['total']:8.3f} {p.device_peak / GiB:9.2f}Gi "
               f"{p.host / GiB:8.2f}Gi" for i, p in enumerate(fitting[:top])]
-    near = _closest(planned) or (planned[-1] if len(fitting) < len(planned) else None)
+    near, last = _closest(planned), planned[-1]   # (none closest: the others cannot fit here, e.g. the last)
+    near_text = f"closest to fitting: {' '.join(near.cand.label().split())} ({near.why})" if near else \
+        f"the others cannot fit here, e.g. {' '.join(last.cand.label().split())} ({last.why})"
     lines.append(f"({len(fitting)} of {len(planned)} setups fit"
-                 + (f"; closest to fitting: {' '.join(near.cand.label().split())} ({near.why})" if near else "") + ")")
+                 + (f"; {near_text}" if len(fitting) < len(planned) else "") + ")")
     return "\n".join(lines)

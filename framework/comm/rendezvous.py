@@ -24,19 +24,39 @@ _STARTED = "framework/started"
 
 
 def job_identity() -> str:
-    """What the ranks of one job share and another job's do not: the launcher's run id (torchrun; Slurm's job and
-    step), "" where the launcher gives none (the wait is then only bounded)."""
+    """What the ranks of one job share and another job's do not: the launcher's run id (torchrun), else the
+    scheduler's job (Slurm's: not its step, as a batch script may start its ranks in separate sruns; PBS's, LSF's),
+    "" where none is set (a second job's rank is then refused only once the first job's ranks started)."""
     env = os.environ
     if run := env.get("TORCHELASTIC_RUN_ID"):
         return f"torchrun {run}"
-    return f"Slurm job {env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '')}" if env.get("SLURM_JOB_ID") else ""
+    for key, name in (("SLURM_JOB_ID", "Slurm"), ("PBS_JOBID", "PBS"), ("LSB_JOBID", "LSF")):
+        if env.get(key):
+            return f"{name} job {env[key]}"
+    return ""
+
+
+def restart_note(rank: int) -> str | None:
+    """Rank 0's note where torchrun restarts ranks on several nodes sharing its store: the framework's attempt
+    prefix counts one agent's restarts, and a node whose ranks did not fail keeps its count (a stale attempt)."""
+    env = os.environ
+    if rank != 0 or env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1":
+        return None
+    restarts, nodes = env.get("TORCHELASTIC_MAX_RESTARTS", ""), env.get("GROUP_WORLD_SIZE", "")
+    if not (restarts.isdigit() and int(restarts) > 0 and nodes.isdigit() and int(nodes) > 1):
+        return None
+    return (f"note: torchrun --max-restarts={restarts} on {nodes} nodes: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            f"on every node (a node whose ranks did not fail keeps its restart count and would meet the failed "
+            f"attempt's keys)")
 
 
 def join(backend: str, rank: int, world: int, timeout_s: float, store_path: str | None,
          device_id: torch.device | None) -> None:
     """init_process_group via a FileStore at ``store_path`` (else MASTER_ADDR:MASTER_PORT); a failed
     rendezvous (the port taken, a peer that never joins, another job's store) is one line naming where and how long."""
-    timeout = timedelta(seconds=timeout_s)
+    timeout, deadline = timedelta(seconds=timeout_s), time.monotonic() + timeout_s   # (one wait, however split)
+    if note := restart_note(rank):
+        say(note)
     where = f"FileStore {store_path}" if store_path else \
         f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT)"
     if not store_path and (host := os.environ.get("MASTER_ADDR")):   # a typo: said now, not a rank missing
@@ -51,8 +71,8 @@ def join(backend: str, rank: int, world: int, timeout_s: float, store_path: str 
             store = tdist.FileStore(store_path, world)
             store.set_timeout(timeout)   # (its own default is 300 s, whatever the group's timeout)
         else:
-            store = _tcp_store(rank, world, timeout_s, where)
-        _arrive(store, rank, world, timeout_s, where, check_job=not store_path)
+            store = _tcp_store(rank, world, timeout_s, where, deadline)
+        _arrive(store, rank, world, timeout_s, where, check_job=not store_path, deadline=deadline)
         tdist.init_process_group(backend, rank=rank, world_size=world, store=store, timeout=timeout,
                                  device_id=device_id)
     except (RuntimeError, ValueError) as e:   # torch's DistNetworkError and DistStoreError are RuntimeErrors
@@ -75,7 +95,7 @@ def env_restarts() -> int:
     return int(text) if text.isdigit() else 0
 
 
-def _tcp_store(rank: int, world: int, timeout_s: float, where: str):
+def _tcp_store(rank: int, world: int, timeout_s: float, where: str, deadline: float | None = None):
     """The TCPStore at MASTER_ADDR:MASTER_PORT: rank 0 serves it (torchrun's agent does when it shares its own,
     TORCHELASTIC_USE_AGENT_STORE); the others connect once something listens there, polled in short sleeps."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -83,7 +103,8 @@ def _tcp_store(rank: int, world: int, timeout_s: float, where: str):
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     if rank == 0 and not agent:
         return tdist.TCPStore(host, port, world, True, timeout, wait_for_workers=False, multi_tenant=True)
-    deadline, noted = time.monotonic() + timeout_s, time.monotonic() + WAITING_NOTE_S
+    deadline = time.monotonic() + timeout_s if deadline is None else deadline
+    noted = time.monotonic() + WAITING_NOTE_S
     while True:
         try:
             socket.create_connection((host, port), timeout=1.0).close()
@@ -100,16 +121,23 @@ def _tcp_store(rank: int, world: int, timeout_s: float, where: str):
     return tdist.PrefixStore(f"framework/attempt_{env_restarts()}/", store) if agent else store
 
 
-def _arrive(store, rank: int, world: int, timeout_s: float, where: str = "", check_job: bool = False) -> None:
+def _arrive(store, rank: int, world: int, timeout_s: float, where: str = "", check_job: bool = False,
+            deadline: float | None = None) -> None:
     """Wait until every rank reached ``store``, in short sleeps. ``check_job`` (a TCP store): first make sure the
     store is this job's (rank 0 sets ``job_identity``; the others wait for it and compare), as a port's store may be
-    another's, and say what is waited for after ``WAITING_NOTE_S``."""
-    deadline, noted = time.monotonic() + timeout_s, time.monotonic() + WAITING_NOTE_S
+    another's, and say what is waited for after ``WAITING_NOTE_S``. ``deadline``: the join's (default: ``timeout_s``
+    from now)."""
+    deadline = time.monotonic() + timeout_s if deadline is None else deadline
+    noted = time.monotonic() + WAITING_NOTE_S
     mine = job_identity()
     if check_job and rank == 0:
         store.set(_JOB, mine)
     elif check_job:
         while not store.check([_JOB]):
+            if time.monotonic() > noted:
+                say(f"rank {rank}/{world}: waiting for rank 0 of this job to mark the store at {where} (up to "
+                    f"dist.timeout_s={timeout_s:g}s; another job's store on MASTER_PORT, or rank 0 never started)")
+                noted = float("inf")
             _tick(rank, world, timeout_s, deadline, "waiting for rank 0 of this job to mark the store there "
                   "(another job's store on MASTER_PORT, or rank 0 never started)")
         if (theirs := store.get(_JOB).decode()) != mine or store.check([_STARTED]):

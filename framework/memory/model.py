@@ -67,10 +67,9 @@ class _LiveBytes(TorchDispatchMode):
 
 
 class _FusedAttentionKernel(torch.autograd.Function):
-    """The memory of a fused attention kernel (CUDA's flash / memory-efficient, the CPU's flash): forward saves
-    the output and an fp32 log-sum-exp per query row, backward an fp32 accumulator of the query's shape (CUDA's;
-    the CPU's are per thread blocks, a little less); no sequence x sequence matrix, unlike the math path the
-    meta device runs."""
+    """The memory of a fused attention kernel (CUDA's flash / memory-efficient, the CPU's flash): forward saves the
+    output and an fp32 log-sum-exp per query row, backward an fp32 accumulator of the query's shape (CUDA's; the CPU's
+    are per thread blocks, a little less); no sequence x sequence matrix, unlike the math path the meta device runs."""
 
     @staticmethod
     def forward(ctx, q, k, v):
@@ -343,8 +342,9 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             n_buf, biggest = bucket_buffers(buckets, cfg.stage.overlap_comm, cfg.stage.contiguous_gradients)
             pred.add("bucket_buffers", device=red * n_buf * biggest)
             pred.lazy.add("bucket_buffers")   # torch.empty: pages appear when the first bucket is filled
-            if red != acc:   # each reduced range's sums added into this rank's partition (HOST_ONLY)
-                pred.transient["grad_add_upcast"] = max(red, acc) * Zero2Stage.largest_sum(buckets, layouts, rank)
+            if red != acc:   # each reduced range's sums added into this rank's partition (HOST_ONLY): without
+                by = None if cfg.stage.contiguous_gradients else slots   # contiguous gradients, piece by piece
+                pred.transient["grad_add_upcast"] = max(red, acc) * Zero2Stage.largest_sum(buckets, layouts, rank, by)
             # Parameter .grad tensors live until their bucket is copied out: to the end of backward when one
             # bucket holds a whole group (traced); else the buckets in flight plus those filling (round
             # robin: one per partition).

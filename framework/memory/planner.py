@@ -28,6 +28,7 @@ TRACKER_BYTES = 16 * units.MiB
 # (with ``gpu_mem=`` on a CPU host): an allowance, not measured here; the probe on a GPU machine measures
 # them in its own resident set.
 CUDA_HOST_BYTES = units.GiB
+NO_NVME = "0 (nvme=0: no NVMe)"   # a disk need against nvme=0: no smaller setup can fit it
 
 
 @dataclass(frozen=True)
@@ -288,7 +289,7 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
         needs = {**({"device": (device_peak, hw.gpu_mem)} if cuda else {}), "host": (host, hw.cpu_mem),
                  "disk": (sum(pred.disk.values()) * hw.ranks, hw.nvme)}
         over = max(n / limit if limit else float("inf") if n else 0.0 for n, limit in needs.values())
-        why = ", ".join(f"{k} {units.size(n)} > {units.size(limit) if limit or k != 'disk' else '0 (nvme=0: no NVMe)'}"
+        why = ", ".join(f"{k} {units.size(n)} > {units.size(limit) if limit or k != 'disk' else NO_NVME}"
                         for k, (n, limit) in needs.items() if n > limit)
         out.append(Planned(cand, step_time(ccfg, cand, hw, probe, pred.params, policy), device_peak, host, why, over))
     out.sort(key=lambda p: (not p.fits, p.time["total"], p.cand.guide_rank, p.cand.checkpointing,

@@ -27,7 +27,8 @@ WHOLE_NUMBER = "a whole number >= 1, e.g. 8"   # (for what is not a parameter co
 
 def parse_count(text: str, what: str = "count", write: str = COUNT_SPELLINGS) -> int:
     """``2.78e9``, ``2783M``, ``32K``, ``1.4B``, ``1_000_000`` -> an integer count (a fraction is an error).
-    ``what``: the key as the message names it (with its tool's prefix); ``write``: how to spell one instead."""
+    ``what``: the key as the message names it (with its tool's prefix); ``write``: how to spell one instead
+    (``WHOLE_NUMBER``: digits only, no suffix or exponent)."""
     m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
     if not m:
         raise ConfigError(f"{what}={text!r} is not a count; write {write}")
@@ -36,6 +37,8 @@ def parse_count(text: str, what: str = "count", write: str = COUNT_SPELLINGS) ->
         raise ConfigError(f"{what}={text!r} is too large to be a count")
     if abs(value - round(value)) > 1e-9 * max(1.0, value):   # tolerates 2.783M's float error, not 1.5
         raise ConfigError(f"{what}={text!r} is not a whole number")
+    if write == WHOLE_NUMBER and not re.fullmatch(r"\s*[0-9][0-9_]*\s*", str(text)):   # (ranks=1K: a typo, likely)
+        raise ConfigError(f"{what}={text!r} is not a plain whole number; write {write}")
     return int(round(value))
 
 

@@ -20,7 +20,7 @@ from framework.offload.base import Placement
 from framework.precision import Policy
 from framework.stages._flat import bind_groups, initializer, refuse_sparse_grads
 from framework.stages._grads import (Arrivals, Bucket, FlatGrads, backward_or_reset, bucket_buffers, check_buckets,
-                                     check_no_grads, expected_order, own_overlap, own_parts, plan_buckets, plan_stripes,
+                                     check_no_grads, expected_order, own_overlap, plan_buckets, plan_stripes,
                                      reduce_bucket, reduce_to_owners, sparse_gradient)
 from framework.stages.base import PartitionedStage, Setup
 
@@ -136,12 +136,20 @@ class Zero2Stage(ShardedStage):
         return plan_buckets(expected_order(slots), size, shards, world, cap)
 
     @staticmethod
-    def largest_sum(buckets: list[Bucket], layouts: list, rank: int) -> int:
+    def largest_sum(buckets: list[Bucket], layouts: list, rank: int, slots: list | None = None) -> int:
         """Elements of the largest reduced range ``rank`` adds into its partition (``_complete``), for the memory
-        model: on the CPU an add of another dtype copies that range in the wider one first."""
-        parts = [own_parts(b, lo, min(hi, layouts[b.group].numel))
-                 for b in buckets for lo, hi in [layouts[b.group].partition(rank)]]
-        return max((z - a for part in parts for a, z, _ in part), default=0)
+        model: on the CPU an add of another dtype copies that range in the wider one first. ``slots`` (each
+        parameter's (group, slot), given without contiguous_gradients): the adds are one parameter piece each."""
+        best = 0
+        for b in buckets:
+            lo, hi = layouts[b.group].partition(rank)
+            for start, end in b.ranges:
+                cuts = [(start, end)] if slots is None else \
+                    [(max(start, s.offset), min(end, s.offset + s.numel)) for s in (slots[p][1] for p in b.params)]
+                for a, z in cuts:
+                    if (own := own_overlap(a, z, lo, min(hi, layouts[b.group].numel))) is not None:
+                        best = max(best, own[1] - own[0])
+        return best
 
     def _setup_grads(self, entries: list) -> None:
         self.params = [p for p, _ in entries]

@@ -433,6 +433,13 @@ def test_an_add_of_16_bit_gradients_into_fp32_ones_is_a_host_copy():
     z2 = predict(compose([*base, "+stage=zero2", "dist.nproc=2"]), 2)
     # (the fp32 partitions' bytes: the weights' group, less its padding, and the small one of biases and norms)
     assert 0.9 * z2.items["grads"][0] < z2.transient["grad_add_upcast"] < z2.items["grads"][0]
+    # without contiguous gradients each parameter's piece is reduced and added by itself: the largest parameter
+    from framework.engine.build import component
+    cfg = compose([*base, "+stage=zero2", "stage.contiguous_gradients=false", "dist.nproc=1"])
+    with torch.device("meta"):
+        module = component(cfg, "model").build(cfg.model, vocab_size=64)
+    largest = max({id(p): p.numel() for p in module.parameters()}.values())
+    assert predict(cfg, 1).transient["grad_add_upcast"] == 4 * largest
     cuda, host = z2.device_peak(True), z2.peak
     z2.transient["grad_add_upcast"] = 0
     assert z2.device_peak(True) == cuda and z2.peak < host
@@ -626,6 +633,10 @@ def dataclasses_replace_vocab(cfg, vocab):
     (["params=1e9", "nodes=1.5"], "nodes='1.5' is not a whole number"),
     (["params=1e9", "gpus_per_node=1.5"], "gpus_per_node='1.5' is not a whole number"),
     (["params=1e9", "nodes=0"], "estimate: nodes=0 must be >= 1"),
+    # a count of GPUs, nodes or tokens: the planner's spelling, not a parameter count's (2783M)
+    (["params=1e9", "gpus_per_node=two"], "gpus_per_node='two' is not a count; write a whole number >= 1, e.g. 8"),
+    (["params=1e9", "nodes=-1"], "nodes='-1' is not a count; write a whole number >= 1, e.g. 8"),
+    (["params=1e9", "gpus_per_node=1K"], "gpus_per_node='1K' is not a plain whole number; write a whole number"),
     (["params=1e9", "buffer_factor=-1"], "estimate: buffer_factor=-1 must be >= 0"),
     (["params=0"], "estimate: params=0 must be >= 1"),
     (["params=1e9", "largest_layer=2e9"], "estimate: largest_layer=2e9 is more than params=1e9"),

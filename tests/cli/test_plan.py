@@ -301,6 +301,7 @@ def test_steps_is_checked_and_needs_verify(capsys):
     # a count that is no count: the tool's prefix, and a rank count's spelling (not a parameter count's "1.4B")
     (["ranks=-2"], "error: plan: ranks='-2' is not a count; write a whole number >= 1, e.g. 8\n"),
     (["ranks=1", "micro_batches=1,x"], "error: plan: micro_batches='x' is not a count; write a whole number >= 1"),
+    (["ranks=1K"], "error: plan: ranks='1K' is not a plain whole number; write a whole number >= 1, e.g. 8\n"),
     (["ranks=3", "dist.nproc=2"], "plan: dist.nproc=2 and ranks=3 differ; give one of them"),
     (["data=text", "data.path=/nonexistent.txt"],   # never silently the model's vocabulary
      "memory prediction: the model is built at data=text's vocabulary, which needs its data here"),
@@ -581,13 +582,25 @@ def test_the_summary_names_the_setup_closest_to_fitting_whole(capsys, monkeypatc
 
 
 def test_nvme_0_is_no_nvme(capsys, monkeypatch):
-    """nvme=0 (unlike gpu_mem=0 or cpu_mem=0, refused) means no NVMe: an offload=nvme setup's disk need says so."""
+    """nvme=0 (unlike gpu_mem=0 or cpu_mem=0, refused) means no NVMe: an offload=nvme setup's disk need says so,
+    and such a setup is never the one "closest to fitting" (no smaller model or batch makes it fit)."""
     cli = _quiet_probe(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["model=gpt-nano", "ranks=1", "stages=zero3", "offloads=nvme", "micro_batches=1",
                      "checkpointing=false", "nvme=0"]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"needs disk [0-9.]+ MiB \(\d+ bytes\) > 0 \(nvme=0: no NVMe\) \(give more", err), err
+    assert re.search(r"^error: plan: no setup fits: every one buildable here offloads to NVMe, and nvme=0 gives none "
+                     r"\(e\.g\. zero3 nvme .* needs disk [0-9.]+ MiB \(\d+ bytes\) > 0 \(nvme=0: no NVMe\)\): give "
+                     r"nvme= its disk space", err), err
+    assert "closest" not in err and "smaller model" not in err, err
+    assert cli.main(["model=gpt-nano", "ranks=1", "stages=zero3", "offloads=cpu,nvme", "micro_batches=1",
+                     "checkpointing=false", "nvme=0", "cpu_mem=10M"]) == 2   # cpu: over by a finite factor
+    err = capsys.readouterr().err
+    assert "the closest, zero3 cpu" in err and "(give more memory" in err, err
+    assert cli.main(["model=gpt-nano", "ranks=1", "stages=zero3", "offloads=cpu,nvme", "micro_batches=1",
+                     "checkpointing=false", "nvme=0"]) == 0
+    out = capsys.readouterr().out
+    assert "closest to fitting" not in out and "the others cannot fit here, e.g. zero3 nvme" in out, out
 
 
 def test_a_model_vocab_size_the_data_overrides_is_refused_as_training_refuses_it(capsys):

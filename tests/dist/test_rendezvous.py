@@ -143,3 +143,68 @@ def test_ranks_given_different_overrides_are_refused(tmp_path):
         assert p.returncode not in (0, None), out
         assert "config: rank 1's config differs from rank 0's at optimizer.lr (0.01 vs 0.02): every rank must be " \
                "given the same config" in out, out
+
+
+def test_ranks_of_one_slurm_job_in_separate_sruns_are_one_job(monkeypatch):
+    """A batch script may start its ranks in separate srun steps: one job (the step is not the job's identity);
+    another job id is another job."""
+    from framework.comm.rendezvous import job_identity
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    ids = []
+    for job, step in (("4242", "0"), ("4242", "1"), ("4243", "0")):
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        monkeypatch.setenv("SLURM_STEP_ID", step)
+        ids.append(job_identity())
+    assert ids[0] == ids[1] != ids[2], ids
+    monkeypatch.delenv("SLURM_JOB_ID")
+    for key in ("PBS_JOBID", "LSB_JOBID"):   # (mpirun under PBS or LSF: their job's id)
+        with monkeypatch.context() as m:
+            m.setenv(key, "77")
+            assert job_identity().endswith(" job 77"), key
+
+
+def test_torchrun_restarts_on_several_nodes_name_the_store_variable(monkeypatch):
+    """Restarts on several nodes sharing torchrun's store: rank 0 names TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a
+    healthy node keeps its restart count); not on one node, without restarts, once set, or on other ranks."""
+    from framework.comm.rendezvous import restart_note
+
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_note(0) and restart_note(1) is None
+    for key, value in (("GROUP_WORLD_SIZE", "1"), ("TORCHELASTIC_MAX_RESTARTS", "0"),
+                       ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")):
+        with monkeypatch.context() as m:
+            m.setenv(key, value)
+            assert restart_note(0) is None, (key, value)
+
+
+def test_a_store_never_marked_is_said_and_bounded_by_one_timeout(monkeypatch, capsys):
+    """Nothing listens for 3 s, then a store that is not this job's (never marked): rank 1 says what it waits for
+    and fails within dist.timeout_s of its start (one deadline for the poll and the wait, not one each)."""
+    import threading
+    from datetime import timedelta
+
+    import pytest
+    import torch.distributed as tdist
+
+    from framework.comm import rendezvous
+    from framework.core.errors import DistributedError
+
+    port, held = _port(), []
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    timer = threading.Timer(3.0, lambda: held.append(
+        tdist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=30), wait_for_workers=False)))
+    timer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(DistributedError, match="not every rank joined within dist.timeout_s=9s"):
+            rendezvous.join("gloo", 1, 2, 9.0, None, None)
+        assert time.monotonic() - start < 10.5
+    finally:
+        timer.join()
+        held.clear()
+    assert "rank 1/2: waiting for rank 0 of this job to mark the store at 127.0.0.1" in capsys.readouterr().err
