@@ -934,7 +934,10 @@ def test_a_compile_and_a_wait_for_another_build_each_say_so_in_one_line(fresh_lo
     LOCK_TIMEOUT_S) were silent."""
     import fcntl
     import threading
+    import time
 
+    monkeypatch.delenv("LOCAL_RANK", raising=False)   # (a suite run inside a launcher's step: rank 0 says it)
+    monkeypatch.delenv("RANK", raising=False)
     directory = _loader.build_dir()
     _FakeBuild(monkeypatch, directory.parent.mkdir(parents=True) or directory)
     flock = directory.parent / f"{directory.name}.flock"
@@ -942,8 +945,15 @@ def test_a_compile_and_a_wait_for_another_build_each_say_so_in_one_line(fresh_lo
         fcntl.flock(other, fcntl.LOCK_EX)
         other.write("pid 4242 on elsewhere")
         other.flush()
-        threading.Timer(0.7, fcntl.flock, (other, fcntl.LOCK_UN)).start()
-        ops.build()
+        # The other builder finishes during the loader's first wait, however slow the machine.
+        finished = types.SimpleNamespace(monotonic=time.monotonic, sleep=lambda s: fcntl.flock(other, fcntl.LOCK_UN))
+        monkeypatch.setattr(_loader, "time", finished)
+        late = threading.Timer(30, fcntl.flock, (other, fcntl.LOCK_UN))   # (a loader that blocks silently: fails)
+        late.start()
+        try:
+            ops.build()
+        finally:
+            late.cancel()
     err = capsys.readouterr().err.splitlines()
     assert err == [f"framework.ops: waiting for pid 4242 on elsewhere to finish building the C++ CPU optimizer "
                    f"kernels in {directory} (up to {_loader.LOCK_TIMEOUT_S:.0f} s)",
