@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -116,9 +117,34 @@ def _tcp_store(rank: int, world: int, timeout_s: float, where: str, deadline: fl
             say(f"rank {rank}/{world}: waiting for rank 0 to listen at {where} (up to dist.timeout_s={timeout_s:g}s)")
             noted = float("inf")
         time.sleep(0.2)
-    store = tdist.TCPStore(host, port, world, False, timeout)
+    store = _client(host, port, world, timeout, deadline,
+                    f"timed out after {timeout_s:g}s: what listens there never answered as a torch store "
+                    f"(something else listens there? give the job a free MASTER_PORT)")
     # A store torchrun shares across its restarts holds the earlier attempts' keys: each attempt its own.
     return tdist.PrefixStore(f"framework/attempt_{env_restarts()}/", store) if agent else store
+
+
+def _client(host: str, port: int, world: int, timeout: timedelta, deadline: float, late: str):
+    """A TCPStore client, made in a daemon thread and waited for in short joins: torch's handshake, in C++, waits
+    unbounded (its timeout does not cover it) on a listener that is not a store, and defers signals meanwhile. At
+    ``deadline`` raise ``late``; the stuck thread is left behind (a daemon: it does not keep the process alive)."""
+    made: dict = {}
+
+    def make() -> None:
+        try:
+            made["store"] = tdist.TCPStore(host, port, world, False, timeout)
+        except BaseException as e:   # re-raised in the joining thread
+            made["error"] = e
+
+    thread = threading.Thread(target=make, name="tcp-store-client", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        if time.monotonic() > deadline:
+            raise RuntimeError(late)
+        thread.join(0.05)
+    if "error" in made:
+        raise made["error"]
+    return made["store"]
 
 
 def _arrive(store, rank: int, world: int, timeout_s: float, where: str = "", check_job: bool = False,

@@ -255,3 +255,34 @@ def test_a_store_never_marked_is_said_and_bounded_by_one_timeout(monkeypatch, ca
         timer.join()
         held.clear()
     assert "rank 1/2: waiting for rank 0 of this job to mark the store at 127.0.0.1" in capsys.readouterr().err
+
+
+def test_a_listener_that_is_not_a_store_is_refused_within_the_timeout_and_ctrl_c_ends_the_wait():
+    """Something else on MASTER_PORT (accepts, never answers): torch's client handshake would wait for ever,
+    deaf to signals; rank 1 instead ends with one line naming the port within dist.timeout_s, and Ctrl-C during
+    the wait ends it at once."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        port, held = server.getsockname()[1], []
+        threading.Thread(target=lambda: [held.append(server.accept()[0]) for _ in range(16)], daemon=True).start()
+        late, hit = _Lines(_rank(1, port, 4)), _Lines(_rank(1, port, 120))
+        try:
+            connecting, error = late.when("connecting", 90), late.when("error:", 60)
+            out = late.ended(10)
+            assert connecting is not None and error is not None and error - connecting < 10, out
+            assert late.p.returncode == 1 and f"error: rank 1/2: rendezvous at 127.0.0.1:{port} " \
+                   "(MASTER_ADDR:MASTER_PORT) failed: " in out and "something else listens there?" in out, out
+            assert hit.when("connecting", 90) is not None, hit.ended(0)
+            time.sleep(2)   # (past the connect: in the handshake's wait)
+            hit.p.send_signal(signal.SIGINT)
+            sent = time.monotonic()
+            out = hit.ended(30)
+            assert time.monotonic() - sent < 10 and hit.p.returncode == 130 and "interrupted" in out, out
+        finally:
+            for r in (late, hit):
+                if r.p.poll() is None:
+                    r.p.kill()
+                    r.p.wait()
+            for conn in held:
+                conn.close()
