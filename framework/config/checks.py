@@ -336,9 +336,13 @@ def check_ranks_agree(configs: list[Mapping]) -> None:
         other = flat(config)
         if key := next((k for k in {**first, **other} if first.get(k, _UNSET) != other.get(k, _UNSET)), None):
             said = [repr(c.get(key)) if key in c else "unset" for c in (other, first)]
+            # (a ${now:...} resolves on each rank at its own instant: the same override, differing text)
+            now = "; a ${now:...} in it resolves per rank: give the value literally, or put it in hydra.run.dir " \
+                  "(rank 0's is used)" if all(isinstance(c.get(key), str) for c in (other, first)) else ""
             raise on_every_rank(ConfigError(
                 f"config: rank {rank}'s config differs from rank 0's at {key} ({said[0]} vs {said[1]}): every rank "
-                f"must be given the same config and overrides (the framework splits the data across the ranks itself)"))
+                f"must be given the same config and overrides (the framework splits the data across the ranks "
+                f"itself{now})"))
 
 
 _UNSET = object()

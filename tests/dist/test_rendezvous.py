@@ -286,3 +286,21 @@ def test_a_listener_that_is_not_a_store_is_refused_within_the_timeout_and_ctrl_c
                     r.p.wait()
             for conn in held:
                 conn.close()
+
+
+def test_a_now_resolved_apart_on_two_ranks_is_refused_with_where_to_put_it():
+    """${now:...} in a framework key resolves on each rank at its own instant: the refusal says to give it
+    literally or put it in hydra.run.dir; a number that differs gets no such hint."""
+    import pytest
+
+    from framework.config.checks import check_ranks_agree
+    from framework.core.errors import ConfigError
+
+    ranks = [{"checkpoint": {"dir": f"/x/21-18-0{s}"}, "optimizer": {"lr": 0.01}} for s in (6, 7)]
+    with pytest.raises(ConfigError, match=r"at checkpoint\.dir .*a \$\{now:\.\.\.\} in it resolves per rank: give the "
+                       r"value literally, or put it in hydra\.run\.dir \(rank 0's is used\)"):
+        check_ranks_agree(ranks)
+    ranks[1] = {"checkpoint": ranks[0]["checkpoint"], "optimizer": {"lr": 0.02}}
+    with pytest.raises(ConfigError, match=r"at optimizer\.lr") as e:
+        check_ranks_agree(ranks)
+    assert "now:" not in str(e.value)
