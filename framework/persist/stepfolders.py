@@ -447,14 +447,14 @@ def _remove_tree(p: Path) -> str | None:
     """Delete ``p`` as far as it goes (never through a link); why it is still there (its first error), or None."""
     if p.is_symlink():
         raise UnsafePathError(f"{p} is a symbolic link; refusing to delete through it: remove the link")
-    errors: list[BaseException] = []
+    errors: list[tuple[str, BaseException]] = []   # (rmtree's path: the error's own filename may be relative)
     if sys.version_info >= (3, 12):   # (onerror is deprecated there, to be removed)
-        shutil.rmtree(p, onexc=lambda fn, path, e: errors.append(e))
+        shutil.rmtree(p, onexc=lambda fn, path, e: errors.append((path, e)))
     else:
-        shutil.rmtree(p, onerror=lambda fn, path, info: errors.append(info[1]))
+        shutil.rmtree(p, onerror=lambda fn, path, info: errors.append((path, info[1])))
     if not os.path.lexists(p):
         return None
-    e = errors[0] if errors else None
+    path, e = errors[0] if errors else (None, None)
     if isinstance(e, OSError) and e.strerror:
-        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+        return f"{e.strerror}: {path or e.filename}" if path or e.filename else e.strerror
     return str(e) if e is not None else "not deleted"

@@ -1103,3 +1103,21 @@ def test_a_lost_checkpoint_lock_says_whether_the_checkpoints_went_with_it(tmp_pa
     finally:
         held.close()
         os.close(fd)
+
+
+def test_a_step_del_that_cannot_be_deleted_names_the_file_by_its_full_path(tmp_path, monkeypatch):
+    """rmtree deletes by a descriptor of the folder, so its error's filename is the bare name: the warning names the
+    file under the checkpoint folder instead (``(Permission denied: f)`` said nothing of where)."""
+    from framework.persist import stepfolders
+
+    (tmp_path / "step-3.del" / "sub").mkdir(parents=True)
+    (tmp_path / "step-3.del" / "sub" / "f").write_text("x")
+    unlink = os.unlink
+
+    def refused(path, *a, **kw):
+        if os.path.basename(path) == "f":
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        return unlink(path, *a, **kw)
+    monkeypatch.setattr(os, "unlink", refused)
+    stuck = stepfolders.remove_stale(tmp_path)
+    assert stuck == [f"{tmp_path / 'step-3.del'} (Operation not permitted: {tmp_path / 'step-3.del' / 'sub' / 'f'})"]
