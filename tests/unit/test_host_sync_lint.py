@@ -299,6 +299,7 @@ HOST_ONLY_THREADS = {
     ("framework/offload/_aio.py", "_worker"): "file IO between host bounce buffers and the swap file",
     ("framework/cli/launch.py", "watch"): "the launcher watch: polls the parent process, sends signals",
     ("framework/cli/_signals.py", "soon"): "sends a signal again to the main thread",
+    ("framework/comm/rendezvous.py", "make"): "makes the TCPStore client (sockets only), waited for in short joins",
 }
 # what starts a thread -> (keyword, position) of what it runs first
 _STARTERS = {"ThreadPoolExecutor": ("initializer", 2), "Thread": ("target", 1), "Timer": ("function", 1),
