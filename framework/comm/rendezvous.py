@@ -84,6 +84,8 @@ def join(backend: str, rank: int, world: int, timeout_s: float, store_path: str 
                    f"bind a GPU of its own to each task (srun --gpus-per-task=1) or use dist.backend=gloo")
         elif "EADDRINUSE" in text or "address already in use" in text.lower():
             why = "address already in use (another job on MASTER_PORT? give each job a port of its own)"
+        elif "something else listens there" in text:   # (_tcp_store's own line: no rank is to blame)
+            pass
         elif "timed out" in text.lower() or "timeout" in text.lower():
             why = (f"not every rank joined within dist.timeout_s={timeout_s:g}s (a rank that never started, "
                    f"or another host's MASTER_ADDR/MASTER_PORT): {why}")
@@ -118,7 +120,7 @@ def _tcp_store(rank: int, world: int, timeout_s: float, where: str, deadline: fl
             noted = float("inf")
         time.sleep(0.2)
     store = _client(host, port, world, timeout, deadline,
-                    f"timed out after {timeout_s:g}s: what listens there never answered as a torch store "
+                    f"what listens there did not answer as a torch store within dist.timeout_s={timeout_s:g}s "
                     f"(something else listens there? give the job a free MASTER_PORT)")
     # A store torchrun shares across its restarts holds the earlier attempts' keys: each attempt its own.
     return tdist.PrefixStore(f"framework/attempt_{env_restarts()}/", store) if agent else store
