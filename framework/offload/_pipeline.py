@@ -177,7 +177,7 @@ class PiecePipeline:
         """The step failed after ``arm``: leave the optimizer as it was, and the stores whole whatever line an
         exception or Ctrl-C cut (``Placement.recover``, which raises a swap write that failed meanwhile)."""
         for store in self.target.stores.values():   # a worker waiting for a slot gives up
-            getattr(store, "interrupt", lambda: None)()
+            store.interrupt()
         self.pool.submit(int).exception()   # (one thread: every job before it ended, one whose future was lost too)
         try:
             self._roll_back()
@@ -218,7 +218,7 @@ class PiecePipeline:
             self.ctx, self.speculate = None, clean
             after = self.target.working_used()
             for store in self.target.stores.values():
-                getattr(store, "resume", lambda: None)()
+                store.resume()
             for k in done:  # copy back while the worker steps the rest
                 self._publish(k, after, copies)
             jobs = [(k, self.pool.submit(self._step, k, grads[k], coef, opt_state, params, lr))
@@ -241,7 +241,7 @@ class PiecePipeline:
             for _, job in jobs:  # never leave a job running into the next step
                 job.cancel()
             for store in self.target.stores.values():   # a worker waiting for a slot gives up
-                getattr(store, "interrupt", lambda: None)()
+                store.interrupt()
             wait_all([job for _, job in jobs])
             if not finished:   # (an error or Ctrl-C) what the compute stream does next (a load) follows the
                 for ev in copies:   # copies back already queued, as it would after working_ready

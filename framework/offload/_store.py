@@ -107,5 +107,10 @@ class HostStore:
     def recover(self) -> None:   # (``DiskStore.recover``: a host piece is always resident, nothing to redo)
         pass
 
+    def interrupt(self) -> None:   # (``DiskStore.interrupt``: no worker ever waits for a host slot)
+        pass
+
+    resume = interrupt   # (``DiskStore.resume``: nothing was interrupted)
+
     close = flush   # (the same call as DiskStore.close: nothing else to settle, the arenas go with the store)
 
