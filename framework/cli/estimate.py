@@ -28,7 +28,7 @@ from yaml import YAMLError
 from framework.engine.build import component
 from framework.memory.model import CUDA_FIXED_SLACK, SLACK_FRACTION, data_vocab, nvme_pools, predict, state_bytes
 from framework.models import hf as hf_lib
-from framework.memory.tables import (BUFFER_FACTOR, COUNT_SPELLINGS, WHOLE_NUMBER, NVMeKeys, count_module,
+from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module,
                                      format_rows, nvme_rows, parse_count, zero2_rows, zero3_rows)
 from framework.cli import RANK_NAMES, run_command
 from framework.config import compose, override_key
@@ -255,8 +255,7 @@ def _count(own: dict[str, str], key: str, default: int | None = None) -> int | N
     if key not in own:
         return default
     elements = key in ("params", "largest_layer", "sub_group_size", "param_buffer_size")
-    write = COUNT_SPELLINGS if elements else WHOLE_NUMBER
-    if (n := parse_count(own[key], f"estimate: {key}", write)) < 1:
+    if (n := parse_count(own[key], f"estimate: {key}", whole=not elements)) < 1:
         raise ConfigError(f"estimate: {key}={own[key]} must be >= 1")
     return n
 

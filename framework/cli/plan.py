@@ -46,7 +46,7 @@ from framework.memory import probe as _probe
 from framework.memory.model import data_vocab
 from framework.memory.planner import (NO_NVME, Candidate, Hardware, Planned, candidates, compose_setups, detect,
                                       micro_batches, plan, unmodelled)
-from framework.memory.tables import WHOLE_NUMBER, parse_count
+from framework.memory.tables import parse_count
 
 # Other tools' names for the rank count (estimate's gpus_per_node, torchrun's nproc, world size) and node count.
 ALIASES = {**dict.fromkeys((*RANK_NAMES, "gpus_per_node"), "ranks"),
@@ -144,7 +144,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     base = [f"model={own['model']}", *overrides, *keys]   # each candidate's, with its stage and offload
     disk = _disk_dir(cfg, base)
     if any(override_key(o) == "dist.nproc" for o in overrides):   # the ranks to plan for, as ranks= gives them
-        if "ranks" in own and parse_count(own["ranks"], "plan: ranks", WHOLE_NUMBER) != cfg.dist.nproc:
+        if "ranks" in own and parse_count(own["ranks"], "plan: ranks", whole=True) != cfg.dist.nproc:
             raise ConfigError(f"plan: dist.nproc={cfg.dist.nproc} and ranks={own['ranks']} differ; give one of them")
         own = {**own, "ranks": str(cfg.dist.nproc)}
     hw = detect(own, disk)

@@ -11,7 +11,7 @@ import torch
 from framework.config import COMPATIBLE, check_model_vocab, compose
 from framework.engine.build import component
 from framework.memory.model import STAGES, data_vocab, predict
-from framework.memory.tables import WHOLE_NUMBER, parse_count
+from framework.memory.tables import parse_count
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import closest_hint
 from framework.core.room import available_ram, free_bytes
@@ -87,7 +87,7 @@ def detect(own: dict[str, str], disk: str | os.PathLike | None = None) -> Hardwa
             raise ConfigError(f"plan: {key}={n} is {value} bytes; write {n}G (GiB) or {n}GB")
         if value < least:
             raise ConfigError(f"plan: {key}={own[key]} must be {'> 0' if least else '>= 0'}")
-    ranks = parse_count(own["ranks"], "plan: ranks", WHOLE_NUMBER) if "ranks" in own else (
+    ranks = parse_count(own["ranks"], "plan: ranks", whole=True) if "ranks" in own else (
         torch.cuda.device_count() if cuda else 1)
     if ranks < 1:
         raise ConfigError("plan: ranks must be >= 1")
@@ -154,7 +154,7 @@ def micro_batches(cfg, hw: Hardware, own: dict[str, str]) -> tuple[list[int], li
     powers of two that do; a note naming the given sizes left out, if any)."""
     global_batch = cfg.train.micro_batch * cfg.train.grad_accum * hw.ranks
     per_rank = global_batch // hw.ranks
-    micro = [parse_count(x, "plan: micro_batches", WHOLE_NUMBER) for x in own["micro_batches"].split(",")] \
+    micro = [parse_count(x, "plan: micro_batches", whole=True) for x in own["micro_batches"].split(",")] \
         if "micro_batches" in own else [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= per_rank]
     if "micro_batches" in own and min(micro) < 1:
         raise ConfigError(f"plan: micro_batches={own['micro_batches']}: each size must be >= 1")

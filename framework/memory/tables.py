@@ -25,10 +25,11 @@ COUNT_SPELLINGS = "e.g. 2.78e9, 2783M, 32K or 1.4B"
 WHOLE_NUMBER = "a whole number >= 1, e.g. 8"   # (for what is not a parameter count: ranks, micro batches)
 
 
-def parse_count(text: str, what: str = "count", write: str = COUNT_SPELLINGS) -> int:
+def parse_count(text: str, what: str = "count", whole: bool = False) -> int:
     """``2.78e9``, ``2783M``, ``32K``, ``1.4B``, ``1_000_000`` -> an integer count (a fraction is an error).
-    ``what``: the key as the message names it (with its tool's prefix); ``write``: how to spell one instead
-    (``WHOLE_NUMBER``: digits only, no suffix or exponent)."""
+    ``what``: the key as the message names it (with its tool's prefix); ``whole``: digits only, no suffix or
+    exponent (for what is not a parameter count)."""
+    write = WHOLE_NUMBER if whole else COUNT_SPELLINGS
     m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
     if not m:
         raise ConfigError(f"{what}={text!r} is not a count; write {write}")
@@ -37,7 +38,7 @@ def parse_count(text: str, what: str = "count", write: str = COUNT_SPELLINGS) ->
         raise ConfigError(f"{what}={text!r} is too large to be a count")
     if abs(value - round(value)) > 1e-9 * max(1.0, value):   # tolerates 2.783M's float error, not 1.5
         raise ConfigError(f"{what}={text!r} is not a whole number")
-    if write == WHOLE_NUMBER and not re.fullmatch(r"\s*[0-9][0-9_]*\s*", str(text)):   # (ranks=1K: a typo, likely)
+    if whole and not re.fullmatch(r"\s*[0-9][0-9_]*\s*", str(text)):   # (ranks=1K: a typo, likely)
         raise ConfigError(f"{what}={text!r} is not a plain whole number; write {write}")
     return int(round(value))
 
