@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from pathlib import Path
 
 from framework.core import files
-from framework.core.errors import FrameworkError
+from framework.core.errors import FrameworkError, say
 from framework.persist import stepfolders
 
 
@@ -52,10 +51,10 @@ class HeldLock:
         if self.fd is not None:
             os.close(self.fd)
         self.fd, self.held = fd, identity(fd)
-        print(f"warning: checkpoint: checkpoint.dir {self.root} lost this run's {stepfolders.LOCK} "
-              + ("(removed during the run?): locked it again, so that no other run saves there; its checkpoints are "
-                 "still there" if kept else "(the folder removed during the run?): locked it again, so that no other "
-                 "run saves there; checkpoints removed with it are gone"), file=sys.stderr, flush=True)
+        cause, tail = (("removed during the run?", "its checkpoints are still there") if kept else
+                       ("the folder removed during the run?", "checkpoints removed with it are gone"))
+        say(f"warning: checkpoint: checkpoint.dir {self.root} lost this run's {stepfolders.LOCK} ({cause}): locked it "
+            f"again, so that no other run saves there; {tail}")
 
     def close(self) -> None:
         if self.fd is not None:
