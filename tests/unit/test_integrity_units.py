@@ -709,7 +709,7 @@ def test_a_checkpoint_refused_from_exchanged_outcomes_is_marked_as_every_ranks(t
                 obj, (*obj[:3], [(("model.w", 0, 4), 8)])])
         ckpt = types.SimpleNamespace(group=group, root=tmp_path, on_nonfinite="error")
         snap = {"step": 2, "bytes": 1 << 62 if case == "no room" else 1, "nonfinite": ["w"] if case == "non-finite"
-                else [], "copies": [(("model.w", 0, 4), 7)]}
+                else [], "copies": [(("model.w", 0, 4), 7)], "keep_last": 2}   # (as save sets it)
         said = "ranks 0 and 1 hold different values of model.w" if case == "copies differ" else ""
         with pytest.raises(FrameworkError, match=f"not saving step 2: .*{said}") as got:
             _save._agree_to_save(ckpt, snap, None, lambda: None)

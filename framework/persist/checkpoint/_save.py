@@ -244,7 +244,7 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
             "train.on_nonfinite=warn keeps training without saving such state"))
     if shorts:
         raise on_every_rank(CheckpointError(f"checkpoint: not saving step {step}: " + "; ".join(
-            s.describe("the checkpoint files") for s in shorts) + f"; {room_fixes(snap.get('keep_last'))} (the "
+            s.describe("the checkpoint files") for s in shorts) + f"; {room_fixes(snap['keep_last'])} (the "
             "previous checkpoints are kept)"))
     snap["need"] = sum(c.need for _, c, _, _ in everyone)   # every rank's files: one number on every rank
     snap["largest"] = max(c.need for _, c, _, _ in everyone)   # (DCP writes one file per rank)
