@@ -155,7 +155,7 @@ def _write_error(e: BaseException, tmp: Path, need: int, largest: int = 0, keep_
         return descriptors_line(many)
     if any(isinstance(c, OSError) and c.errno == errno.EFBIG for c in found):
         limit, largest = resource.getrlimit(resource.RLIMIT_FSIZE)[0], largest or need
-        named, fix = (("the file system's largest file size", "") if limit in (resource.RLIM_INFINITY, -1) or
+        named, fix = (("the file system's largest file size", "") if limit == resource.RLIM_INFINITY or
                       limit > largest else   # (a generous ulimit: a FAT-like file system's own maximum stopped it)
                       (f"this process's file size limit (RLIMIT_FSIZE: {size(limit)})",   # (a shell's blocks differ)
                        f"raise the file size limit above that (bash: ulimit -f {-(-largest // 1024)} or more, in "
