@@ -359,7 +359,9 @@ class Placement:
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
-        """(params, opt_state, map) as a checkpoint reads or writes them (swap files: mapped views)."""
+        """(params, opt_state, map) as a checkpoint reads or writes them (swap files: mapped views). ``write`` (a
+        load: load_state_dict, load_weights, a checkpoint load) runs ``recover`` first on every load, healthy or
+        not: a stream synchronize and an IO fence each time, acceptable because loads are rare."""
         if write:   # (a load also repairs what a step cut short left: zero3's shards on disk)
             self.recover()
         return list(params), opt_state, None
