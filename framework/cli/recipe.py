@@ -117,8 +117,8 @@ def find(name: str) -> Recipe:
 def _not_a_recipe(name: str) -> str | None:
     """What a folder of recipes/ without recipe.yaml is (its README's title), pointing at its README for how it runs
     (its commands need arguments or a launcher of their own: a command made up here would run it wrongly)."""
-    d = next((c for c in (RECIPES_DIR / name, Path(name)) if name and c.resolve().parent == RECIPES_DIR.resolve()
-              and (c / "README.md").is_file()), None)
+    d = next((c for c in (RECIPES_DIR / name, Path(user_path(name)))
+              if name and c.resolve().parent == RECIPES_DIR.resolve() and (c / "README.md").is_file()), None)
     if d is None:
         return None
     d = d.resolve()
