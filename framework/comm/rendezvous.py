@@ -94,8 +94,21 @@ def join(backend: str, rank: int, world: int, timeout_s: float, store_path: str 
 
 def env_restarts() -> int:
     """torchrun's attempt (0 for the first, and without torchrun)."""
-    text = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
-    return int(text) if text.isdigit() else 0
+    return env_int("TORCHELASTIC_RESTART_COUNT", 0)
+
+
+def env_int(name: str, default: int | None) -> int | None:
+    """The environment variable ``name`` as an integer (``default`` if unset or empty); one line otherwise."""
+    return launcher_int(name, text) if (text := os.environ.get(name, "")) else default
+
+
+def launcher_int(name: str, text: str) -> int:
+    """``text``, the launcher variable ``name``'s value, as an integer; one line saying how to fix it otherwise."""
+    try:
+        return int(text)
+    except ValueError:
+        how = "srun" if name.startswith("SLURM_") else "torchrun"
+        raise ConfigError(f"{name}={text!r} is not an integer; unset it or launch with {how}") from None
 
 
 def _tcp_store(rank: int, world: int, timeout_s: float, where: str, deadline: float):
