@@ -61,7 +61,11 @@ def marked_alike(store_dir: str, nproc: int) -> dict[int, str]:
 
 def raised_alike(store_dir: str, nproc: int) -> str | None:
     """The message all ``nproc`` ranks marked as their error raised alike; None unless all marked the same."""
-    marked = marked_alike(store_dir, nproc)
+    return all_alike(marked_alike(store_dir, nproc), nproc)
+
+
+def all_alike(marked: dict[int, str], nproc: int) -> str | None:
+    """The message of ``marked`` (``marked_alike``'s) when all ``nproc`` ranks marked the same; else None."""
     texts = set(marked.values())
     return texts.pop() if len(marked) == nproc and len(texts) == 1 else None
 

@@ -39,7 +39,7 @@ from framework.core.utils import counted
 from framework.offload import remove_stale
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, on_every_rank, say, typed_line
 from framework.loggers import RunInfo, check_records
-from framework.cli._rendezvous import (LOCK, PREFIX, hold, mark_error, marked_alike, peer_lost_path, raised_alike,
+from framework.cli._rendezvous import (LOCK, PREFIX, all_alike, hold, mark_error, marked_alike, peer_lost_path,
                                       ready_path, remove_dead)
 from framework.cli._signals import INTERRUPT, interrupted_line, signals_unwind, terminated_line
 from framework.cli.loop import train
@@ -294,9 +294,9 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
 def report_marked(store_dir: str, nproc: int) -> None:
     """After a rank failed: the error every rank raised alike, raised once (not as rank K's exit); else each marked
     rank's own error, a line each (a rank that marked its error does not say it)."""
-    if alike := raised_alike(store_dir, nproc):   # (rank 0's train.log ends with it)
+    if alike := all_alike(marked := marked_alike(store_dir, nproc), nproc):   # (rank 0's train.log ends with it)
         raise FrameworkError(alike)
-    for rank, text in marked_alike(store_dir, nproc).items():
+    for rank, text in marked.items():
         say(error_line(rank, FrameworkError(text)))
 
 

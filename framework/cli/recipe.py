@@ -117,8 +117,8 @@ def find(name: str) -> Recipe:
 def _not_a_recipe(name: str) -> str | None:
     """What a folder of recipes/ without recipe.yaml is (its README's title), pointing at its README for how it runs
     (its commands need arguments or a launcher of their own: a command made up here would run it wrongly)."""
-    d = next((c for c in (RECIPES_DIR / name, Path(name)) if name and c.resolve().parent == RECIPES_DIR.resolve()
-              and (c / "README.md").is_file()), None)
+    d = next((c for c in (RECIPES_DIR / name, Path(user_path(name)))
+              if name and c.resolve().parent == RECIPES_DIR.resolve() and (c / "README.md").is_file()), None)
     if d is None:
         return None
     d = d.resolve()
@@ -257,7 +257,7 @@ def _check_data(recipe: Recipe, runs: list[list[str]]) -> None:
     names: one from another text would train for nothing, then fail."""
     hint = (f"`python -m framework.recipe {recipe.name} prepare data.path=FILE` "
             f"(see {recipe.dir / 'README.md'} for where to get FILE)")
-    want = recipe.expected.get("data") or {}
+    want, seen = recipe.expected.get("data") or {}, set()
     for cfg in (cfg for r in runs for cfg in compose_jobs(recipe, r)):
         if getattr(cfg.data, "path", None) is None:
             continue
@@ -265,6 +265,9 @@ def _check_data(recipe: Recipe, runs: list[list[str]]) -> None:
             path = resolve_path(cfg.data.path)
         except DataError as e:
             raise DataError(f"{e}; build it with {hint}" if recipe.spec.get("prepare") else str(e)) from None
+        if path in seen:   # (the jobs of a sweep share a file: read and maybe hashed once)
+            continue
+        seen.add(path)
         check_tokens(path)   # (the run's own test of the file against its metadata, before any job starts)
         meta_file, meta = read_meta(path)
         off = [k for k in ("source_sha256", "train_tokens", "val_tokens")

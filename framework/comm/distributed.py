@@ -25,7 +25,7 @@ import torch.distributed.nn.functional  # noqa: F401  (import order matters, see
 
 from framework.comm.accelerator import Accelerator, for_device
 from framework.comm.collectives import CheckedWork, Collectives, collectives_for
-from framework.comm.rendezvous import join
+from framework.comm.rendezvous import env_int, join, launcher_int
 from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line, on_every_rank
 from framework.core.room import descriptors_in
 
@@ -178,22 +178,9 @@ def process_state(pid: int) -> str:
     return "gone" if ours and (state == "Z" or flags & _PF_EXITING) else state
 
 
-def env_int(name: str, default: int | None) -> int | None:
-    """The environment variable ``name`` as an integer (``default`` if unset or empty); one line otherwise."""
-    return _launcher_int(name, text) if (text := os.environ.get(name, "")) else default
-
-
 def run_world(nproc: int) -> int:
     """The ranks a run has: an external launcher's WORLD_SIZE above 1 (torchrun, a Slurm task), else dist.nproc's."""
     return world if (world := env_int("WORLD_SIZE", 1)) > 1 else nproc
-
-
-def _launcher_int(name: str, text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        how = "srun" if name.startswith("SLURM_") else "torchrun"
-        raise ConfigError(f"{name}={text!r} is not an integer; unset it or launch with {how}") from None
 
 
 def _tasks_key() -> str:
@@ -211,7 +198,7 @@ def check_env_ints() -> None:
     """One line for a launcher variable (torchrun's, Slurm's) that is not an integer, or rank variables that
     disagree (a rank outside its world; Slurm tasks sharing one RANK): else the rendezvous times out."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
-                 "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"):
+                 "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "TORCHELASTIC_RESTART_COUNT"):
         env_int(name, 0)
     env = os.environ
     for idx, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
@@ -261,10 +248,10 @@ def slurm_tasks_here() -> int | None:
     counts = []
     for part in os.environ[name].split(","):
         n, _, times = part.partition("(x")
-        counts += [n] * _launcher_int(name, times.rstrip(")") or "1")
+        counts += [n] * launcher_int(name, times.rstrip(")") or "1")
     node = env_int("SLURM_NODEID", 0)
     here = counts[node] if node < len(counts) else counts[0] if len(set(counts)) == 1 else None
-    return _launcher_int(name, here) if here else None
+    return launcher_int(name, here) if here else None
 
 
 def check_env(store_path: str | None = None) -> None:

@@ -94,11 +94,24 @@ def join(backend: str, rank: int, world: int, timeout_s: float, store_path: str 
 
 def env_restarts() -> int:
     """torchrun's attempt (0 for the first, and without torchrun)."""
-    text = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
-    return int(text) if text.isdigit() else 0
+    return env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
-def _tcp_store(rank: int, world: int, timeout_s: float, where: str, deadline: float | None = None):
+def env_int(name: str, default: int | None) -> int | None:
+    """The environment variable ``name`` as an integer (``default`` if unset or empty); one line otherwise."""
+    return launcher_int(name, text) if (text := os.environ.get(name, "")) else default
+
+
+def launcher_int(name: str, text: str) -> int:
+    """``text``, the launcher variable ``name``'s value, as an integer; one line saying how to fix it otherwise."""
+    try:
+        return int(text)
+    except ValueError:
+        how = "srun" if name.startswith("SLURM_") else "torchrun"
+        raise ConfigError(f"{name}={text!r} is not an integer; unset it or launch with {how}") from None
+
+
+def _tcp_store(rank: int, world: int, timeout_s: float, where: str, deadline: float):
     """The TCPStore at MASTER_ADDR:MASTER_PORT: rank 0 serves it (torchrun's agent does when it shares its own,
     TORCHELASTIC_USE_AGENT_STORE); the others connect once something listens there, polled in short sleeps."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -106,7 +119,6 @@ def _tcp_store(rank: int, world: int, timeout_s: float, where: str, deadline: fl
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     if rank == 0 and not agent:
         return tdist.TCPStore(host, port, world, True, timeout, wait_for_workers=False, multi_tenant=True)
-    deadline = time.monotonic() + timeout_s if deadline is None else deadline
     noted = time.monotonic() + WAITING_NOTE_S
     while True:
         try:
@@ -149,13 +161,11 @@ def _client(host: str, port: int, world: int, timeout: timedelta, deadline: floa
     return made["store"]
 
 
-def _arrive(store, rank: int, world: int, timeout_s: float, where: str = "", check_job: bool = False,
-            deadline: float | None = None) -> None:
+def _arrive(store, rank: int, world: int, timeout_s: float, where: str, check_job: bool,
+            deadline: float) -> None:
     """Wait until every rank reached ``store``, in short sleeps. ``check_job`` (a TCP store): first make sure the
     store is this job's (rank 0 sets ``job_identity``; the others wait for it and compare), as a port's store may be
-    another's, and say what is waited for after ``WAITING_NOTE_S``. ``deadline``: the join's (default: ``timeout_s``
-    from now)."""
-    deadline = time.monotonic() + timeout_s if deadline is None else deadline
+    another's, and say what is waited for after ``WAITING_NOTE_S``. ``deadline``: the join's (``time.monotonic()``)."""
     noted = time.monotonic() + WAITING_NOTE_S
     mine = job_identity()
     if check_job and rank == 0:

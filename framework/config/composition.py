@@ -16,6 +16,7 @@ from framework.config import dsconfig, plainconf
 from framework.config.checks import refuse_inert, root_value, validate
 from framework.config.schema import Config, RootSchema, flat, get_key
 from framework.config.searchpath import group_file, quoted, search_notes, search_order
+from framework.core import files
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
 from framework.core.registry import GROUPS, registry
@@ -143,7 +144,8 @@ def _not_utf8(error: UnicodeDecodeError, primary: Path, overrides: list[str]) ->
                           if plainconf.override_key(o) == "hydra.searchpath"
                           for x in plainconf.listed(o.partition("=")[2]) if x.startswith("file://"))]
     found = []
-    for f in (f for folder in dict.fromkeys(folders) for f in sorted(folder.rglob("*.yaml"))):
+    # (the files check_aliases reads: none in a tool's folder, .git or a virtual environment, nor behind a link)
+    for f in (f for folder in dict.fromkeys(folders) for f in files.config_files(folder)):
         with contextlib.suppress(OSError):
             data = f.read_bytes()
             try:

@@ -187,14 +187,20 @@ def unwrapped(module):
     return inner if isinstance(inner, torch.nn.Module) else module
 
 
-def replace_parameter(module: torch.nn.Module, old: torch.nn.Parameter,
-                      new: torch.nn.Parameter) -> torch.nn.Parameter:
-    """Register ``new`` wherever ``old`` is registered (tied weights stay tied)."""
+def replace_parameters(module: torch.nn.Module, new_of: dict[int, torch.nn.Parameter]) -> None:
+    """Register ``new_of[id(old)]`` wherever each ``old`` is registered (tied weights stay tied), in one walk over
+    the modules. ``new_of`` maps the id of each parameter to replace (alive in ``module``) to its replacement."""
     for sub in module.modules():
         # (the slots themselves: setattr would run the registration hooks and checks of a new parameter)
         for key, value in sub._parameters.items():
-            if value is old:
-                sub._parameters[key] = new
+            if value is not None and id(value) in new_of:
+                sub._parameters[key] = new_of[id(value)]
+
+
+def replace_parameter(module: torch.nn.Module, old: torch.nn.Parameter,
+                      new: torch.nn.Parameter) -> torch.nn.Parameter:
+    """Register ``new`` wherever ``old`` is registered (tied weights stay tied)."""
+    replace_parameters(module, {id(old): new})
     return new
 
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from framework.core.errors import DataError
 from framework.core.registry import Component
-from framework.core.utils import dtype_name, replace_parameter
+from framework.core.utils import dtype_name, replace_parameters
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,9 @@ def all_on_meta(module: nn.Module) -> nn.Module:
     memory held: the model's init then writes them like the others. Built on a real device: left as it is."""
     if not any(p.is_meta for p in module.parameters()):
         return module
-    for p in [p for p in module.parameters() if not p.is_meta and not isinstance(p, nn.UninitializedParameter)]:
-        replace_parameter(module, p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+    replace_parameters(module, {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                                for p in module.parameters()
+                                if not p.is_meta and not isinstance(p, nn.UninitializedParameter)})
     return module
 
 

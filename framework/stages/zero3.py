@@ -28,7 +28,7 @@ from framework.stages._units import DEFAULT_GATHER_UNIT, all_persistent_note, pl
 from framework.offload.base import Placement
 from framework.stages.base import PartitionedStage, Setup
 from framework.core.footprint import Footprint
-from framework.core.utils import replace_parameter, tensor_bytes
+from framework.core.utils import replace_parameters, tensor_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +109,7 @@ class Zero3Stage(PartitionedStage):
         lo, hi = layout.partition(self.dist.rank)
         policy, device = self.policy, self.dist.device
         shard = self.offload.shard_buffer(hi - lo, policy.param_dtype, device)
-        params = []
+        params, new_of = [], {}
         for (pname, p), slot in zip(named, layout.slots):
             scratch = self._scratch if p.is_meta and p.dtype == torch.float32 else None
             values = initial_values(self._init, pname, p, device, scratch).to(policy.param_dtype).reshape(-1)
@@ -122,9 +122,10 @@ class Zero3Stage(PartitionedStage):
             sp = ShardedParameter(torch.empty(0, dtype=policy.param_dtype, device=device), p.requires_grad)
             sp.logical_shape, sp.unit_name, sp.shard_range = p.shape, unit_name, (a, b)
             sp.zero3_names = names_of[id(p)]   # every name it is registered under
-            replace_parameter(module, p, sp)
+            new_of[id(p)] = sp
             params.append(sp)
             del values
+        replace_parameters(module, new_of)   # one walk over the modules for the whole group
         pieces = self._own(layout, shard, policy.master_dtype)
         if unit_name != "<persistent>":   # (gathered at the end of setup, from host memory)
             self.offload.shards.filled(shard)   # shards on disk: its values leave host memory now

@@ -258,6 +258,21 @@ def test_rank_variables_that_agree_pass(monkeypatch):
     check_env_ints()
 
 
+def test_a_torchrun_restart_count_that_is_not_an_integer_is_one_line(monkeypatch):
+    """It names the attempt's own store prefix: read as 0 it would share the first attempt's keys."""
+    from framework.comm.distributed import check_env_ints
+    from framework.comm.rendezvous import env_restarts
+    from framework.core.errors import ConfigError
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "one")
+    for check in (check_env_ints, env_restarts):
+        with pytest.raises(ConfigError, match="^TORCHELASTIC_RESTART_COUNT='one' is not an integer; unset it or "
+                                              "launch with torchrun$"):
+            check()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert env_restarts() == 2
+
+
 def test_local_ranks_started_inside_a_slurm_batch_step_pass(monkeypatch):
     """dist.nproc=2 in an sbatch --ntasks=2 script: the launcher numbers its ranks itself and each inherits the
     batch step's SLURM_PROCID=0, which is no per-task RANK to compare with (rank_env drops it)."""

@@ -834,3 +834,10 @@ def test_a_folder_of_recipes_without_recipe_yaml_says_how_it_runs(given, name, w
                                            f"recipe.yaml) but {what}")
     readme = recipes.RECIPES_DIR.resolve() / name / "README.md"
     assert err.rstrip().endswith(f"; its README says how to run it: {readme}"), err
+
+
+def test_a_folder_of_recipes_given_from_home_says_how_it_runs(capsys, monkeypatch):
+    # (find reads ~ as the home folder: the folder it did not find is named by the same path)
+    monkeypatch.setenv("HOME", str(recipes.RECIPES_DIR.resolve().parent))
+    _one_line_error(capsys, ["~/recipes/capacity"], "recipes/capacity is not a recipe framework.recipe runs (it has "
+                                                    "no recipe.yaml) but a script")

@@ -778,6 +778,17 @@ def test_a_searched_folders_file_that_is_not_utf8_is_one_line_naming_it(tmp_path
                             "line 2); save it as UTF-8 and run again"), e.value
 
 
+def test_a_not_utf8_file_in_a_tools_folder_of_the_search_path_is_not_named(tmp_path):
+    """The same bytes in .git (not a config Hydra reads, and sorted first) leave the searched file named."""
+    latin = b"# @package _global_\nseed: 7 # caf\xe9\n"
+    for folder in ("experiment", ".git"):
+        (tmp_path / "s" / folder).mkdir(parents=True)
+        (tmp_path / "s" / folder / "latin.yaml").write_bytes(latin)
+    with pytest.raises(ConfigError) as e:
+        compose(["+experiment=latin", f"hydra.searchpath=[file://{tmp_path / 's'}]"])
+    assert str(e.value).startswith(f"config: {tmp_path / 's' / 'experiment' / 'latin.yaml'} is not UTF-8"), e.value
+
+
 def test_the_primary_configs_own_searchpath_is_read_as_hydra_reads_it(tmp_path, monkeypatch):
     """Its entries resolved (``file://${oc.env:X}``, a usual way to write one) and refused in one line unless a list
     of strings, as Hydra's own read does."""

@@ -167,7 +167,8 @@ def test_a_torchrun_restart_meets_in_its_own_attempts_keys(monkeypatch):
     stores = []
     for attempt in (0, 1):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
-        stores.append(rendezvous._tcp_store(0, 2, 5.0, "here"))   # rank 0 too is a client of the agent's store
+        # rank 0 too is a client of the agent's store
+        stores.append(rendezvous._tcp_store(0, 2, 5.0, "here", time.monotonic() + 5.0))
     stores[0].set("default_pg/0//cpu//0", "attempt 0's address")
     assert stores[0].check(["default_pg/0//cpu//0"]) and not stores[1].check(["default_pg/0//cpu//0"])
     del stores, agent
